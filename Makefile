@@ -1,0 +1,29 @@
+# Two entry points, both safe on a fresh machine: they create .venv and install what they need.
+#   make demo   the main job (for now: a 2-rank data-parallel group driven by the controller)
+#   make test   lint + type check + the whole test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/hybridflow: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: this machine carries its CPU wheel; a loose pin would pull CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $@
+
+.PHONY: demo test lint bench
+demo: $(BIN)/hybridflow
+	$(BIN)/hybridflow demo
+
+lint: $(BIN)/hybridflow
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(BIN)/hybridflow
+	$(BIN)/python -m bench.transport

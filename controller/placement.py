@@ -1,0 +1,82 @@
+"""Placement: which roles share a process group, and how big each group is.
+
+This is configuration, not code (the paper's resource pools). The controller uses it to accept or
+refuse a group that registers and to tell each group which role classes to build; launchers use it
+to start the right number of ranks. A role class is named by import path and is only ever
+imported inside role processes — the controller never loads model code.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+class RoleSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cls: str = Field(description="role class as package.module:Class")
+    config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments")
+
+    @field_validator("cls")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        module, sep, attr = value.partition(":")
+        if not (sep and module and attr):
+            raise ValueError(f"cls={value!r} must look like package.module:Class")
+        return value
+
+
+class GroupSpec(BaseModel):
+    """One process group and the roles it hosts (colocated roles run in sequence on its ranks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    roles: dict[str, RoleSpec]
+    nproc: int = Field(1, ge=1, description="ranks in the group")
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"group name {value!r}: use letters, digits, '_' and '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> GroupSpec:
+        if not self.roles:
+            raise ValueError(f"group {self.name!r} hosts no roles")
+        for role in self.roles:
+            if not _NAME.match(role):
+                raise ValueError(f"role name {role!r}: use letters, digits, '_' and '-'")
+        if self.nproc % (self.tp * self.pp):
+            raise ValueError(
+                f"group {self.name!r}: tp={self.tp} x pp={self.pp} does not divide "
+                f"nproc={self.nproc}; pick tp and pp whose product divides {self.nproc}"
+            )
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.nproc // (self.tp * self.pp)
+
+
+def check_placement(groups: list[GroupSpec]) -> None:
+    """Group names are unique and each role lives in exactly one group."""
+    seen_groups: set[str] = set()
+    owner: dict[str, str] = {}
+    for group in groups:
+        if group.name in seen_groups:
+            raise ValueError(f"two groups are named {group.name!r}")
+        seen_groups.add(group.name)
+        for role in group.roles:
+            if role in owner:
+                raise ValueError(f"role {role!r} is placed in both {owner[role]!r} and {group.name!r}")
+            owner[role] = group.name

@@ -1,0 +1,331 @@
+"""The controller's side of the mesh: ROUTER sockets, group registry, calls in flight, deaths.
+
+Runs inside the controller's asyncio loop (uvloop when installed). Each ROUTER is read by one
+``loop.add_reader`` callback that drains the socket without blocking (ZeroMQ's FD is
+edge-triggered, so every drain loops until ``EVENTS`` has no POLLIN and re-arms after sends). A
+call is a future in its group's table, keyed by call id; replies resolve it, errors fail it with
+``RemoteError``, and a group's death fails every pending and later call with ``RoleDeadError``.
+Deaths are learnt three ways — the ROUTER monitor (connection closed, or ZeroMQ heartbeats timed
+out), a coordinator's DEAD notice about one of its ranks, and the local launcher's process
+sentinels — and the most precise cause wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from controller.placement import GroupSpec, check_placement
+from transport.channel import PeerWatch, bind_router, host_id, send_frames
+from transport.codec import decode, encode
+from transport.errors import CallTimeoutError, RegistrationError, RemoteError, RoleDeadError
+from transport.protocol import PROTOCOL_VERSION, Layout, Message, MsgType, ProtocolError
+from transport.security import CurveServer, new_token, token_ok
+from transport.settings import Timeouts
+from transport.shm import ShmArena, ShmReader
+
+log = logging.getLogger("hybridflow.controller")
+
+GROUP_ROLE = "_group"
+LOCAL_DEATH_GRACE_S = 0.5
+_instances = itertools.count()  # wait this long for a launcher's exit status before blaming a socket
+
+
+@dataclass
+class Group:
+    spec: GroupSpec
+    identity: bytes = b""
+    sock: zmq.Socket[Any] | None = None
+    same_host: bool = False
+    endpoints: dict[str, dict[str, str]] = field(default_factory=dict)
+    pending: dict[int, tuple[asyncio.Future[Any], str, str]] = field(default_factory=dict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    dead: tuple[int | None, str] | None = None  # (rank, cause)
+    dead_precise: bool = False
+
+    def error(self, role: str) -> RoleDeadError:
+        assert self.dead is not None
+        return RoleDeadError(role, self.dead[0], self.dead[1])
+
+
+def exit_cause(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+class Controller:
+    """Accepts groups, builds their roles, and carries calls to them."""
+
+    def __init__(
+        self, groups: list[GroupSpec], timeouts: Timeouts | None = None, token: str | None = None
+    ) -> None:
+        check_placement(groups)
+        self.timeouts = timeouts or Timeouts()
+        self.token = token or new_token()
+        self.groups = {g.name: Group(g) for g in groups}
+        self.role_group = {role: g.name for g in groups for role in g.roles}
+        self.by_identity: dict[bytes, Group] = {}
+        self.local_groups: set[str] = set()
+        self.rejected: list[str] = []  # reasons, newest last (tests and diagnostics read it)
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.arena = ShmArena(prefix=f"hfc{next(_instances)}")  # one arena per prefix per process
+        self.reader = ShmReader()
+        self._sockets: list[tuple[zmq.Socket[Any], PeerWatch]] = []
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- sockets --------------------------------------------------------------------------------
+    def bind(self, address: str, curve: CurveServer | None = None) -> str:
+        """Bind one ROUTER (one security domain); returns the address groups connect to."""
+        self._loop = asyncio.get_running_loop()
+        sock, address = bind_router(self.ctx, address, self.timeouts, curve)
+        if curve is not None:
+            self._auth = curve.start_authenticator(self.ctx)
+        watch = PeerWatch.on(sock)
+        self._sockets.append((sock, watch))
+        self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock, watch)
+        self._loop.add_reader(watch.monitor.getsockopt(zmq.FD), self._drain_monitor, watch)
+        return address
+
+    def _send(self, sock: zmq.Socket[Any], identity: bytes, msg: Message, arena: bool) -> None:
+        send_frames(sock, encode(msg, self.arena if arena else None), identity)
+        assert self._loop is not None
+        self._loop.call_soon(self._drain_all)  # a send can swallow the FD's edge
+
+    def _drain_all(self) -> None:
+        for sock, watch in self._sockets:
+            self._drain(sock, watch)
+            self._drain_monitor(watch)
+
+    def _drain(self, sock: zmq.Socket[Any], watch: PeerWatch) -> None:
+        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            self._handle(sock, watch, identity, frames)
+
+    def _drain_monitor(self, watch: PeerWatch) -> None:
+        if watch.monitor.closed or not watch.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
+        for identity in watch.lost():
+            group = self.by_identity.get(identity)
+            if group is not None:
+                self.declare_dead(group.spec.name, 0, "(the coordinator) closed its connection", False)
+
+    # -- messages -------------------------------------------------------------------------------
+    def _handle(self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, frames: list[Any]) -> None:
+        identity = ident.bytes
+        group = self.by_identity.get(identity)
+        try:
+            msg = decode(
+                frames,
+                self.reader if group is not None and group.same_host else None,
+                0,
+                self.timeouts.max_frame_bytes,
+            )
+        except ProtocolError as exc:
+            self._reject(f"message from {identity!r}: {exc}")
+            return
+        if msg.type == MsgType.HELLO:
+            self._hello(sock, watch, ident, msg.body)
+        elif group is None:
+            self._reject(f"{msg.type.name} from {identity!r}, which has not registered")
+        elif msg.type in (MsgType.REPLY, MsgType.ERROR):
+            self._resolve(group, msg)
+        elif msg.type == MsgType.DEAD:
+            self.declare_dead(group.spec.name, int(msg.body["rank"]), str(msg.body["cause"]), False)
+        else:
+            self._reject(f"unexpected {msg.type.name} from group {group.spec.name!r}")
+
+    def _reject(self, reason: str) -> None:
+        log.warning("rejected %s", reason)
+        self.rejected.append(reason)
+
+    def _hello(self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, body: dict[str, Any]) -> None:
+        name = self._group_name(body)
+        reason = self._refusal(name, body)
+        if reason is not None:
+            self._reject(f"group {name!r}: {reason}")
+            self._send(sock, ident.bytes, Message(MsgType.REFUSE, 0, {"reason": reason}), False)
+            return
+        group = self.groups[name]
+        group.identity, group.sock = ident.bytes, sock
+        group.same_host = body["host"] == host_id()
+        self.by_identity[ident.bytes] = group
+        watch.learn(ident.bytes, ident)
+        welcome = {"group": name, "host": host_id()}
+        self._send(sock, ident.bytes, Message(MsgType.WELCOME, 0, welcome), False)
+        asyncio.ensure_future(self._build(group))
+
+    def _group_name(self, body: dict[str, Any]) -> str:
+        """The placed group a hello speaks for: by name, or (a group started by hand under
+        another name) by the exact set of roles it hosts."""
+        name = str(body.get("group"))
+        if name in self.groups:
+            return name
+        roles = sorted(body.get("roles") or [])
+        for group in self.groups.values():
+            if sorted(group.spec.roles) == roles:
+                return group.spec.name
+        return name
+
+    def _refusal(self, name: str, body: dict[str, Any]) -> str | None:
+        if body.get("version") != PROTOCOL_VERSION:
+            return f"protocol version {body.get('version')!r}; this controller speaks {PROTOCOL_VERSION}"
+        if not token_ok(self.token, body.get("token")):
+            return "bad token (the group was not started for this controller)"
+        group = self.groups.get(name)
+        if group is None:
+            placed = {n: sorted(g.spec.roles) for n, g in self.groups.items()}
+            return f"unknown group {name!r} with roles {body.get('roles')}; this experiment places {placed}"
+        spec = group.spec
+        if sorted(body["roles"]) != sorted(spec.roles):
+            return f"roles {sorted(body['roles'])} but the placement puts {sorted(spec.roles)} in {spec.name!r}"
+        if body["world_size"] != spec.nproc:
+            return f"world size {body['world_size']} but the placement says nproc={spec.nproc}"
+        try:
+            layout = Layout.from_wire(body["layout"])
+        except ProtocolError as exc:
+            return str(exc)
+        if layout != Layout.for_world(spec.nproc, spec.tp, spec.pp):
+            return f"layout {layout} but the placement says tp={spec.tp} pp={spec.pp}"
+        if group.identity:
+            return f"group {name!r} has already registered"
+        return None
+
+    async def _build(self, group: Group) -> None:
+        specs = {role: spec.model_dump() for role, spec in group.spec.roles.items()}
+        try:
+            group.endpoints = await self.call(GROUP_ROLE, "build", [specs], {}, group=group)
+        except (RemoteError, RoleDeadError) as exc:
+            log.error("group %r failed to build its roles: %s", group.spec.name, exc)
+            self.declare_dead(group.spec.name, getattr(exc, "rank", None), f"failed to build: {exc}", True)
+        group.ready.set()
+
+    def _resolve(self, group: Group, msg: Message) -> None:
+        entry = group.pending.pop(msg.call_id, None)
+        if entry is None:
+            log.info("late answer for call %d from %r (timed out?); dropped", msg.call_id, group.spec.name)
+            return
+        future, _role, _method = entry
+        if future.done():
+            return
+        if msg.type == MsgType.REPLY:
+            future.set_result(msg.body["result"])
+        else:
+            b = msg.body
+            future.set_exception(RemoteError(b["role"], b["rank"], b["exc_type"], b["message"], b["traceback"]))
+
+    # -- deaths ---------------------------------------------------------------------------------
+    def declare_dead(self, name: str, rank: int | None, cause: str, precise: bool) -> None:
+        """Mark a group dead (sticky). A socket-level cause waits briefly for the launcher's exit
+        status of a local group, which says more (exit code or signal)."""
+        group = self.groups[name]
+        if group.dead is not None and (group.dead_precise or not precise):
+            return
+        if not precise and name in self.local_groups and self._loop is not None:
+            self._loop.call_later(LOCAL_DEATH_GRACE_S, self._settle_dead, name, rank, cause)
+            return
+        self._settle_dead(name, rank, cause, precise)
+
+    def _settle_dead(self, name: str, rank: int | None, cause: str, precise: bool = False) -> None:
+        group = self.groups[name]
+        if group.dead is not None and (group.dead_precise or not precise):
+            return
+        group.dead, group.dead_precise = (rank, cause), precise
+        log.error("group %r is dead: rank %s %s", name, rank, cause)
+        for future, role, _ in group.pending.values():
+            if not future.done():
+                future.set_exception(group.error(role))
+        group.pending.clear()
+        group.ready.set()
+
+    def report_exit(self, name: str, rank: int, returncode: int) -> None:
+        """The local launcher saw a rank process end."""
+        self.declare_dead(name, rank, exit_cause(returncode), True)
+
+    # -- calls ----------------------------------------------------------------------------------
+    def group_of(self, role: str) -> Group:
+        name = self.role_group.get(role)
+        if name is None:
+            raise KeyError(f"no role {role!r} in this placement; roles: {sorted(self.role_group)}")
+        return self.groups[name]
+
+    async def call(
+        self,
+        role: str,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Group | None = None,
+    ) -> Any:
+        group = group or self.group_of(role)
+        if group.dead is not None:
+            raise group.error(role)
+        if group.sock is None:
+            raise RegistrationError(f"group {group.spec.name!r} has not registered yet (await wait_ready)")
+        if role != GROUP_ROLE and method not in group.endpoints.get(role, {}):
+            have = sorted(group.endpoints.get(role, {}))
+            raise AttributeError(f"role {role!r} has no endpoint {method!r}; it has {have}")
+        call_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        group.pending[call_id] = (future, role, method)
+        body = {"role": role, "method": method, "args": args, "kwargs": kwargs}
+        self._send(group.sock, group.identity, Message(MsgType.CALL, call_id, body), group.same_host)
+        limit = self.timeouts.call_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(future, limit)
+        except TimeoutError:
+            group.pending.pop(call_id, None)
+            raise CallTimeoutError(
+                f"call {role}.{method} got no answer within {limit:.1f} s "
+                "(raise timeouts.call_s, or pass timeout= for this call)"
+            ) from None
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until every placed group has registered and built its roles."""
+        limit = self.timeouts.connect_s if timeout is None else timeout
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(g.ready.wait() for g in self.groups.values())), limit
+            )
+        except TimeoutError:
+            missing = [n for n, g in self.groups.items() if not g.ready.is_set()]
+            raise RegistrationError(
+                f"groups {missing} did not register within {limit:.0f} s "
+                "(are they running and pointed at this controller? raise timeouts.connect_s)"
+            ) from None
+        for name, group in self.groups.items():
+            if group.dead is not None:
+                raise RegistrationError(f"group {name!r} died while starting: rank {group.dead[0]} {group.dead[1]}")
+
+    async def shutdown(self) -> None:
+        """Tell every live group to stop, then close the sockets."""
+        for group in self.groups.values():
+            if group.sock is not None and group.dead is None:
+                try:
+                    self._send(group.sock, group.identity, Message(MsgType.SHUTDOWN, 0, {"reason": "run over"}), False)
+                except zmq.ZMQError:
+                    pass  # it went away meanwhile
+        await asyncio.sleep(0)
+        for sock, watch in self._sockets:
+            if self._loop is not None:
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                self._loop.remove_reader(watch.monitor.getsockopt(zmq.FD))
+            sock.disable_monitor()
+            watch.close()
+            sock.close(linger=200)
+        self._sockets.clear()
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
+        self.arena.close()

@@ -1,0 +1,143 @@
+"""Local launcher: every rank of every group as its own OS process on this machine.
+
+Ranks run ``python -m roles.runtime`` with torchrun-style variables. Each child asks the kernel
+for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, see ``roles.runtime.die_with_parent``), so
+even ``kill -9`` of the launcher leaves no orphans; each gets its own session so a terminal's
+Ctrl-C reaches only the launcher, which then shuts the children down in order. A pidfd per child
+in the event loop reports an exit within milliseconds, with its code or signal; the rest of that
+group is then killed (its process group is broken anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.placement import GroupSpec
+from transport.settings import ENV_VAR as TIMEOUTS_ENV
+from transport.settings import Timeouts
+
+log = logging.getLogger("hybridflow.launcher")
+
+ExitCallback = Callable[[str, int, int], None]  # group, rank, returncode
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankProcess:
+    group: str
+    rank: int
+    popen: subprocess.Popen[bytes]
+    pidfd: int
+    log_path: Path
+
+
+class LocalLauncher:
+    def __init__(
+        self,
+        controller_address: str,
+        token: str,
+        run_dir: Path,
+        socket_dir: Path,
+        timeouts: Timeouts,
+        on_exit: ExitCallback,
+        fanout: str = "zmq",
+    ) -> None:
+        self.controller_address = controller_address
+        self.token = token
+        self.run_dir = run_dir
+        self.socket_dir = socket_dir
+        self.timeouts = timeouts
+        self.on_exit = on_exit
+        self.fanout = fanout
+        self.procs: list[RankProcess] = []
+        self.stopping = False
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def rank_env(self, spec: GroupSpec, rank: int, port: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(spec.nproc),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+            HYBRIDFLOW_GROUP=spec.name,
+            HYBRIDFLOW_ROLES=",".join(spec.roles),
+            HYBRIDFLOW_TP=str(spec.tp),
+            HYBRIDFLOW_PP=str(spec.pp),
+            HYBRIDFLOW_CONTROLLER=self.controller_address,
+            HYBRIDFLOW_TOKEN=self.token,
+            HYBRIDFLOW_FANOUT=self.fanout,
+            HYBRIDFLOW_SOCKET_DIR=str(self.socket_dir),
+            HYBRIDFLOW_PARENT_PID=str(os.getpid()),
+        )
+        env[TIMEOUTS_ENV] = self.timeouts.to_env()
+        return env
+
+    def start(self, spec: GroupSpec) -> None:
+        loop = asyncio.get_running_loop()
+        port = free_port()
+        for rank in range(spec.nproc):
+            log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
+            with open(log_path, "ab") as out:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "roles.runtime"],
+                    env=self.rank_env(spec, rank, port),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            proc = RankProcess(spec.name, rank, popen, os.pidfd_open(popen.pid), log_path)
+            self.procs.append(proc)
+            loop.add_reader(proc.pidfd, self._exited, proc)
+
+    def _exited(self, proc: RankProcess) -> None:
+        asyncio.get_running_loop().remove_reader(proc.pidfd)
+        os.close(proc.pidfd)
+        proc.pidfd = -1
+        code = proc.popen.wait()
+        if self.stopping:
+            return
+        log.error("%s rank %d ended (code %d); log: %s", proc.group, proc.rank, code, proc.log_path)
+        self.on_exit(proc.group, proc.rank, code)
+        for other in self.procs:
+            if other.group == proc.group and other.popen.poll() is None:
+                other.popen.kill()
+
+    def alive(self) -> list[RankProcess]:
+        return [p for p in self.procs if p.popen.poll() is None]
+
+    async def stop(self) -> None:
+        """Give ranks ``timeouts.shutdown_s`` to leave after SHUTDOWN, then TERM, then KILL."""
+        self.stopping = True
+        for sig, wait_s in ((None, self.timeouts.shutdown_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            if sig is not None:
+                for proc in self.alive():
+                    proc.popen.send_signal(sig)
+            deadline = asyncio.get_running_loop().time() + wait_s
+            while self.alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+        loop = asyncio.get_running_loop()
+        for proc in self.procs:
+            if proc.pidfd >= 0 and proc.popen.poll() is not None:
+                loop.remove_reader(proc.pidfd)
+                os.close(proc.pidfd)
+                proc.pidfd = -1
+        left = self.alive()
+        if left:
+            raise RuntimeError(f"ranks would not die: {[(p.group, p.rank, p.popen.pid) for p in left]}")

@@ -1,0 +1,113 @@
+"""Endpoints: role methods the controller may call, each with its transfer protocol.
+
+A transfer protocol is a pair of plain functions (the paper's distribute + collect):
+
+- ``distribute(args, kwargs, layout)`` returns, per rank, the ``(args, kwargs)`` that rank runs
+  with, or ``None`` where the rank sits the call out;
+- ``collect(results, layout)`` turns the per-rank results (``None`` where a rank did not run) into
+  the one value the controller receives.
+
+``@endpoint(DP_SPLIT)`` marks a method; the marker is an ordinary attribute on the function, the
+method stays a normal method, so IDEs and type checkers see exactly what the class defines. A new
+protocol is a new ``TransferProtocol(...)`` value, not a string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+from transport.batch import TensorBatch
+from transport.protocol import Layout
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Args = tuple[tuple[Any, ...], dict[str, Any]]
+Distribute = Callable[[tuple[Any, ...], dict[str, Any], Layout], list[Args | None]]
+Collect = Callable[[list[Any], Layout], Any]
+
+_MARK = "__hybridflow_endpoint__"
+
+
+@dataclass(frozen=True)
+class TransferProtocol:
+    name: str
+    distribute: Distribute
+    collect: Collect
+
+
+def _broadcast(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -> list[Args | None]:
+    return [(args, kwargs)] * layout.world_size
+
+
+def _rank_zero_only(
+    args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout
+) -> list[Args | None]:
+    return [(args, kwargs)] + [None] * (layout.world_size - 1)
+
+
+def _first(results: list[Any], layout: Layout) -> Any:
+    return results[0]
+
+
+def _dp_scatter(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -> list[Args | None]:
+    """Split every TensorBatch argument into dp nearly-equal shards (in order); other arguments
+    go to every rank unchanged. The tp/pp peers of a dp rank get the same shard."""
+
+    def shards(value: Any) -> list[Any]:
+        return value.chunk(layout.dp) if isinstance(value, TensorBatch) else [value] * layout.dp
+
+    arg_shards = [shards(a) for a in args]
+    kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
+    per_rank: list[Args | None] = []
+    for rank in range(layout.world_size):
+        dp, _, _ = layout.coords(rank)
+        per_rank.append(
+            (tuple(s[dp] for s in arg_shards), {k: s[dp] for k, s in kwarg_shards.items()})
+        )
+    return per_rank
+
+
+def _dp_gather(results: list[Any], layout: Layout) -> Any:
+    """One result per dp group, from tp rank 0 on the last pp stage; TensorBatch results are
+    concatenated in dp order, anything else comes back as a list indexed by dp rank."""
+    picked = [results[layout.rank_of(dp, layout.pp - 1, 0)] for dp in range(layout.dp)]
+    if picked and all(isinstance(r, TensorBatch) for r in picked):
+        return TensorBatch.concat(picked)
+    return picked
+
+
+ONE_TO_ALL = TransferProtocol("one-to-all", _broadcast, _first)
+DP_SPLIT = TransferProtocol("dp-split", _dp_scatter, _dp_gather)
+RANK_ZERO = TransferProtocol("rank-zero", _rank_zero_only, _first)
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    name: str
+    protocol: TransferProtocol
+
+
+def endpoint(
+    protocol: TransferProtocol = ONE_TO_ALL,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Mark a role method as callable by the controller with the given transfer protocol."""
+
+    def mark(fn: Callable[P, R]) -> Callable[P, R]:
+        setattr(fn, _MARK, EndpointSpec(fn.__name__, protocol))  # noqa: B010 - a marker, once
+        return fn
+
+    return mark
+
+
+def endpoints_of(cls: type) -> dict[str, EndpointSpec]:
+    """Every endpoint a role class declares (inherited ones included)."""
+    found: dict[str, EndpointSpec] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            spec = getattr(value, _MARK, None)
+            if isinstance(spec, EndpointSpec):
+                found[name] = spec
+    return found

@@ -1,0 +1,112 @@
+"""Ranks 1..N-1 of a group: receive calls from the coordinator, run them, send results back.
+
+A worker is single-threaded on purpose: ZeroMQ's own I/O thread keeps the link alive (and the
+kernel closes it if the process dies), so a long computation needs no Python heartbeat. The worker
+exits when the coordinator says SHUTDOWN or its link drops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch.distributed as dist
+import zmq
+
+from roles.base import RoleHost
+from roles.calls import error_body, run_call
+from roles.fanout import init_rpc, serve_rpc_worker
+from roles.runtime import GroupEnv
+from transport.channel import connect_dealer, host_id, send_frames
+from transport.codec import Encoded, decode, encode
+from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError
+from transport.shm import ShmArena, ShmReader
+
+log = logging.getLogger("hybridflow.worker")
+
+FANOUT_KEY = "hybridflow/fanout"
+
+
+def hello_body(env: GroupEnv) -> dict[str, Any]:
+    return {
+        "roles": env.roles,
+        "world_size": env.world_size,
+        "layout": env.layout.to_wire(),
+        "version": PROTOCOL_VERSION,
+        "token": env.token,
+        "host": host_id(),
+        "pid": os.getpid(),
+        "rank": env.rank,
+        "group": env.group,
+    }
+
+
+class Worker:
+    def __init__(self, env: GroupEnv, host: RoleHost, store: dist.Store) -> None:
+        self.env = env
+        self.host = host
+        self.store = store
+        info = json.loads(store.get(FANOUT_KEY))
+        same_host = info["host"] == host_id()
+        self.reader = ShmReader() if same_host else None
+        self.arena = ShmArena(prefix="hfw") if same_host else None
+        self.ctx = zmq.Context()
+        self.sock = connect_dealer(
+            self.ctx, info["address"], f"rank{env.rank}".encode(), env.timeouts
+        )
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def serve(self) -> None:
+        send_frames(self.sock, encode(Message(MsgType.HELLO, 0, hello_body(self.env))))
+        if self.env.fanout == "rpc":
+            serve_rpc_worker(self.host)
+            e = self.env
+            init_rpc(e.rank, e.world_size, e.master_addr, self.store, e.timeouts.call_s)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self.monitor in ready:
+                log.warning("lost the coordinator; exiting")
+                self._exit(1)
+            if self.sock in ready and not self._handle(self.sock.recv_multipart(copy=False)):
+                self._exit(0)
+
+    def _handle(self, frames: list[Any]) -> bool:
+        """Handle one message; False when the worker should stop. Frame 0 is this worker's
+        index among the message's receivers (shared-memory release flags are per receiver)."""
+        try:
+            index = frames[0].bytes[0] if frames and len(frames[0]) == 1 else 0
+            msg = decode(frames[1:], self.reader, index, self.env.timeouts.max_frame_bytes)
+        except ProtocolError as exc:
+            log.warning("rejected a message from the coordinator: %s", exc)
+            return True
+        if msg.type == MsgType.SHUTDOWN:
+            return False
+        if msg.type != MsgType.CALL:
+            log.warning("unexpected %s from the coordinator; ignored", msg.type.name)
+            return True
+        self._reply(run_call(self.host, msg.call_id, msg.body), str(msg.body["role"]))
+        return True
+
+    def _reply(self, reply: Message, role: str) -> None:
+        encoded = self._encode(reply, role)
+        tracker = send_frames(self.sock, encoded)
+        if tracker is not None:  # results may alias role state the next call mutates
+            tracker.wait(self.env.timeouts.call_s)
+
+    def _encode(self, reply: Message, role: str) -> Encoded:
+        try:
+            return encode(reply, self.arena)
+        except (TypeError, ValueError) as exc:
+            body = error_body(role, self.env.rank, exc)
+            return encode(Message(MsgType.ERROR, reply.call_id, body))
+
+    def _exit(self, code: int) -> None:
+        if self.arena is not None:
+            self.arena.close()
+        self.sock.close(linger=0)
+        os._exit(code)

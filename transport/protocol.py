@@ -1,0 +1,122 @@
+"""The wire protocol between the controller, coordinators and ranks.
+
+Every message is one ZeroMQ multipart message: frame 0 is a msgpack header
+``[version, type, call_id, body]``; frames 1.. carry raw tensor bytes that the header's tensor
+descriptors point at (see ``transport.codec``). ``body`` is a msgpack map whose keys depend on the
+type. The version byte comes first so a peer from another release is refused with a reason rather
+than misread.
+
+| type     | direction                          | body                                             |
+|----------|------------------------------------|--------------------------------------------------|
+| HELLO    | coordinator → controller, rank → 0 | roles, world_size, layout, version, token, host… |
+| WELCOME  | controller → coordinator           | group                                            |
+| REFUSE   | controller → coordinator           | reason                                           |
+| CALL     | controller → coordinator → ranks   | role, method, args, kwargs                       |
+| REPLY    | back along the same path           | result                                           |
+| ERROR    | back along the same path           | role, rank, exc_type, message, traceback         |
+| DEAD     | coordinator → controller           | roles, rank, cause                               |
+| SHUTDOWN | controller → coordinator → ranks   | reason                                           |
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    REFUSE = 3
+    CALL = 4
+    REPLY = 5
+    ERROR = 6
+    DEAD = 7
+    SHUTDOWN = 8
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted: the receiver logs the reason and carries on."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A group's parallel layout. Ranks are ordered tp fastest, then pp, then dp (the standard
+    grouping: tp/pp peers on consecutive ranks, dp at stride pp * tp)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout.{name}={value!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank in this group."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a group of {self.world_size}")
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return dp * self.pp * self.tp + pp * self.tp + tp
+
+    def to_wire(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Layout:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"layout must be a map, got {type(data).__name__}")
+        try:
+            return cls(**{k: data[k] for k in ("dp", "tp", "pp")})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad layout {data!r}: {exc}") from exc
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Layout:
+        """The layout with the given tp and pp over ``world_size`` ranks; dp is what remains."""
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"tp={tp} x pp={pp} does not divide world_size={world_size}; "
+                f"choose tp and pp whose product divides {world_size}"
+            )
+        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp)
+
+
+@dataclass
+class Message:
+    type: MsgType
+    call_id: int = 0
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+# Keys each type's body must carry; checked on receipt so handlers can index without guards.
+REQUIRED_KEYS: dict[MsgType, tuple[str, ...]] = {
+    MsgType.HELLO: ("roles", "world_size", "layout", "version", "token", "host", "pid"),
+    MsgType.WELCOME: ("group",),
+    MsgType.REFUSE: ("reason",),
+    MsgType.CALL: ("role", "method", "args", "kwargs"),
+    MsgType.REPLY: ("result",),
+    MsgType.ERROR: ("role", "rank", "exc_type", "message", "traceback"),
+    MsgType.DEAD: ("roles", "rank", "cause"),
+    MsgType.SHUTDOWN: (),
+}
+
+
+def check_body(msg_type: MsgType, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{msg_type.name} body must be a map, got {type(body).__name__}")
+    missing = [k for k in REQUIRED_KEYS[msg_type] if k not in body]
+    if missing:
+        raise ProtocolError(f"{msg_type.name} body lacks {', '.join(missing)}")
+    return body

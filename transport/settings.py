@@ -1,0 +1,37 @@
+"""Timeouts and limits shared by every process of a run.
+
+Each wait in hybridflow has a timeout, and each timeout error names the field here that raises it,
+so a user who hits one knows the knob (``timeouts.call_s`` and so on). The settings travel to role
+processes as JSON in one environment variable, so a group started by hand or by SLURM agrees with
+its controller.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV_VAR = "HYBRIDFLOW_TIMEOUTS"
+
+
+class Timeouts(BaseModel):
+    """Every wait's limit, in seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    call_s: float = Field(600.0, gt=0, description="one role call, controller side")
+    connect_s: float = Field(120.0, gt=0, description="groups registering with the controller")
+    group_init_s: float = Field(60.0, gt=0, description="torch.distributed group set-up and collectives")
+    heartbeat_s: float = Field(1.0, gt=0, description="ZeroMQ heartbeat interval on TCP links")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="silence before a TCP peer is dropped")
+    shutdown_s: float = Field(5.0, gt=0, description="grace before stragglers are killed")
+    max_frame_bytes: int = Field(16 << 30, gt=0, description="largest tensor frame a receiver accepts")
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        raw = os.environ.get(ENV_VAR)
+        return cls.model_validate_json(raw) if raw else cls()
