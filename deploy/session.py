@@ -25,14 +25,17 @@ async def local_session(
     timeouts: Timeouts | None = None,
     run_dir: Path | None = None,
     fanout: str = "zmq",
+    bind: str | None = None,
 ) -> AsyncIterator[Controller]:
+    """``bind`` overrides the controller's address (default: an ipc socket in a private
+    directory); ``tcp://127.0.0.1:0`` exercises the TCP path with ZeroMQ heartbeats."""
     timeouts = timeouts or Timeouts()
     sock_dir = Path(tempfile.mkdtemp(prefix="hf-"))  # short path: ipc names are limited to ~100 bytes
     run_dir = run_dir or sock_dir
     controller = Controller(groups, timeouts)
     launcher: LocalLauncher | None = None
     try:
-        address = controller.bind(f"ipc://{sock_dir}/controller")
+        address = controller.bind(bind or f"ipc://{sock_dir}/controller")
         launcher = LocalLauncher(
             address, controller.token, run_dir, sock_dir, timeouts, controller.report_exit, fanout
         )

@@ -69,6 +69,7 @@ class Echo(Role):
 
     @endpoint(RANK_ZERO)
     def only_zero(self) -> int:
+        self.calls += 1
         return self.ctx.rank
 
     @endpoint(ONE_TO_ALL)

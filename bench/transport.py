@@ -1,0 +1,402 @@
+"""Transport benchmark: how fast the controller reaches a role group, against Ray and memcpy.
+
+Run ``python -m bench.transport`` (a few minutes) or ``python -m bench.transport --quick`` (under a
+minute). Everything runs on this host in one go, in this order, each part in its own processes:
+
+1. **Round trip, one-to-all** — for each fan-out backend (``zmq``, ``rpc``) a fresh local session
+   hosts ``roles.testing:Echo`` on a 2-rank group; the controller awaits ``Echo.ping`` (no
+   arguments, returns ``None``) one call at a time. Each sample is one call, controller →
+   coordinator (rank 0) → rank 1 and rank 0's own thread → back, timed with ``perf_counter_ns``.
+   Reported as p50/p99 in µs and calls/s; ``calls_per_s_concurrent`` is the throughput with
+   ``CONCURRENCY`` calls in flight at once (``asyncio.gather``), i.e. what pipelining buys.
+   ``rtt_p50_us``/``rtt_p99_us``/``calls_per_s`` are those of the backend with the lower p50,
+   named by ``default_fanout``.
+2. **Bulk, controller → coordinator** — a 1-rank group (so exactly one receiver) gets a 16 MiB and
+   a 256 MiB ``uint8`` tensor from an ordinary heap tensor in the controller through
+   ``Echo.checksum``, which reads every byte before replying. A sample is call start → reply;
+   the first transfer is a warm-up (it creates and pre-faults the shared-memory segment), then the
+   median of the repetitions gives ``bulk_gbps_*`` (GB = 1e9 bytes). The returned checksum is
+   compared with one computed here; a mismatch aborts the run. ``memcpy_gbps_*`` is the same size
+   copied by ``dst.copy_(src)`` into a pre-faulted buffer on one thread (median), the cost floor
+   for moving those bytes once; ``bulk_vs_memcpy_*`` = bulk / memcpy.
+3. **Ray** — ``ray.init(num_cpus=2)`` with two actors whose ``ping`` does nothing; the driver
+   calls both and ``ray.get``s the pair — the same one-to-all shape as (1). ``ray_rtt_p50_us``,
+   ``ray_rtt_p99_us``, and ``ray_vs_hybridflow`` = Ray p50 / our p50 (higher is better for us).
+   Ray runs last and is shut down before the process exits; if Ray is not installed the keys are
+   ``null`` and the Ray target is reported as skipped (not met).
+
+Targets (PASS/FAIL in the table, all together in ``targets_met``): ``rtt_p50_us`` ≤ 250;
+``ray_vs_hybridflow`` ≥ 4; ``bulk_vs_memcpy_16m`` and ``bulk_vs_memcpy_256m`` ≥ 0.5.
+
+Output: progress on stderr, a table on stdout, and as the last stdout line one JSON object with
+every number above (machine-readable; ``jq`` it). The exit status is 0 when the measurements ran
+(missed targets included; add ``--strict`` to exit 1 on a miss) and non-zero on any error, such as
+a checksum mismatch. Only the driver's own compute is pinned to one thread
+(``torch.set_num_threads(1)``); on a 2-core box the controller, coordinator and worker share
+the cores, so the numbers include scheduler hand-offs between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from controller.client import RoleClient
+from controller.placement import GroupSpec, RoleSpec
+from deploy.cli import run_async
+from deploy.session import local_session
+
+BACKENDS = ("zmq", "rpc")
+CONCURRENCY = 32
+ECHO_CLS = "roles.testing:Echo"
+MiB = 1 << 20
+BULK_SIZES = {"16m": 16 * MiB, "256m": 256 * MiB}
+
+TARGET_RTT_P50_US = 250.0
+TARGET_RAY_RATIO = 4.0
+TARGET_BULK_RATIO = 0.5
+
+err = Console(stderr=True)
+out = Console(soft_wrap=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many iterations each part runs."""
+
+    calls: int  # timed sequential calls per backend
+    warmup_calls: int
+    concurrent_rounds: int  # rounds of CONCURRENCY calls gathered at once
+    bulk_reps: int  # timed transfers per size, after one warm-up
+    memcpy_reps: int
+    ray_calls: int
+
+    @classmethod
+    def pick(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(300, 50, 10, 5, 10, 300)
+        return cls(3000, 300, 100, 15, 30, 3000)
+
+
+# -- small helpers --------------------------------------------------------------------------------
+def percentile(samples: list[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100]."""
+    if not samples:
+        raise ValueError("no samples")
+    ordered = sorted(samples)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def checksum(t: torch.Tensor) -> int:
+    """The same wrapping int64 byte sum as ``Echo.checksum`` computes on the receiver."""
+    raw = t.reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    return int(raw[:whole].view(torch.int64).sum()) + int(raw[whole:].sum())
+
+
+def rtt_summary(samples_ns: list[int]) -> dict[str, float]:
+    us = [s / 1e3 for s in samples_ns]
+    return {
+        "p50": percentile(us, 50),
+        "p99": percentile(us, 99),
+        "calls_per_s": len(us) / (sum(us) / 1e6),
+    }
+
+
+def echo_group(nproc: int, name: str = "echo") -> GroupSpec:
+    return GroupSpec(name=name, roles={"echo": RoleSpec(cls=ECHO_CLS)}, nproc=nproc, tp=1, pp=1)
+
+
+# -- (1) round trip over each fan-out backend -----------------------------------------------------
+async def measure_rtt(backend: str, plan: Plan) -> dict[str, float]:
+    started = time.perf_counter()
+    async with local_session([echo_group(2)], fanout=backend) as controller:
+        err.print(f"  [{backend}] group of 2 ready in {time.perf_counter() - started:.1f} s")
+        echo = RoleClient(controller, "echo")
+        for _ in range(plan.warmup_calls):
+            await echo.call("ping")
+        gc.collect()
+        samples: list[int] = []
+        clock = time.perf_counter_ns
+        for _ in range(plan.calls):
+            t0 = clock()
+            await echo.call("ping")
+            samples.append(clock() - t0)
+        result = rtt_summary(samples)
+
+        await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))  # warm-up
+        t0 = clock()
+        for _ in range(plan.concurrent_rounds):
+            replies = await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))
+            assert replies == [None] * CONCURRENCY
+        elapsed_s = (clock() - t0) / 1e9
+        result["calls_per_s_concurrent"] = plan.concurrent_rounds * CONCURRENCY / elapsed_s
+    err.print(
+        f"  [{backend}] p50 {result['p50']:.0f} µs  p99 {result['p99']:.0f} µs  "
+        f"{result['calls_per_s']:.0f} calls/s  "
+        f"{result['calls_per_s_concurrent']:.0f} calls/s with {CONCURRENCY} in flight"
+    )
+    return result
+
+
+# -- (2) bulk tensors, controller → coordinator ---------------------------------------------------
+def median_gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
+    times: list[int] = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return nbytes / statistics.median(times)  # bytes per ns == GB/s
+
+
+def measure_memcpy(nbytes: int, reps: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.zeros_like(src)  # written once: every page is faulted in before timing
+    dst.copy_(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    return median_gbps(nbytes, copy, reps)
+
+
+async def measure_bulk(plan: Plan) -> dict[str, float]:
+    started = time.perf_counter()
+    results: dict[str, float] = {}
+    async with local_session([echo_group(1, "bulk")]) as controller:
+        err.print(f"  [bulk] group of 1 ready in {time.perf_counter() - started:.1f} s")
+        echo = RoleClient(controller, "echo")
+        for key, nbytes in BULK_SIZES.items():
+            payload = torch.empty(nbytes, dtype=torch.uint8).random_()  # plain heap tensor
+            expected = checksum(payload)
+            times: list[int] = []
+            first_ns = 0
+            for rep in range(plan.bulk_reps + 1):  # rep 0: warm-up (new segment, page faults)
+                t0 = time.perf_counter_ns()
+                got = await echo.call("checksum", payload)
+                elapsed = time.perf_counter_ns() - t0
+                if got != expected:
+                    raise RuntimeError(
+                        f"bulk {key}: the coordinator's checksum {got} != local {expected}; "
+                        "the bytes were corrupted in transit"
+                    )
+                if rep:
+                    times.append(elapsed)
+                else:
+                    first_ns = elapsed
+            results[f"bulk_gbps_{key}"] = nbytes / statistics.median(times)
+            results[f"bulk_first_ms_{key}"] = first_ns / 1e6
+            err.print(
+                f"  [bulk] {nbytes // MiB} MiB: median {statistics.median(times) / 1e6:.1f} ms "
+                f"→ {results[f'bulk_gbps_{key}']:.2f} GB/s (checksums match)"
+            )
+            del payload
+            gc.collect()
+    for key, nbytes in BULK_SIZES.items():
+        results[f"memcpy_gbps_{key}"] = measure_memcpy(nbytes, plan.memcpy_reps)
+        err.print(f"  [memcpy] {nbytes // MiB} MiB: {results[f'memcpy_gbps_{key}']:.2f} GB/s")
+    return results
+
+
+# -- (3) Ray ---------------------------------------------------------------------------------------
+def measure_ray(plan: Plan) -> dict[str, float] | None:
+    """p50/p99 µs of calling two Ray actors' no-op ``ping`` and ``ray.get``-ing both."""
+    try:
+        import ray
+    except ImportError as exc:
+        err.print(
+            f"[yellow]Ray is not importable ({exc}); skipping the Ray comparison "
+            "(install it with: pip install -e '.[bench]')[/]"
+        )
+        return None
+
+    class Pinger:
+        def ping(self) -> None:
+            return None
+
+    started = time.perf_counter()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        object_store_memory=256 * MiB,
+    )
+    try:
+        actor_cls: Any = ray.remote(Pinger)
+        actors: list[Any] = [actor_cls.remote() for _ in range(2)]
+        ray.get([a.ping.remote() for a in actors])  # both actors are up
+        err.print(f"  [ray] 2 actors ready in {time.perf_counter() - started:.1f} s")
+        for _ in range(plan.warmup_calls):
+            ray.get([a.ping.remote() for a in actors])
+        gc.collect()
+        samples: list[int] = []
+        clock = time.perf_counter_ns
+        for _ in range(plan.ray_calls):
+            t0 = clock()
+            ray.get([a.ping.remote() for a in actors])
+            samples.append(clock() - t0)
+        result = rtt_summary(samples)
+    finally:
+        ray.shutdown()
+    err.print(f"  [ray] p50 {result['p50']:.0f} µs  p99 {result['p99']:.0f} µs")
+    return result
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _r(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def build_report(
+    rtt: dict[str, dict[str, float]], bulk: dict[str, float], ray_rtt: dict[str, float] | None
+) -> dict[str, Any]:
+    best = min(rtt, key=lambda b: rtt[b]["p50"])
+    report: dict[str, Any] = {}
+    for backend, r in rtt.items():
+        report[f"rtt_p50_us_{backend}"] = _r(r["p50"])
+        report[f"rtt_p99_us_{backend}"] = _r(r["p99"])
+        report[f"calls_per_s_{backend}"] = _r(r["calls_per_s"], 0)
+        report[f"calls_per_s_concurrent_{backend}"] = _r(r["calls_per_s_concurrent"], 0)
+    report.update(
+        default_fanout=best,
+        rtt_p50_us=_r(rtt[best]["p50"]),
+        rtt_p99_us=_r(rtt[best]["p99"]),
+        calls_per_s=_r(rtt[best]["calls_per_s"], 0),
+        calls_per_s_concurrent=_r(rtt[best]["calls_per_s_concurrent"], 0),
+        ray_rtt_p50_us=_r(ray_rtt["p50"]) if ray_rtt else None,
+        ray_rtt_p99_us=_r(ray_rtt["p99"]) if ray_rtt else None,
+        ray_vs_hybridflow=_r(ray_rtt["p50"] / rtt[best]["p50"], 2) if ray_rtt else None,
+    )
+    for key in BULK_SIZES:
+        report[f"bulk_gbps_{key}"] = _r(bulk[f"bulk_gbps_{key}"], 2)
+        report[f"memcpy_gbps_{key}"] = _r(bulk[f"memcpy_gbps_{key}"], 2)
+        report[f"bulk_vs_memcpy_{key}"] = _r(
+            bulk[f"bulk_gbps_{key}"] / bulk[f"memcpy_gbps_{key}"], 3
+        )
+        report[f"bulk_first_ms_{key}"] = _r(bulk[f"bulk_first_ms_{key}"])
+    return report
+
+
+def targets(report: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(name, measured, met) per target; met is None when it could not be measured."""
+    ray_ratio = report["ray_vs_hybridflow"]
+    rows: list[tuple[str, str, bool | None]] = [
+        (
+            f"rtt_p50_us ≤ {TARGET_RTT_P50_US:.0f}",
+            f"{report['rtt_p50_us']} µs ({report['default_fanout']})",
+            report["rtt_p50_us"] <= TARGET_RTT_P50_US,
+        ),
+        (
+            f"Ray ≥ {TARGET_RAY_RATIO:.0f}x slower",
+            "ray not installed" if ray_ratio is None else f"{ray_ratio}x",
+            None if ray_ratio is None else ray_ratio >= TARGET_RAY_RATIO,
+        ),
+    ]
+    for key in BULK_SIZES:
+        ratio = report[f"bulk_vs_memcpy_{key}"]
+        rows.append(
+            (
+                f"bulk {key.upper()} ≥ {TARGET_BULK_RATIO}x memcpy",
+                f"{ratio}x",
+                ratio >= TARGET_BULK_RATIO,
+            )
+        )
+    return rows
+
+
+def print_table(report: dict[str, Any], plan: Plan, quick: bool) -> None:
+    table = Table(
+        title=f"hybridflow transport ({'quick' if quick else 'full'} run, "
+        f"{os.cpu_count()} CPUs, {platform.machine()})"
+    )
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_column("note")
+    for backend in BACKENDS:
+        table.add_row(
+            f"ping round trip, fan-out {backend}",
+            f"p50 {report[f'rtt_p50_us_{backend}']} µs / p99 {report[f'rtt_p99_us_{backend}']} µs",
+            f"{plan.calls} sequential calls, 2 ranks",
+        )
+        table.add_row(
+            f"calls/s, fan-out {backend}",
+            f"{report[f'calls_per_s_{backend}']:.0f} / {report[f'calls_per_s_concurrent_{backend}']:.0f}",
+            f"sequential / {CONCURRENCY} in flight",
+        )
+    if report["ray_rtt_p50_us"] is None:
+        table.add_row("Ray round trip", "n/a", "ray not importable")
+    else:
+        table.add_row(
+            "Ray round trip (2 actors)",
+            f"p50 {report['ray_rtt_p50_us']} µs / p99 {report['ray_rtt_p99_us']} µs",
+            f"{report['ray_vs_hybridflow']}x our p50",
+        )
+    for key, nbytes in BULK_SIZES.items():
+        table.add_row(
+            f"bulk {nbytes // MiB} MiB → coordinator",
+            f"{report[f'bulk_gbps_{key}']} GB/s",
+            f"memcpy {report[f'memcpy_gbps_{key}']} GB/s, ratio {report[f'bulk_vs_memcpy_{key}']}",
+        )
+    table.add_section()
+    for name, measured, met in targets(report):
+        verdict = (
+            "[yellow]SKIP (FAIL)[/]" if met is None else "[green]PASS[/]" if met else "[red]FAIL[/]"
+        )
+        table.add_row(f"target: {name}", measured, verdict)
+    out.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.transport", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer iterations; under a minute")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    plan = Plan.pick(args.quick)
+    started = time.perf_counter()
+
+    rtt: dict[str, dict[str, float]] = {}
+    for backend in BACKENDS:
+        err.print(f"[bold]round trip, fan-out {backend}[/]")
+        rtt[backend] = run_async(lambda b=backend: measure_rtt(b, plan))  # type: ignore[misc]
+    err.print("[bold]bulk, controller → coordinator[/]")
+    bulk: dict[str, float] = run_async(lambda: measure_bulk(plan))
+    err.print("[bold]Ray[/]")
+    ray_rtt = measure_ray(plan)
+
+    report = build_report(rtt, bulk, ray_rtt)
+    met = all(bool(m) for _, _, m in targets(report))
+    report["targets_met"] = met
+    report["quick"] = args.quick
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    print_table(report, plan, args.quick)
+    sys.stdout.flush()
+    print(json.dumps(report), flush=True)
+    return 1 if args.strict and not met else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Shared test helpers: bounded timeouts, a runner for async tests, system-component checks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from controller.placement import GroupSpec, RoleSpec
+from transport.settings import Timeouts
+
+# Every wait in tests is bounded well below pytest-timeout; process groups get <= 60 s.
+TEST_TIMEOUTS = Timeouts(call_s=60, connect_s=60, group_init_s=30, shutdown_s=3)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    return uvloop.run(main())
+
+
+def group(name: str, nproc: int = 1, tp: int = 1, **roles: str | tuple[str, dict[str, Any]]) -> GroupSpec:
+    """``group("g", 2, echo="roles.testing:Echo")`` — a placement entry in one line."""
+    specs = {}
+    for role, value in roles.items():
+        cls, config = (value, {}) if isinstance(value, str) else value
+        specs[role] = RoleSpec(cls=cls, config=config)
+    return GroupSpec(name=name, roles=specs, nproc=nproc, tp=tp)
+
+
+def require_system(component: str, available: bool, how: str) -> None:
+    """Skip when a system component is missing — or fail, under HYBRIDFLOW_REQUIRE_SYSTEM_TESTS=1
+    (CI), where .ci/run is expected to have installed and started it."""
+    if available:
+        return
+    message = f"{component} is not available ({how})"
+    if os.environ.get("HYBRIDFLOW_REQUIRE_SYSTEM_TESTS") == "1":
+        pytest.fail(f"{message}; HYBRIDFLOW_REQUIRE_SYSTEM_TESTS=1 forbids skipping")
+    pytest.skip(message)
