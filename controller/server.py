@@ -82,6 +82,7 @@ class Controller:
         self.arena = ShmArena(prefix=f"hfc{next(_instances)}")  # one arena per prefix per process
         self.reader = ShmReader()
         self._sockets: list[tuple[zmq.Socket[Any], PeerWatch]] = []
+        self.addresses: list[str] = []
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -96,6 +97,7 @@ class Controller:
         self._sockets.append((sock, watch))
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock, watch)
         self._loop.add_reader(watch.monitor.getsockopt(zmq.FD), self._drain_monitor, watch)
+        self.addresses.append(address)
         return address
 
     def _send(self, sock: zmq.Socket[Any], identity: bytes, msg: Message, arena: bool) -> None:

@@ -113,8 +113,11 @@ class LocalLauncher:
         code = proc.popen.wait()
         if self.stopping:
             return
-        log.error("%s rank %d ended (code %d); log: %s", proc.group, proc.rank, code, proc.log_path)
+        if code != 0:
+            log.error("%s rank %d ended (code %d); log: %s", proc.group, proc.rank, code, proc.log_path)
         self.on_exit(proc.group, proc.rank, code)
+        if code == 0:
+            return  # a clean exit (the group was told to stop); its peers follow on their own
         for other in self.procs:
             if other.group == proc.group and other.popen.poll() is None:
                 other.popen.kill()

@@ -157,9 +157,6 @@ class Coordinator:
         try:
             while True:
                 ready = dict(poller.poll(1 if self.trackers else None))
-                if self.ctrl_monitor in ready:
-                    log.warning("lost the controller; shutting the group down")
-                    self._shutdown(1)
                 if self.fan_watch.monitor in ready:
                     for ident in self.fan_watch.lost():
                         self._rank_lost(int(ident.decode().removeprefix("rank")))
@@ -170,8 +167,11 @@ class Coordinator:
                         self._collect(rank, reply, task)
                 if self.fan in ready:
                     self._drain_fanout()
-                if self.ctrl in ready:
-                    self._drain_controller()
+                if self.ctrl in ready or self.ctrl_monitor in ready:
+                    self._drain_controller()  # a SHUTDOWN arrives before the disconnect
+                if self.ctrl_monitor in ready:
+                    log.warning("lost the controller; shutting the group down")
+                    self._shutdown(1)
                 self._release_sent()
         except Exception:
             log.exception("coordinator I/O thread failed")
@@ -305,7 +305,6 @@ class Coordinator:
                 self.fan.send_multipart([ident, b"\0", *encoded.frames], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # that rank is gone already
-        self.fan.close(linger=500)
-        self.ctrl.close(linger=500)
         self.arena.close()
+        self.ctx.destroy(linger=500)  # flush the SHUTDOWNs before the process goes
         os._exit(code)

@@ -69,11 +69,12 @@ class Worker:
         poller.register(self.monitor, zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
+            while self.sock.poll(0):  # messages first: a SHUTDOWN precedes the disconnect
+                if not self._handle(self.sock.recv_multipart(copy=False)):
+                    self._exit(0)
             if self.monitor in ready:
                 log.warning("lost the coordinator; exiting")
                 self._exit(1)
-            if self.sock in ready and not self._handle(self.sock.recv_multipart(copy=False)):
-                self._exit(0)
 
     def _handle(self, frames: list[Any]) -> bool:
         """Handle one message; False when the worker should stop. Frame 0 is this worker's

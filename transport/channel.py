@@ -99,7 +99,6 @@ def connect_dealer(
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer that is not there yet
     _heartbeats(sock, timeouts)
     if curve is not None:
         curve.apply(sock)

@@ -1,0 +1,107 @@
+"""Bad peers on the controller's socket are refused with a logged reason; real groups carry on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import zmq
+
+from controller.client import RoleClient
+from controller.server import Controller
+from deploy.session import local_session
+from tests.conftest import TEST_TIMEOUTS, group, run
+from transport.codec import encode
+from transport.protocol import PROTOCOL_VERSION, Message, MsgType
+
+ECHO = "roles.testing:Echo"
+
+
+def test_garbage_wrong_version_unknown_type_and_oversized_are_rejected(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    timeouts = TEST_TIMEOUTS.model_copy(update={"max_frame_bytes": 1 << 20})
+    bad_messages = [
+        [b"\xc1\xff garbage"],
+        [msgpack.packb([PROTOCOL_VERSION + 1, int(MsgType.CALL), 1, {}])],
+        [msgpack.packb([PROTOCOL_VERSION, 99, 1, {}])],
+        [msgpack.packb([PROTOCOL_VERSION, int(MsgType.REPLY), 1, {"result": 1}]), b"x" * (2 << 20)],
+        encode(Message(MsgType.REPLY, 5, {"result": 1})).frames,  # well-formed, but unregistered
+    ]
+
+    async def main() -> Controller:
+        async with local_session([group("g", 2, echo=ECHO)], timeouts) as c:
+            echo = RoleClient(c, "echo")
+            ctx = zmq.Context.instance()
+            intruder = ctx.socket(zmq.DEALER)
+            intruder.connect(c.addresses[0])
+            for frames in bad_messages:
+                intruder.send_multipart(frames)
+                # the real group keeps working between every bad message
+                assert (await echo.call("where"))["ranks"] == [0, 1]
+            for _ in range(100):
+                if len(c.rejected) >= len(bad_messages):
+                    break
+                await asyncio.sleep(0.02)
+            intruder.close(linger=0)
+            return c
+
+    with caplog.at_level(logging.WARNING, logger="hybridflow.controller"):
+        controller = run(main)
+    reasons = controller.rejected
+    assert len(reasons) == 5, reasons
+    assert "not valid msgpack" in reasons[0]
+    assert "protocol version" in reasons[1]
+    assert "unknown message type 99" in reasons[2]
+    assert "over the limit" in reasons[3]
+    assert "has not registered" in reasons[4]
+    assert sum("rejected" in r.getMessage() for r in caplog.records) == 5
+
+
+def _role_cli(address: str, names: str, token: str, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "role", names, "--connect", address, "--token", token,
+         "--run-dir", "/tmp/hf-role-test", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
+    """`hybridflow role NAMES --connect ADDR --nproc N` against a controller started alone."""
+
+    async def main() -> tuple[list[str], list[bytes]]:
+        controller = Controller([group("workers", 2, echo=ECHO)], TEST_TIMEOUTS)
+        address = controller.bind("ipc:///tmp/hf-by-hand-test")
+        outputs = []
+        try:
+            wrong = [
+                _role_cli(address, "echo", "not-the-token", "--nproc", "2"),
+                _role_cli(address, "critic", controller.token, "--nproc", "2"),
+                _role_cli(address, "echo", controller.token, "--nproc", "3"),
+            ]
+            for proc in wrong:
+                code = await asyncio.to_thread(proc.wait, 60)
+                assert code != 0
+                outputs.append(proc.stdout.read() if proc.stdout else b"")
+            good = _role_cli(address, "echo", controller.token, "--nproc", "2")
+            await controller.wait_ready(60)
+            assert (await RoleClient(controller, "echo").call("where"))["ranks"] == [0, 1]
+        finally:
+            await controller.shutdown()
+        assert await asyncio.to_thread(good.wait, 30) == 0  # SHUTDOWN ends the group cleanly
+        return controller.rejected, outputs
+
+    rejected, outputs = run(main)
+    assert len(rejected) == 3, rejected
+    assert any("bad token" in r for r in rejected)
+    assert any("unknown group" in r and "critic" in r for r in rejected)
+    assert any("world size 3" in r and "nproc=2" in r for r in rejected)
+    for out in outputs:  # the reason reaches the other side too (rank log path is printed)
+        assert b"exited with" in out
+    logs = open("/tmp/hf-role-test/logs/echo-0.log").read()
+    assert "refused" in logs
