@@ -91,7 +91,10 @@ class _Encoder:
             raise TypeError("quantized tensors cannot travel on the wire; dequantize them first")
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.detach().contiguous()
+        t = t.detach().resolve_conj().resolve_neg()
+        if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
+            t = t.view(torch.uint8).contiguous().view(t.dtype)  # sub-byte dtypes have no copy kernel
+        t = t.contiguous()
         raw = t.reshape(-1).view(torch.uint8)
         return self.pack([str(t.dtype).removeprefix("torch."), list(t.shape), self._place(raw)])
 
@@ -147,6 +150,8 @@ class _Decoder:
         if code == EXT_NDARRAY:
             dtype_str, shape, where = self.unpack(data)
             try:
+                if not isinstance(dtype_str, str):
+                    raise TypeError(dtype_str)
                 np_dtype = np.dtype(dtype_str)
             except TypeError as exc:
                 raise ProtocolError(f"unknown numpy dtype {dtype_str!r}") from exc
@@ -229,12 +234,14 @@ def decode(
     if not isinstance(header, list) or len(header) != 4:
         raise ProtocolError("header must be [version, type, call_id, body]")
     version, type_code, call_id, body = header
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}")
     try:
+        if type(type_code) is not int:
+            raise ValueError(type_code)
         msg_type = MsgType(type_code)
     except ValueError as exc:
         raise ProtocolError(f"unknown message type {type_code!r}") from exc
-    if not isinstance(call_id, int):
+    if type(call_id) is not int:
         raise ProtocolError(f"call id must be an integer, got {type(call_id).__name__}")
     return Message(msg_type, call_id, check_body(msg_type, body))

@@ -54,7 +54,7 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if type(value) is not int or value < 1:
                 raise ValueError(f"layout.{name}={value!r} must be a positive integer")
 
     @property
@@ -85,6 +85,9 @@ class Layout:
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Layout:
         """The layout with the given tp and pp over ``world_size`` ranks; dp is what remains."""
+        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if world_size % (tp * pp):
             raise ValueError(
                 f"tp={tp} x pp={pp} does not divide world_size={world_size}; "

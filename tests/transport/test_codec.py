@@ -31,7 +31,7 @@ from transport.shm import SHM_DIR, ShmArena, ShmReader
 
 MIB = 1 << 20
 ALL_DTYPES = sorted(codec._DTYPES)
-# Dtypes narrower than a byte: torch has no copy kernel for them (see the xfail below).
+# Dtypes narrower than a byte: torch has no copy kernel for them; the codec copies them as bytes.
 SUB_BYTE = {f"{kind}{bits}" for kind in ("uint", "int") for bits in range(1, 8)}
 
 
@@ -169,18 +169,6 @@ def test_non_contiguous_tensors_round_trip() -> None:
 @pytest.mark.parametrize("dtype_name", ALL_DTYPES)
 @pytest.mark.parametrize("layout", ["slice_small", "transposed_big"])
 def test_non_contiguous_every_dtype(dtype_name: str, layout: str, request: Any) -> None:
-    if dtype_name in SUB_BYTE or (dtype_name == "float4_e2m1fn_x2" and layout == "transposed_big"):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=NotImplementedError,
-                reason="codec.py:94 `t.detach().contiguous()` has no torch copy kernel for "
-                "sub-byte dtypes (uint1-7, int1-7: any layout; float4_e2m1fn_x2: a transposed "
-                "square matrix), so such non-contiguous tensors raise NotImplementedError on "
-                "encode although the module promises every non-quantized dtype round-trips "
-                "and non-contiguous tensors are made contiguous",
-            )
-        )
     dtype = codec._DTYPES[dtype_name]
     if layout == "slice_small":
         full = _random_tensor(dtype, (8, 12), seed=5)
@@ -567,12 +555,6 @@ def test_wrong_version(version: Any) -> None:
     [_tensor_ext("float32", [2], b"\0" * 8), _ndarray_ext("<f4", [2], b"\0" * 8)],
     ids=["tensor", "ndarray"],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec.py:232 `if version != PROTOCOL_VERSION:` takes the truth value of whatever "
-    "the header's version slot decoded to; a multi-element tensor there raises RuntimeError and "
-    "a numpy array raises a plain ValueError instead of ProtocolError",
-)
 def test_array_in_version_slot(version: Any) -> None:
     with pytest.raises(ProtocolError):
         decode([_header(version=version)])
@@ -732,7 +714,7 @@ def test_shm_descriptor_garbage_with_reader(reader: ShmReader) -> None:
             decode([_header({"result": _tensor_ext("float32", [1], desc)})], reader=reader)
 
 
-# ---------------------------------------------------------------------------------- xfail: views
+# ------------------------------------------------------------------------- lazy conj/neg views
 @pytest.mark.parametrize(
     "make",
     [
@@ -740,13 +722,6 @@ def test_shm_descriptor_garbage_with_reader(reader: ShmReader) -> None:
         lambda: torch.tensor(1 + 2j, dtype=torch.complex64).conj().imag,
     ],
     ids=["conj_view", "neg_view"],
-)
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="codec.py:94-95 `t.detach().contiguous()` keeps the lazy conjugate/negative bit, so "
-    "`t.reshape(-1).view(torch.uint8)` raises RuntimeError for a contiguous `x.conj()` or a 0-d `x.conj().imag`; "
-    "needs resolve_conj()/resolve_neg() before viewing the bytes",
 )
 def test_conjugate_and_negative_views_round_trip(make: Any) -> None:
     t = make()
@@ -758,7 +733,7 @@ def test_conjugate_and_negative_views_round_trip(make: Any) -> None:
 
 
 def test_non_contiguous_conjugate_view_round_trips() -> None:
-    # ``contiguous()`` copies these, which resolves the lazy bits (contrast with the xfail above).
+    # ``contiguous()`` copies these, which resolves the lazy bits; the codec resolves them itself.
     t = torch.tensor([[1 + 2j, 3 - 4j], [5 + 6j, -7j]], dtype=torch.complex64).conj().t()
     assert t.is_conj() and not t.is_contiguous()
     out = _roundtrip(t)
@@ -831,16 +806,10 @@ def test_for_world() -> None:
     with pytest.raises(ValueError) as info:
         Layout.for_world(10, tp=2, pp=3)
     assert "tp=2" in str(info.value) and "pp=3" in str(info.value) and "10" in str(info.value)
-    with pytest.raises(ValueError, match=re.escape("layout.dp=0")):
+    with pytest.raises(ValueError, match=re.escape("world_size=0")):
         Layout.for_world(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ZeroDivisionError,
-    reason="protocol.py:88 `world_size % (tp * pp)` divides by zero for tp=0 or pp=0, raising "
-    "ZeroDivisionError instead of a ValueError naming the bad value",
-)
 def test_for_world_zero_tp_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="tp=0"):
         Layout.for_world(8, tp=0)
