@@ -20,7 +20,9 @@ class RoleClient:
         self.controller = controller
         self.role = role
 
-    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    async def call(
+        self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
         """Run ``method`` on the role. ``timeout`` (seconds) overrides ``timeouts.call_s`` and is
         therefore not passed on to the method."""
         return await self.controller.call(self.role, method, list(args), kwargs, timeout)

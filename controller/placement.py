@@ -78,5 +78,7 @@ def check_placement(groups: list[GroupSpec]) -> None:
         seen_groups.add(group.name)
         for role in group.roles:
             if role in owner:
-                raise ValueError(f"role {role!r} is placed in both {owner[role]!r} and {group.name!r}")
+                raise ValueError(
+                    f"role {role!r} is placed in both {owner[role]!r} and {group.name!r}"
+                )
             owner[role] = group.name

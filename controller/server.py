@@ -34,7 +34,9 @@ log = logging.getLogger("hybridflow.controller")
 
 GROUP_ROLE = "_group"
 LOCAL_DEATH_GRACE_S = 0.5
-_instances = itertools.count()  # wait this long for a launcher's exit status before blaming a socket
+_instances = (
+    itertools.count()
+)  # wait this long for a launcher's exit status before blaming a socket
 
 
 @dataclass
@@ -52,6 +54,14 @@ class Group:
     def error(self, role: str) -> RoleDeadError:
         assert self.dead is not None
         return RoleDeadError(role, self.dead[0], self.dead[1])
+
+
+def _fd(sock: zmq.Socket[Any]) -> int:
+    return int(sock.getsockopt(zmq.FD))
+
+
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def exit_cause(returncode: int) -> str:
@@ -83,6 +93,7 @@ class Controller:
         self.reader = ShmReader()
         self._sockets: list[tuple[zmq.Socket[Any], PeerWatch]] = []
         self.addresses: list[str] = []
+        self._tasks: set[asyncio.Future[None]] = set()  # background work, kept referenced
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -95,8 +106,8 @@ class Controller:
             self._auth = curve.start_authenticator(self.ctx)
         watch = PeerWatch.on(sock)
         self._sockets.append((sock, watch))
-        self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock, watch)
-        self._loop.add_reader(watch.monitor.getsockopt(zmq.FD), self._drain_monitor, watch)
+        self._loop.add_reader(_fd(sock), self._drain, sock, watch)
+        self._loop.add_reader(_fd(watch.monitor), self._drain_monitor, watch)
         self.addresses.append(address)
         return address
 
@@ -111,20 +122,24 @@ class Controller:
             self._drain_monitor(watch)
 
     def _drain(self, sock: zmq.Socket[Any], watch: PeerWatch) -> None:
-        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not sock.closed and _readable(sock):
             identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             self._handle(sock, watch, identity, frames)
 
     def _drain_monitor(self, watch: PeerWatch) -> None:
-        if watch.monitor.closed or not watch.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if watch.monitor.closed or not _readable(watch.monitor):
             return
         for identity in watch.lost():
             group = self.by_identity.get(identity)
             if group is not None:
-                self.declare_dead(group.spec.name, 0, "(the coordinator) closed its connection", False)
+                self.declare_dead(
+                    group.spec.name, 0, "(the coordinator) closed its connection", False
+                )
 
     # -- messages -------------------------------------------------------------------------------
-    def _handle(self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, frames: list[Any]) -> None:
+    def _handle(
+        self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, frames: list[Any]
+    ) -> None:
         identity = ident.bytes
         group = self.by_identity.get(identity)
         try:
@@ -152,7 +167,9 @@ class Controller:
         log.warning("rejected %s", reason)
         self.rejected.append(reason)
 
-    def _hello(self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, body: dict[str, Any]) -> None:
+    def _hello(
+        self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, body: dict[str, Any]
+    ) -> None:
         name = self._group_name(body)
         reason = self._refusal(name, body)
         if reason is not None:
@@ -166,7 +183,8 @@ class Controller:
         watch.learn(ident.bytes, ident)
         welcome = {"group": name, "host": host_id()}
         self._send(sock, ident.bytes, Message(MsgType.WELCOME, 0, welcome), False)
-        asyncio.ensure_future(self._build(group))
+        self._tasks.add(task := asyncio.ensure_future(self._build(group)))
+        task.add_done_callback(self._tasks.discard)
 
     def _group_name(self, body: dict[str, Any]) -> str:
         """The placed group a hello speaks for: by name, or (a group started by hand under
@@ -210,13 +228,19 @@ class Controller:
             group.endpoints = await self.call(GROUP_ROLE, "build", [specs], {}, group=group)
         except (RemoteError, RoleDeadError) as exc:
             log.error("group %r failed to build its roles: %s", group.spec.name, exc)
-            self.declare_dead(group.spec.name, getattr(exc, "rank", None), f"failed to build: {exc}", True)
+            self.declare_dead(
+                group.spec.name, getattr(exc, "rank", None), f"failed to build: {exc}", True
+            )
         group.ready.set()
 
     def _resolve(self, group: Group, msg: Message) -> None:
         entry = group.pending.pop(msg.call_id, None)
         if entry is None:
-            log.info("late answer for call %d from %r (timed out?); dropped", msg.call_id, group.spec.name)
+            log.info(
+                "late answer for call %d from %r (timed out?); dropped",
+                msg.call_id,
+                group.spec.name,
+            )
             return
         future, _role, _method = entry
         if future.done():
@@ -225,7 +249,9 @@ class Controller:
             future.set_result(msg.body["result"])
         else:
             b = msg.body
-            future.set_exception(RemoteError(b["role"], b["rank"], b["exc_type"], b["message"], b["traceback"]))
+            future.set_exception(
+                RemoteError(b["role"], b["rank"], b["exc_type"], b["message"], b["traceback"])
+            )
 
     # -- deaths ---------------------------------------------------------------------------------
     def declare_dead(self, name: str, rank: int | None, cause: str, precise: bool) -> None:
@@ -275,7 +301,9 @@ class Controller:
         if group.dead is not None:
             raise group.error(role)
         if group.sock is None:
-            raise RegistrationError(f"group {group.spec.name!r} has not registered yet (await wait_ready)")
+            raise RegistrationError(
+                f"group {group.spec.name!r} has not registered yet (await wait_ready)"
+            )
         if role != GROUP_ROLE and method not in group.endpoints.get(role, {}):
             have = sorted(group.endpoints.get(role, {}))
             raise AttributeError(f"role {role!r} has no endpoint {method!r}; it has {have}")
@@ -283,24 +311,37 @@ class Controller:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         group.pending[call_id] = (future, role, method)
         body = {"role": role, "method": method, "args": args, "kwargs": kwargs}
-        self._send(group.sock, group.identity, Message(MsgType.CALL, call_id, body), group.same_host)
+        self._send(
+            group.sock, group.identity, Message(MsgType.CALL, call_id, body), group.same_host
+        )
         limit = self.timeouts.call_s if timeout is None else timeout
+        # A timer, not asyncio.wait_for: on 3.11 wait_for can swallow a cancellation (Ctrl-C)
+        # that lands just as the reply does, and it costs a task per call.
+        timer = asyncio.get_running_loop().call_later(limit, self._expire, group, call_id, limit)
         try:
-            return await asyncio.wait_for(future, limit)
-        except TimeoutError:
+            return await future
+        finally:
+            timer.cancel()
             group.pending.pop(call_id, None)
-            raise CallTimeoutError(
-                f"call {role}.{method} got no answer within {limit:.1f} s "
-                "(raise timeouts.call_s, or pass timeout= for this call)"
-            ) from None
+
+    def _expire(self, group: Group, call_id: int, limit: float) -> None:
+        entry = group.pending.pop(call_id, None)
+        if entry is not None and not entry[0].done():
+            _, role, method = entry
+            entry[0].set_exception(
+                CallTimeoutError(
+                    f"call {role}.{method} got no answer within {limit:.1f} s "
+                    "(raise timeouts.call_s, or pass timeout= for this call)"
+                )
+            )
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until every placed group has registered and built its roles."""
         limit = self.timeouts.connect_s if timeout is None else timeout
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(g.ready.wait() for g in self.groups.values())), limit
-            )
+            async with asyncio.timeout(limit):
+                for group in self.groups.values():
+                    await group.ready.wait()
         except TimeoutError:
             missing = [n for n, g in self.groups.items() if not g.ready.is_set()]
             raise RegistrationError(
@@ -309,21 +350,28 @@ class Controller:
             ) from None
         for name, group in self.groups.items():
             if group.dead is not None:
-                raise RegistrationError(f"group {name!r} died while starting: rank {group.dead[0]} {group.dead[1]}")
+                raise RegistrationError(
+                    f"group {name!r} died while starting: rank {group.dead[0]} {group.dead[1]}"
+                )
 
     async def shutdown(self) -> None:
         """Tell every live group to stop, then close the sockets."""
         for group in self.groups.values():
             if group.sock is not None and group.dead is None:
                 try:
-                    self._send(group.sock, group.identity, Message(MsgType.SHUTDOWN, 0, {"reason": "run over"}), False)
+                    self._send(
+                        group.sock,
+                        group.identity,
+                        Message(MsgType.SHUTDOWN, 0, {"reason": "run over"}),
+                        False,
+                    )
                 except zmq.ZMQError:
                     pass  # it went away meanwhile
         await asyncio.sleep(0)
         for sock, watch in self._sockets:
             if self._loop is not None:
-                self._loop.remove_reader(sock.getsockopt(zmq.FD))
-                self._loop.remove_reader(watch.monitor.getsockopt(zmq.FD))
+                self._loop.remove_reader(_fd(sock))
+                self._loop.remove_reader(_fd(watch.monitor))
             sock.disable_monitor()
             watch.close()
             sock.close(linger=200)

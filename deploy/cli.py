@@ -55,7 +55,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         async with local_session(placement, fanout=args.fanout) as controller:
             ready = time.perf_counter() - start
             result = await train_linear(controller, steps=args.steps)
-        return {**result, "startup_s": round(ready, 2), "wall_s": round(time.perf_counter() - start, 2)}
+        return {
+            **result,
+            "startup_s": round(ready, 2),
+            "wall_s": round(time.perf_counter() - start, 2),
+        }
 
     result = run_async(main)
     if args.json:
@@ -80,7 +84,11 @@ def cmd_role(args: argparse.Namespace) -> int:
     name = args.group or "+".join(roles)
     # The role classes come from the controller (WELCOME/build); the spec here sizes the group.
     spec = GroupSpec.model_construct(
-        name=name, roles={r: RoleSpec(cls="unset:Unset") for r in roles}, nproc=args.nproc, tp=args.tp, pp=args.pp
+        name=name,
+        roles={r: RoleSpec(cls="unset:Unset") for r in roles},
+        nproc=args.nproc,
+        tp=args.tp,
+        pp=args.pp,
     )
     token = args.token or os.environ.get("HYBRIDFLOW_TOKEN", "")
 
@@ -95,7 +103,13 @@ def cmd_role(args: argparse.Namespace) -> int:
 
         sock_dir = Path(args.socket_dir or "/tmp")
         launcher = LocalLauncher(
-            args.connect, token, Path(args.run_dir), sock_dir, Timeouts.from_env(), on_exit, args.fanout
+            args.connect,
+            token,
+            Path(args.run_dir),
+            sock_dir,
+            Timeouts.from_env(),
+            on_exit,
+            args.fanout,
         )
         launcher.start(spec)
         try:
@@ -125,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     role = sub.add_parser("role", help="start a process group by hand and join a controller")
     role.add_argument("names", help="comma-separated role names this group hosts")
-    role.add_argument("--connect", required=True, help="controller address, e.g. ipc:///tmp/x or tcp://HOST:PORT")
+    role.add_argument(
+        "--connect", required=True, help="controller address, e.g. ipc:///tmp/x or tcp://HOST:PORT"
+    )
     role.add_argument("--nproc", type=int, default=1)
     role.add_argument("--tp", type=int, default=1)
     role.add_argument("--pp", type=int, default=1)

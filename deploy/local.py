@@ -114,7 +114,9 @@ class LocalLauncher:
         if self.stopping:
             return
         if code != 0:
-            log.error("%s rank %d ended (code %d); log: %s", proc.group, proc.rank, code, proc.log_path)
+            log.error(
+                "%s rank %d ended (code %d); log: %s", proc.group, proc.rank, code, proc.log_path
+            )
         self.on_exit(proc.group, proc.rank, code)
         if code == 0:
             return  # a clean exit (the group was told to stop); its peers follow on their own
@@ -128,7 +130,11 @@ class LocalLauncher:
     async def stop(self) -> None:
         """Give ranks ``timeouts.shutdown_s`` to leave after SHUTDOWN, then TERM, then KILL."""
         self.stopping = True
-        for sig, wait_s in ((None, self.timeouts.shutdown_s), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+        for sig, wait_s in (
+            (None, self.timeouts.shutdown_s),
+            (signal.SIGTERM, 2.0),
+            (signal.SIGKILL, 5.0),
+        ):
             if sig is not None:
                 for proc in self.alive():
                     proc.popen.send_signal(sig)
@@ -143,4 +149,6 @@ class LocalLauncher:
                 proc.pidfd = -1
         left = self.alive()
         if left:
-            raise RuntimeError(f"ranks would not die: {[(p.group, p.rank, p.popen.pid) for p in left]}")
+            raise RuntimeError(
+                f"ranks would not die: {[(p.group, p.rank, p.popen.pid) for p in left]}"
+            )

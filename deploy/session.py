@@ -30,7 +30,9 @@ async def local_session(
     """``bind`` overrides the controller's address (default: an ipc socket in a private
     directory); ``tcp://127.0.0.1:0`` exercises the TCP path with ZeroMQ heartbeats."""
     timeouts = timeouts or Timeouts()
-    sock_dir = Path(tempfile.mkdtemp(prefix="hf-"))  # short path: ipc names are limited to ~100 bytes
+    sock_dir = Path(
+        tempfile.mkdtemp(prefix="hf-")
+    )  # short path: ipc names are limited to ~100 bytes
     run_dir = run_dir or sock_dir
     controller = Controller(groups, timeouts)
     launcher: LocalLauncher | None = None

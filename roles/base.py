@@ -57,7 +57,9 @@ def load_class(path: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for role class {path!r}: {exc}") from exc
+        raise ValueError(
+            f"cannot import module {module_name!r} for role class {path!r}: {exc}"
+        ) from exc
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise ValueError(f"{module_name} has no class {attr!r} (role class {path!r})")
@@ -98,7 +100,9 @@ class RoleHost:
             table = endpoints_of(cls)
             if not table:
                 raise ValueError(f"role class {spec['cls']} declares no @endpoint methods")
-            ctx = RoleContext(name, self.group, self.rank, self.layout.world_size, self.layout, self.pg)
+            ctx = RoleContext(
+                name, self.group, self.rank, self.layout.world_size, self.layout, self.pg
+            )
             self.instances[name] = cls(ctx, **spec.get("config", {}))
             self.endpoints[name] = table
         return {

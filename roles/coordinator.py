@@ -91,7 +91,7 @@ class Coordinator:
         missing = set(self.worker_ids.values())
         while missing:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.fan.poll(left * 1000):
+            if left <= 0 or not self.fan.poll(int(left * 1000)):
                 raise RegistrationError(
                     f"ranks {sorted(m.decode() for m in missing)} never reached the coordinator "
                     f"within {self.env.timeouts.group_init_s:.0f} s (raise timeouts.group_init_s)"
@@ -123,14 +123,16 @@ class Coordinator:
         )
         self.ctrl_monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         send_frames(self.ctrl, encode(Message(MsgType.HELLO, 0, hello_body(self.env))))
-        if not self.ctrl.poll(self.env.timeouts.connect_s * 1000):
+        if not self.ctrl.poll(int(self.env.timeouts.connect_s * 1000)):
             raise RegistrationError(
                 f"no answer from the controller at {self.env.controller} within "
                 f"{self.env.timeouts.connect_s:.0f} s (is it running? raise timeouts.connect_s)"
             )
         reply = decode(self.ctrl.recv_multipart(copy=False))
         if reply.type == MsgType.REFUSE:
-            raise RegistrationError(f"the controller refused group {self.env.group!r}: {reply.body['reason']}")
+            raise RegistrationError(
+                f"the controller refused group {self.env.group!r}: {reply.body['reason']}"
+            )
         if reply.type != MsgType.WELCOME:
             raise RegistrationError(f"expected WELCOME from the controller, got {reply.type.name}")
         self.ctrl_same_host = bool(reply.body.get("host") == host_id())
@@ -218,9 +220,13 @@ class Coordinator:
         role = str(body["role"])
         try:
             protocol = self.host.spec(role, str(body["method"])).protocol
-            per_rank = protocol.distribute(tuple(body["args"]), dict(body["kwargs"]), self.env.layout)
+            per_rank = protocol.distribute(
+                tuple(body["args"]), dict(body["kwargs"]), self.env.layout
+            )
             if len(per_rank) != self.env.world_size:
-                raise ValueError(f"{protocol.name} gave {len(per_rank)} shares for {self.env.world_size} ranks")
+                raise ValueError(
+                    f"{protocol.name} gave {len(per_rank)} shares for {self.env.world_size} ranks"
+                )
         except Exception as exc:
             self._send_ctrl(Message(MsgType.ERROR, call_id, error_body(role, 0, exc)))
             return
@@ -246,7 +252,9 @@ class Coordinator:
             self.rpc.submit(call_id, body, ranks)
             return
         use_shm = all(r in self.same_host_workers for r in ranks)
-        encoded = encode(Message(MsgType.CALL, call_id, body), self.arena if use_shm else None, len(ranks))
+        encoded = encode(
+            Message(MsgType.CALL, call_id, body), self.arena if use_shm else None, len(ranks)
+        )
         for index, rank in enumerate(ranks):
             frames = [self.worker_ids[rank], bytes([index]), *encoded.frames]
             self.fan.send_multipart(frames, copy=not encoded.big)
@@ -295,7 +303,9 @@ class Coordinator:
     def _rank_lost(self, rank: int) -> None:
         cause = "exited: its connection to the coordinator closed"
         log.error("rank %d %s", rank, cause)
-        self._send_ctrl(Message(MsgType.DEAD, 0, {"roles": self.env.roles, "rank": rank, "cause": cause}))
+        self._send_ctrl(
+            Message(MsgType.DEAD, 0, {"roles": self.env.roles, "rank": rank, "cause": cause})
+        )
         self._shutdown(3)
 
     def _shutdown(self, code: int) -> None:

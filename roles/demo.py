@@ -48,7 +48,9 @@ class LinearRegressor(Role):
     @endpoint(DP_SPLIT)
     def predict(self, batch: TensorBatch) -> TensorBatch:
         with torch.no_grad():
-            y_hat = self.model(batch["x"])  # type: ignore[arg-type]
+            x = batch["x"]
+            assert isinstance(x, torch.Tensor)
+            y_hat = self.model(x)
         return TensorBatch.from_dict({"y_hat": y_hat})
 
     @endpoint(RANK_ZERO)

@@ -96,7 +96,7 @@ def endpoint(
     """Mark a role method as callable by the controller with the given transfer protocol."""
 
     def mark(fn: Callable[P, R]) -> Callable[P, R]:
-        setattr(fn, _MARK, EndpointSpec(fn.__name__, protocol))  # noqa: B010 - a marker, once
+        setattr(fn, _MARK, EndpointSpec(fn.__name__, protocol))
         return fn
 
     return mark

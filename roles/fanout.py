@@ -31,7 +31,9 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def init_rpc(rank: int, world_size: int, master_addr: str, store: dist.Store, timeout_s: float) -> None:
+def init_rpc(
+    rank: int, world_size: int, master_addr: str, store: dist.Store, timeout_s: float
+) -> None:
     if rank == 0:
         store.set(RPC_PORT_KEY, str(_free_port(master_addr)))
     port = int(store.get(RPC_PORT_KEY))
@@ -97,6 +99,12 @@ class RpcFanOut:
             msg = Message(
                 MsgType.ERROR,
                 call_id,
-                {"role": "?", "rank": rank, "exc_type": type(exc).__name__, "message": str(exc), "traceback": ""},
+                {
+                    "role": "?",
+                    "rank": rank,
+                    "exc_type": type(exc).__name__,
+                    "message": str(exc),
+                    "traceback": "",
+                },
             )
         self.post(rank, msg)

@@ -53,7 +53,9 @@ class GroupEnv:
 
         def need(name: str) -> str:
             if name not in e:
-                raise ValueError(f"environment variable {name} is not set (launch ranks with hybridflow)")
+                raise ValueError(
+                    f"environment variable {name} is not set (launch ranks with hybridflow)"
+                )
             return e[name]
 
         rank = int(e.get("RANK", e.get("SLURM_PROCID", "0")))
@@ -63,7 +65,9 @@ class GroupEnv:
         )
         fanout = e.get("HYBRIDFLOW_FANOUT", "zmq")
         if fanout not in FANOUT_BACKENDS:
-            raise ValueError(f"HYBRIDFLOW_FANOUT={fanout!r}; use one of {', '.join(FANOUT_BACKENDS)}")
+            raise ValueError(
+                f"HYBRIDFLOW_FANOUT={fanout!r}; use one of {', '.join(FANOUT_BACKENDS)}"
+            )
         curve = None
         if e.get("HYBRIDFLOW_CURVE_SECRET"):
             curve = CurveClient(

@@ -20,7 +20,9 @@ def run(main: Callable[[], Awaitable[Any]]) -> Any:
     return uvloop.run(main())
 
 
-def group(name: str, nproc: int = 1, tp: int = 1, **roles: str | tuple[str, dict[str, Any]]) -> GroupSpec:
+def group(
+    name: str, nproc: int = 1, tp: int = 1, **roles: str | tuple[str, dict[str, Any]]
+) -> GroupSpec:
     """``group("g", 2, echo="roles.testing:Echo")`` — a placement entry in one line."""
     specs = {}
     for role, value in roles.items():

@@ -113,7 +113,7 @@ def send_frames(
     mutate the tensors until the returned tracker is done (``None``: nothing to wait for)."""
     frames = encoded.frames if identity is None else [identity, *encoded.frames]
     if encoded.big:
-        tracker: zmq.MessageTracker = sock.send_multipart(frames, copy=False, track=True)
+        tracker: zmq.MessageTracker | None = sock.send_multipart(frames, copy=False, track=True)
         return tracker
     sock.send_multipart(frames, copy=True)
     return None

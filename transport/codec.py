@@ -93,7 +93,9 @@ class _Encoder:
             t = t.cpu()
         t = t.detach().resolve_conj().resolve_neg()
         if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
-            t = t.view(torch.uint8).contiguous().view(t.dtype)  # sub-byte dtypes have no copy kernel
+            t = (
+                t.view(torch.uint8).contiguous().view(t.dtype)
+            )  # sub-byte dtypes have no copy kernel
         t = t.contiguous()
         raw = t.reshape(-1).view(torch.uint8)
         return self.pack([str(t.dtype).removeprefix("torch."), list(t.shape), self._place(raw)])
@@ -168,14 +170,16 @@ class _Decoder:
                 raise ProtocolError(f"bad TensorBatch: {exc}") from exc
         raise ProtocolError(f"unknown msgpack extension type {code}")
 
-    def unpack(self, data: bytes) -> Any:
+    def unpack(self, data: bytes | memoryview) -> Any:
         return msgpack.unpackb(
             data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
         )
 
     def _bytes(self, where: Any, nbytes: int) -> torch.Tensor:
         if nbytes > self.max_bytes:
-            raise ProtocolError(f"tensor of {nbytes} bytes exceeds max_frame_bytes={self.max_bytes}")
+            raise ProtocolError(
+                f"tensor of {nbytes} bytes exceeds max_frame_bytes={self.max_bytes}"
+            )
         if isinstance(where, bytes):
             raw = torch.frombuffer(bytearray(where), dtype=torch.uint8) if where else _empty()
         elif isinstance(where, int) and not isinstance(where, bool):
@@ -193,7 +197,9 @@ class _Decoder:
         else:
             raise ProtocolError(f"bad tensor location {type(where).__name__}")
         if raw.numel() != nbytes:
-            raise ProtocolError(f"tensor needs {nbytes} bytes, frame has {raw.numel()} (truncated?)")
+            raise ProtocolError(
+                f"tensor needs {nbytes} bytes, frame has {raw.numel()} (truncated?)"
+            )
         return raw
 
 

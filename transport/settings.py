@@ -22,11 +22,17 @@ class Timeouts(BaseModel):
 
     call_s: float = Field(600.0, gt=0, description="one role call, controller side")
     connect_s: float = Field(120.0, gt=0, description="groups registering with the controller")
-    group_init_s: float = Field(60.0, gt=0, description="torch.distributed group set-up and collectives")
+    group_init_s: float = Field(
+        60.0, gt=0, description="torch.distributed group set-up and collectives"
+    )
     heartbeat_s: float = Field(1.0, gt=0, description="ZeroMQ heartbeat interval on TCP links")
-    heartbeat_timeout_s: float = Field(10.0, gt=0, description="silence before a TCP peer is dropped")
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="silence before a TCP peer is dropped"
+    )
     shutdown_s: float = Field(5.0, gt=0, description="grace before stragglers are killed")
-    max_frame_bytes: int = Field(16 << 30, gt=0, description="largest tensor frame a receiver accepts")
+    max_frame_bytes: int = Field(
+        16 << 30, gt=0, description="largest tensor frame a receiver accepts"
+    )
 
     def to_env(self) -> str:
         return self.model_dump_json()

@@ -64,8 +64,20 @@ def test_garbage_wrong_version_unknown_type_and_oversized_are_rejected(
 
 def _role_cli(address: str, names: str, token: str, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "role", names, "--connect", address, "--token", token,
-         "--run-dir", "/tmp/hf-role-test", *extra],
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "role",
+            names,
+            "--connect",
+            address,
+            "--token",
+            token,
+            "--run-dir",
+            "/tmp/hf-role-test",
+            *extra,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

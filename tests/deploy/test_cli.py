@@ -1,0 +1,87 @@
+"""The ``hybridflow`` CLI as a user runs it: the demo job, and teardown under signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.roles.test_mesh import pid_alive
+
+
+def rank_pids(parent: int) -> list[int]:
+    """Rank processes started by ``parent`` (children in their own sessions)."""
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def wait_for(predicate: object, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_demo_trains_the_linear_model() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "demo", "--json", "--steps", "40"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["final_loss"] < 0.01 * result["first_loss"]
+    assert result["weight_error"] < 0.05
+    assert result["replicas_agree"] is True
+
+
+def _start_long_demo() -> tuple[subprocess.Popen[bytes], list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "demo", "--steps", "1000000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert wait_for(lambda: len(rank_pids(proc.pid)) == 2, 30), "ranks never started"
+    pids = rank_pids(proc.pid)
+    time.sleep(4)  # well into training
+    return proc, pids
+
+
+@pytest.fixture
+def long_demo() -> Iterator[tuple[subprocess.Popen[bytes], list[int]]]:
+    proc, pids = _start_long_demo()
+    try:
+        yield proc, pids
+    finally:  # whatever the test saw, leave nothing running
+        proc.kill()
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_ends_everything(
+    sig: signal.Signals, long_demo: tuple[subprocess.Popen[bytes], list[int]]
+) -> None:
+    proc, pids = long_demo
+    proc.send_signal(sig)
+    assert proc.wait(timeout=20) == 130
+    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 10)
+
+
+def test_kill_9_of_the_controller_leaves_no_orphans(
+    long_demo: tuple[subprocess.Popen[bytes], list[int]],
+) -> None:
+    proc, pids = long_demo
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=5)
+    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 5), "ranks outlived their parent"
