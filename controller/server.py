@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from controller.placement import GroupSpec, check_placement
 from transport.channel import PeerWatch, bind_router, host_id, send_frames
@@ -93,6 +94,7 @@ class Controller:
         self.reader = ShmReader()
         self._sockets: list[tuple[zmq.Socket[Any], PeerWatch]] = []
         self.addresses: list[str] = []
+        self._auth: ThreadAuthenticator | None = None
         self._tasks: set[asyncio.Future[None]] = set()  # background work, kept referenced
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,9 +103,9 @@ class Controller:
     def bind(self, address: str, curve: CurveServer | None = None) -> str:
         """Bind one ROUTER (one security domain); returns the address groups connect to."""
         self._loop = asyncio.get_running_loop()
-        sock, address = bind_router(self.ctx, address, self.timeouts, curve)
-        if curve is not None:
+        if curve is not None and self._auth is None:  # ZAP must answer before the first peer
             self._auth = curve.start_authenticator(self.ctx)
+        sock, address = bind_router(self.ctx, address, self.timeouts, curve)
         watch = PeerWatch.on(sock)
         self._sockets.append((sock, watch))
         self._loop.add_reader(_fd(sock), self._drain, sock, watch)
@@ -133,7 +135,10 @@ class Controller:
             group = self.by_identity.get(identity)
             if group is not None:
                 self.declare_dead(
-                    group.spec.name, 0, "(the coordinator) closed its connection", False
+                    group.spec.name,
+                    0,
+                    "(the coordinator) lost its connection: it exited, or ZeroMQ heartbeats timed out",
+                    False,
                 )
 
     # -- messages -------------------------------------------------------------------------------
@@ -376,6 +381,6 @@ class Controller:
             watch.close()
             sock.close(linger=200)
         self._sockets.clear()
-        if getattr(self, "_auth", None) is not None:
+        if self._auth is not None:
             self._auth.stop()
         self.arena.close()

@@ -23,6 +23,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 
+ZAP_DOMAIN = "hybridflow"
+
+
 def new_token() -> str:
     return secrets.token_hex(16)
 
@@ -68,7 +71,7 @@ class CurveServer:
         sock.curve_server = True
         sock.curve_publickey = public
         sock.curve_secretkey = secret
-        sock.zap_domain = b"hybridflow"
+        sock.zap_domain = ZAP_DOMAIN.encode()
 
     def start_authenticator(self, ctx: zmq.Context[Any]) -> ThreadAuthenticator:
         """Runs until stopped; refuses every client whose key is not in ``allowed_dir``."""
@@ -76,7 +79,7 @@ class CurveServer:
             raise FileNotFoundError(f"allowed client key directory {self.allowed_dir} is missing")
         auth = ThreadAuthenticator(ctx)
         auth.start()
-        auth.configure_curve(domain="*", location=str(self.allowed_dir))
+        auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.allowed_dir))
         return auth
 
 

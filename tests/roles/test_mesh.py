@@ -198,3 +198,28 @@ def test_big_tensors_cross_in_both_directions_intact() -> None:
                 assert not torch.equal(back, t)
 
     run(main)
+
+
+def test_a_silent_remote_peer_is_dropped_by_zeromq_heartbeats() -> None:
+    """A coordinator that stops answering (SIGSTOP: a hung host) is declared dead by ZeroMQ's
+    own heartbeats over TCP, without any application-level ping."""
+    timeouts = TEST_TIMEOUTS.model_copy(update={"heartbeat_s": 0.3, "heartbeat_timeout_s": 1.5})
+
+    async def main() -> None:
+        async with local_session(
+            [group("g", 1, echo=ECHO)], timeouts, bind="tcp://127.0.0.1:0"
+        ) as c:
+            echo = RoleClient(c, "echo")
+            pid = (await echo.call("where"))["pids"][0]
+            c.local_groups.clear()  # judge by the socket alone, as for a remote host
+            pending = asyncio.ensure_future(echo.call("echo", 1))
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                with pytest.raises(RoleDeadError, match="heartbeats timed out"):
+                    await pending
+                assert time.monotonic() - stopped < 5.0
+            finally:
+                os.kill(pid, signal.SIGKILL)
+
+    run(main)

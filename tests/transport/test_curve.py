@@ -1,0 +1,77 @@
+"""CURVE on the controller's TCP socket: listed client keys get in, anyone else never registers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from controller.client import RoleClient
+from controller.server import Controller
+from deploy.local import LocalLauncher
+from tests.conftest import TEST_TIMEOUTS, group, run
+from transport.channel import bind_router
+from transport.errors import RegistrationError
+from transport.security import CurveServer, make_keypair
+
+
+def test_curve_admits_listed_keys_and_refuses_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, server_secret = make_keypair(tmp_path / "server", "controller")
+    server_public = tmp_path / "server" / "controller.key"
+    good_public, good_secret = make_keypair(tmp_path / "clients", "good")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "good.key").write_bytes(good_public.read_bytes())
+    _, bad_secret = make_keypair(tmp_path / "strangers", "bad")  # valid key, not listed
+    timeouts = TEST_TIMEOUTS.model_copy(update={"connect_s": 4})
+
+    async def main() -> None:
+        placement = [
+            group("good", 1, echo="roles.testing:Echo"),
+            group("bad", 1, other="roles.testing:Echo"),
+        ]
+        controller = Controller(placement, timeouts)
+        address = controller.bind("tcp://127.0.0.1:0", CurveServer(server_secret, allowed))
+        exits: list[tuple[str, int, int]] = []
+        launchers = []
+        for name, secret in (("good", good_secret), ("bad", bad_secret)):
+            monkeypatch.setenv("HYBRIDFLOW_CURVE_SECRET", str(secret))
+            monkeypatch.setenv("HYBRIDFLOW_CURVE_SERVER_KEY", str(server_public))
+            launcher = LocalLauncher(
+                address,
+                controller.token,
+                tmp_path / name,
+                tmp_path,
+                timeouts,
+                lambda g, r, c: exits.append((g, r, c)),
+            )
+            launcher.start(next(g for g in placement if g.name == name))
+            launchers.append(launcher)
+        try:
+            with pytest.raises(RegistrationError, match=r"\['bad'\]"):
+                await controller.wait_ready(6)
+            assert (await RoleClient(controller, "echo").call("where"))["ranks"] == [0]
+            # the stranger's coordinator gave up on its own: no WELCOME ever came
+            for _ in range(100):
+                if exits:
+                    break
+                await asyncio.sleep(0.05)
+            assert exits and exits[0][0] == "bad" and exits[0][2] != 0
+            log = (tmp_path / "bad" / "logs" / "bad-0.log").read_text()
+            assert "no answer from the controller" in log
+        finally:
+            await controller.shutdown()
+            for launcher in launchers:
+                await launcher.stop()
+
+    run(main)
+
+
+def test_tcp_leaving_the_host_requires_curve() -> None:
+    import zmq
+
+    with pytest.raises(ValueError, match="needs CURVE keys"):
+        bind_router(zmq.Context.instance(), "tcp://0.0.0.0:0", TEST_TIMEOUTS)
