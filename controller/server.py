@@ -129,7 +129,7 @@ class Controller:
             self._handle(sock, watch, identity, frames)
 
     def _drain_monitor(self, watch: PeerWatch) -> None:
-        if watch.monitor.closed or not _readable(watch.monitor):
+        if watch.monitor.closed:
             return
         for identity in watch.lost():
             group = self.by_identity.get(identity)

@@ -159,9 +159,8 @@ class Coordinator:
         try:
             while True:
                 ready = dict(poller.poll(1 if self.trackers else None))
-                if self.fan_watch.monitor in ready:
-                    for ident in self.fan_watch.lost():
-                        self._rank_lost(int(ident.decode().removeprefix("rank")))
+                for ident in self.fan_watch.lost():  # cheap; also catches losses seen in learn()
+                    self._rank_lost(int(ident.decode().removeprefix("rank")))
                 if self.wake_r in ready:
                     os.read(self.wake_r, 4096)
                     while not self.done.empty():

@@ -121,19 +121,33 @@ def send_frames(
 
 @dataclass
 class PeerWatch:
-    """Which peer each connection belongs to, and which peers the monitor says are gone."""
+    """Which peer each connection belongs to, and which peers the monitor says are gone.
+
+    File descriptors are reused: a refused stranger's connection may close, and the next peer
+    may get the same number before we read that DISCONNECTED event. So ``learn`` first consumes
+    every pending event (all of them predate the message being learnt from), then maps the fd."""
 
     monitor: zmq.Socket[Any]
 
     def __post_init__(self) -> None:
         self._by_fd: dict[int, bytes] = {}
+        self._lost: list[bytes] = []
 
     @classmethod
     def on(cls, sock: zmq.Socket[Any]) -> PeerWatch:
         return cls(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
 
+    def _pump(self) -> None:
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                ident = self._by_fd.pop(int(event["value"]), None)
+                if ident is not None:
+                    self._lost.append(ident)
+
     def learn(self, identity: bytes, first_frame: zmq.Frame) -> None:
         """Remember the connection a peer's message came from (call on its hello)."""
+        self._pump()
         self._by_fd[first_frame.get(zmq.SRCFD)] = identity
 
     def forget(self, identity: bytes) -> None:
@@ -142,14 +156,9 @@ class PeerWatch:
                 del self._by_fd[fd]
 
     def lost(self) -> list[bytes]:
-        """Drain monitor events; the identities whose connection closed."""
-        gone: list[bytes] = []
-        while self.monitor.poll(0):
-            event = parse_monitor_message(self.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                ident = self._by_fd.pop(int(event["value"]), None)
-                if ident is not None:
-                    gone.append(ident)
+        """The identities whose connection closed since the last call."""
+        self._pump()
+        gone, self._lost = self._lost, []
         return gone
 
     def close(self) -> None:

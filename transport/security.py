@@ -22,7 +22,6 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-
 ZAP_DOMAIN = "hybridflow"
 
 
