@@ -1,15 +1,19 @@
 """Rank 0 of a group: serves the controller's calls and fans each out to the group's ranks.
 
-Two threads, as in vLLM v1's engine core: an I/O thread owns every socket — the DEALER to the
-controller, the fan-out ROUTER to the other ranks, their monitors — and the main thread only
-computes. So a 20-second training step never delays a reply to the controller, a worker's death is
-reported while rank 0 is busy, and calls for different colocated roles queue in one order on every
-rank (which keeps collectives matched).
+Socket I/O must never wait behind a long computation (a worker's death is reported while rank 0
+trains; new calls are queued), yet on a small machine every thread hand-off on the path of a call
+costs a wake-up (tens of microseconds on a VM). So the sockets are owned by whoever holds
+``self.io``: the main thread holds it while idle and serves the sockets itself — a short call
+costs no hand-off at all — and releases it while computing. A watchdog thread looks every
+``HANDOVER_S``; if the main thread has been computing, it takes the sockets over until the main
+thread signals (a pipe) that it is done. ZeroMQ's heartbeats run in its own C++ thread, so
+liveness never depends on either Python thread.
 
-Per call the I/O thread runs the endpoint's transfer protocol: ``distribute`` gives each rank its
-arguments, ranks that share identical arguments share one encoding (and one shared-memory copy),
-rank 0's share goes to the main thread's queue; results are gathered as they arrive, ``collect``
-makes the reply. The first error from any rank is replied at once as an ERROR naming the rank.
+Per call, ``distribute`` gives each rank its arguments; ranks that share identical arguments
+share one encoding (and one shared-memory copy); rank 0's share is queued for the main thread.
+Results are gathered as they arrive, ``collect`` makes the reply, and the first error from any
+rank is replied at once as an ERROR naming that rank. Rank 0 starts its next call only after its
+last result has left (results may alias role state the next call mutates).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -40,6 +45,16 @@ from transport.shm import ShmArena, ShmReader
 
 log = logging.getLogger("hybridflow.coordinator")
 
+HANDOVER_S = 0.05  # a computation longer than this hands the sockets to the watchdog
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
 
 @dataclass
 class PendingCall:
@@ -47,14 +62,12 @@ class PendingCall:
     protocol: TransferProtocol
     waiting: set[int]
     results: list[Any]
-    release: threading.Event | None = None  # set once rank 0's result is no longer referenced
 
 
 @dataclass
 class _Task:
     call_id: int
     body: dict[str, Any]
-    released: threading.Event = field(default_factory=threading.Event)
 
 
 class Coordinator:
@@ -64,11 +77,14 @@ class Coordinator:
         self.ctx = zmq.Context()
         self.arena = ShmArena(prefix="hfr")
         self.reader = ShmReader()
-        self.tasks: queue.Queue[_Task | None] = queue.Queue()
-        self.done: queue.Queue[tuple[int, Message, _Task | None]] = queue.Queue()
-        self.wake_r, self.wake_w = os.pipe()
+        self.io = threading.Lock()  # whoever holds it owns the sockets
+        self.tasks: deque[_Task] = deque()  # rank 0's shares, in arrival order
+        self.rpc_done: queue.SimpleQueue[tuple[int, Message]] = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK)  # "compute finished"
+        self.rpc_r, self.rpc_w = os.pipe2(os.O_NONBLOCK)  # "an rpc result is queued"
         self.calls: dict[int, PendingCall] = {}
-        self.trackers: list[tuple[zmq.MessageTracker, threading.Event]] = []
+        self.held: set[int] = set()  # calls holding rank 0's unsent result
+        self.trackers: list[zmq.MessageTracker] = []
         self.worker_ids = {r: f"rank{r}".encode() for r in range(1, env.world_size)}
         self.same_host_workers: set[int] = set()
         self.rpc: RpcFanOut | None = None
@@ -137,56 +153,81 @@ class Coordinator:
             raise RegistrationError(f"expected WELCOME from the controller, got {reply.type.name}")
         self.ctrl_same_host = bool(reply.body.get("host") == host_id())
 
-    # -- main thread ----------------------------------------------------------------------------
+    # -- threads --------------------------------------------------------------------------------
     def serve(self) -> None:
-        threading.Thread(target=self._io_loop, name="coordinator-io", daemon=True).start()
-        while (task := self.tasks.get()) is not None:
-            reply = run_call(self.host, task.call_id, task.body)
-            self._post(0, reply, task)
-            task.released.wait()  # the reply may alias role state; wait until it has left
-
-    def _post(self, rank: int, reply: Message, task: _Task | None = None) -> None:
-        """Hand a rank's result to the I/O thread (any thread may call this)."""
-        self.done.put((rank, reply, task))
-        os.write(self.wake_w, b"\0")
-
-    # -- I/O thread -----------------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
+        self.poller = zmq.Poller()
         for sock in (self.ctrl, self.ctrl_monitor, self.fan, self.fan_watch.monitor):
-            poller.register(sock, zmq.POLLIN)
-        poller.register(self.wake_r, zmq.POLLIN)
+            self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.rpc_r, zmq.POLLIN)
+        threading.Thread(target=self._watchdog, name="coordinator-watchdog", daemon=True).start()
+        self.io.acquire()
         try:
             while True:
-                ready = dict(poller.poll(1 if self.trackers else None))
-                for ident in self.fan_watch.lost():  # cheap; also catches losses seen in learn()
-                    self._rank_lost(int(ident.decode().removeprefix("rank")))
-                if self.wake_r in ready:
-                    os.read(self.wake_r, 4096)
-                    while not self.done.empty():
-                        rank, reply, task = self.done.get()
-                        self._collect(rank, reply, task)
-                if self.fan in ready:
-                    self._drain_fanout()
-                if self.ctrl in ready or self.ctrl_monitor in ready:
-                    self._drain_controller()  # a SHUTDOWN arrives before the disconnect
-                if self.ctrl_monitor in ready:
-                    log.warning("lost the controller; shutting the group down")
-                    self._shutdown(1)
-                self._release_sent()
+                if self.tasks and not self.held:
+                    for tracker in self.trackers:  # ZeroMQ may still be reading a result
+                        tracker.wait()
+                    self.trackers.clear()
+                    self._compute(self.tasks.popleft())
+                else:
+                    self._service(None)
         except Exception:
-            log.exception("coordinator I/O thread failed")
+            log.exception("coordinator failed")
             self._shutdown(2)
 
-    def _release_sent(self) -> None:
-        """Let rank 0 go on once ZeroMQ no longer holds the tensors of its last reply."""
-        still = []
-        for tracker, released in self.trackers:
-            if tracker.done:
-                released.set()
-            else:
-                still.append((tracker, released))
-        self.trackers = still
+    def _compute(self, task: _Task) -> None:
+        """Run rank 0's share with the sockets handed to the watchdog meanwhile."""
+        self.io.release()
+        try:
+            reply = run_call(self.host, task.call_id, task.body)
+        finally:
+            os.write(self.wake_w, b"\0")
+            self.io.acquire()
+            _drain_pipe(self.wake_r)
+        self._collect(0, reply)
+
+    def _watchdog(self) -> None:
+        """Serve the sockets whenever the main thread has been computing for a while."""
+        while True:
+            time.sleep(HANDOVER_S)
+            if not self.io.acquire(blocking=False):
+                continue  # the main thread is serving them itself
+            try:
+                while not self._service(self.wake_r):
+                    pass
+            except Exception:
+                log.exception("coordinator watchdog failed")
+                self._shutdown(2)
+            finally:
+                self.io.release()
+
+    def _post(self, rank: int, reply: Message) -> None:
+        """An rpc fan-out result (called on an rpc thread)."""
+        self.rpc_done.put((rank, reply))
+        os.write(self.rpc_w, b"\0")
+
+    def _service(self, stop_fd: int | None) -> bool:
+        """Wait for socket events and handle them; True once ``stop_fd`` became readable."""
+        if stop_fd is not None:
+            self.poller.register(stop_fd, zmq.POLLIN)
+        try:
+            ready = dict(self.poller.poll())
+        finally:
+            if stop_fd is not None:
+                self.poller.unregister(stop_fd)
+        for ident in self.fan_watch.lost():  # cheap; also catches losses seen in learn()
+            self._rank_lost(int(ident.decode().removeprefix("rank")))
+        if self.rpc_r in ready:
+            _drain_pipe(self.rpc_r)
+            while not self.rpc_done.empty():
+                self._collect(*self.rpc_done.get())
+        if self.fan in ready:
+            self._drain_fanout()
+        if self.ctrl in ready or self.ctrl_monitor in ready:
+            self._drain_controller()  # a SHUTDOWN arrives before the disconnect
+        if self.ctrl_monitor in ready:
+            log.warning("lost the controller; shutting the group down")
+            self._shutdown(1)
+        return stop_fd is not None and stop_fd in ready
 
     def _drain_controller(self) -> None:
         while self.ctrl.poll(0):
@@ -213,7 +254,7 @@ class Coordinator:
                 log.warning("rejected a message from rank %d: %s", rank, exc)
                 continue
             if msg.type in (MsgType.REPLY, MsgType.ERROR):
-                self._collect(rank, msg, None)
+                self._collect(rank, msg)
 
     def _start_call(self, call_id: int, body: dict[str, Any]) -> None:
         role = str(body["role"])
@@ -242,7 +283,7 @@ class Coordinator:
             self._send_workers(call_id, sub, ranks)
         if 0 in waiting:
             args, kwargs = per_rank[0]  # type: ignore[misc]
-            self.tasks.put(_Task(call_id, {**body, "args": list(args), "kwargs": kwargs}))
+            self.tasks.append(_Task(call_id, {**body, "args": list(args), "kwargs": kwargs}))
         if not waiting:
             self._finish(call_id)
 
@@ -258,34 +299,36 @@ class Coordinator:
             frames = [self.worker_ids[rank], bytes([index]), *encoded.frames]
             self.fan.send_multipart(frames, copy=not encoded.big)
 
-    def _collect(self, rank: int, msg: Message, task: _Task | None) -> None:
+    def _collect(self, rank: int, msg: Message) -> None:
         pending = self.calls.get(msg.call_id)
-        if pending is None:  # the call already failed on another rank
-            if task is not None:
-                task.released.set()
-            return
-        if task is not None:
-            pending.release = task.released
+        if pending is None:
+            return  # the call already failed on another rank
         if msg.type == MsgType.ERROR:
-            del self.calls[msg.call_id]
-            self._send_ctrl(msg, pending.release)
+            self._done(msg.call_id)
+            self._send_ctrl(msg)
             return
         pending.results[rank] = msg.body["result"]
         pending.waiting.discard(rank)
+        if rank == 0 and pending.waiting:
+            self.held.add(msg.call_id)
         if not pending.waiting:
             self._finish(msg.call_id)
 
+    def _done(self, call_id: int) -> PendingCall:
+        self.held.discard(call_id)
+        return self.calls.pop(call_id)
+
     def _finish(self, call_id: int) -> None:
-        pending = self.calls.pop(call_id)
+        pending = self._done(call_id)
         try:
             result = pending.protocol.collect(pending.results, self.env.layout)
         except Exception as exc:
             reply = Message(MsgType.ERROR, call_id, error_body(pending.role, 0, exc))
         else:
             reply = Message(MsgType.REPLY, call_id, {"result": result})
-        self._send_ctrl(reply, pending.release)
+        self._send_ctrl(reply)
 
-    def _send_ctrl(self, msg: Message, release: threading.Event | None = None) -> None:
+    def _send_ctrl(self, msg: Message) -> None:
         arena = self.arena if self.ctrl_same_host else None
         try:
             encoded = encode(msg, arena)
@@ -293,11 +336,8 @@ class Coordinator:
             role = str(msg.body.get("role", "?"))
             encoded = encode(Message(MsgType.ERROR, msg.call_id, error_body(role, 0, exc)))
         tracker = send_frames(self.ctrl, encoded)
-        if release is not None:
-            if tracker is None:
-                release.set()
-            else:
-                self.trackers.append((tracker, release))
+        if tracker is not None:
+            self.trackers.append(tracker)
 
     def _rank_lost(self, rank: int) -> None:
         cause = "exited: its connection to the coordinator closed"
