@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a linear model with a 2-rank data-parallel group")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--nproc", type=int, default=2)
-    demo.add_argument("--fanout", choices=("zmq", "rpc"), default="zmq")
+    demo.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
     demo.add_argument("--json", action="store_true", help="print the result as one JSON line")
     demo.set_defaults(fn=cmd_demo)
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--pp", type=int, default=1)
     role.add_argument("--group", help="group name (default: the role names joined with '+')")
     role.add_argument("--token", help="the controller's token (or HYBRIDFLOW_TOKEN)")
-    role.add_argument("--fanout", choices=("zmq", "rpc"), default="zmq")
+    role.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
     role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
     role.add_argument("--socket-dir", help="directory for local ipc sockets (default /tmp)")
     role.set_defaults(fn=cmd_role)

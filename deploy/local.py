@@ -54,7 +54,7 @@ class LocalLauncher:
         socket_dir: Path,
         timeouts: Timeouts,
         on_exit: ExitCallback,
-        fanout: str = "zmq",
+        fanout: str = "socket",
     ) -> None:
         self.controller_address = controller_address
         self.token = token

@@ -24,7 +24,7 @@ async def local_session(
     groups: list[GroupSpec],
     timeouts: Timeouts | None = None,
     run_dir: Path | None = None,
-    fanout: str = "zmq",
+    fanout: str = "socket",
     bind: str | None = None,
 ) -> AsyncIterator[Controller]:
     """``bind`` overrides the controller's address (default: an ipc socket in a private

@@ -35,9 +35,10 @@ from roles.base import RoleHost
 from roles.calls import error_body, run_call
 from roles.endpoint import TransferProtocol
 from roles.fanout import RpcFanOut, init_rpc
+from roles.links import fanout_links
 from roles.runtime import GroupEnv
 from roles.worker import FANOUT_KEY, hello_body
-from transport.channel import PeerWatch, bind_router, connect_dealer, host_id, send_frames
+from transport.channel import connect_dealer, host_id, send_frames
 from transport.codec import decode, encode
 from transport.errors import RegistrationError
 from transport.protocol import Message, MsgType, ProtocolError
@@ -85,7 +86,6 @@ class Coordinator:
         self.calls: dict[int, PendingCall] = {}
         self.held: set[int] = set()  # calls holding rank 0's unsent result
         self.trackers: list[zmq.MessageTracker] = []
-        self.worker_ids = {r: f"rank{r}".encode() for r in range(1, env.world_size)}
         self.same_host_workers: set[int] = set()
         self.rpc: RpcFanOut | None = None
         self._open_fanout(store)
@@ -93,38 +93,17 @@ class Coordinator:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _open_fanout(self, store: dist.Store) -> None:
-        """Bind the fan-out ROUTER, publish its address through the store, await every rank."""
-        local = self.env.master_addr in {"127.0.0.1", "localhost"}
-        address = (
-            f"ipc://{self.env.socket_dir}/{self.env.group}-{os.getpid()}.fanout"
-            if local
-            else f"tcp://{self.env.master_addr}:0"
+        """Open the links to the other ranks, publish their address, await every rank."""
+        e = self.env
+        local = e.master_addr in {"127.0.0.1", "localhost"}
+        base = (
+            f"unix:{e.socket_dir}/{e.group}-{os.getpid()}.fan" if local else f"tcp:{e.master_addr}"
         )
-        self.fan, address = bind_router(self.ctx, address, self.env.timeouts)
-        self.fan_watch = PeerWatch.on(self.fan)
-        store.set(FANOUT_KEY, json.dumps({"address": address, "host": host_id()}))
-        deadline = time.monotonic() + self.env.timeouts.group_init_s
-        missing = set(self.worker_ids.values())
-        while missing:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.fan.poll(int(left * 1000)):
-                raise RegistrationError(
-                    f"ranks {sorted(m.decode() for m in missing)} never reached the coordinator "
-                    f"within {self.env.timeouts.group_init_s:.0f} s (raise timeouts.group_init_s)"
-                )
-            ident, *frames = self.fan.recv_multipart(copy=False)
-            try:
-                msg = decode(frames)
-            except ProtocolError as exc:
-                log.warning("rejected a message while gathering ranks: %s", exc)
-                continue
-            if msg.type == MsgType.HELLO and ident.bytes in missing:
-                missing.discard(ident.bytes)
-                self.fan_watch.learn(ident.bytes, ident)
-                if msg.body["host"] == host_id():
-                    self.same_host_workers.add(int(msg.body["rank"]))
-        if self.env.fanout == "rpc":
-            e = self.env
+        self.links = fanout_links(e.link_kind, self.ctx, base, e.timeouts)
+        store.set(FANOUT_KEY, json.dumps({"address": self.links.address, "host": host_id()}))
+        hellos = self.links.wait_hellos(set(range(1, e.world_size)), e.timeouts)
+        self.same_host_workers = {r for r, h in hellos.items() if h["host"] == host_id()}
+        if e.fanout == "rpc":
             init_rpc(0, e.world_size, e.master_addr, store, e.timeouts.call_s)
             self.rpc = RpcFanOut(e.world_size, self._post)
 
@@ -156,7 +135,7 @@ class Coordinator:
     # -- threads --------------------------------------------------------------------------------
     def serve(self) -> None:
         self.poller = zmq.Poller()
-        for sock in (self.ctrl, self.ctrl_monitor, self.fan, self.fan_watch.monitor):
+        for sock in (self.ctrl, self.ctrl_monitor, *self.links.pollables()):
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.rpc_r, zmq.POLLIN)
         threading.Thread(target=self._watchdog, name="coordinator-watchdog", daemon=True).start()
@@ -214,14 +193,14 @@ class Coordinator:
         finally:
             if stop_fd is not None:
                 self.poller.unregister(stop_fd)
-        for ident in self.fan_watch.lost():  # cheap; also catches losses seen in learn()
-            self._rank_lost(int(ident.decode().removeprefix("rank")))
+        for rank, frames in self.links.receive(ready):
+            self._from_rank(rank, frames)
+        for rank in self.links.lost():
+            self._rank_lost(rank)
         if self.rpc_r in ready:
             _drain_pipe(self.rpc_r)
             while not self.rpc_done.empty():
                 self._collect(*self.rpc_done.get())
-        if self.fan in ready:
-            self._drain_fanout()
         if self.ctrl in ready or self.ctrl_monitor in ready:
             self._drain_controller()  # a SHUTDOWN arrives before the disconnect
         if self.ctrl_monitor in ready:
@@ -244,17 +223,14 @@ class Coordinator:
             else:
                 log.warning("unexpected %s from the controller; ignored", msg.type.name)
 
-    def _drain_fanout(self) -> None:
-        while self.fan.poll(0):
-            ident, *frames = self.fan.recv_multipart(copy=False)
-            rank = int(ident.bytes.decode().removeprefix("rank"))
-            try:
-                msg = decode(frames, self.reader, 0, self.env.timeouts.max_frame_bytes)
-            except ProtocolError as exc:
-                log.warning("rejected a message from rank %d: %s", rank, exc)
-                continue
-            if msg.type in (MsgType.REPLY, MsgType.ERROR):
-                self._collect(rank, msg)
+    def _from_rank(self, rank: int, frames: list[Any]) -> None:
+        try:
+            msg = decode(frames, self.reader, 0, self.env.timeouts.max_frame_bytes)
+        except ProtocolError as exc:
+            log.warning("rejected a message from rank %d: %s", rank, exc)
+            return
+        if msg.type in (MsgType.REPLY, MsgType.ERROR):
+            self._collect(rank, msg)
 
     def _start_call(self, call_id: int, body: dict[str, Any]) -> None:
         role = str(body["role"])
@@ -296,8 +272,7 @@ class Coordinator:
             Message(MsgType.CALL, call_id, body), self.arena if use_shm else None, len(ranks)
         )
         for index, rank in enumerate(ranks):
-            frames = [self.worker_ids[rank], bytes([index]), *encoded.frames]
-            self.fan.send_multipart(frames, copy=not encoded.big)
+            self.links.send(rank, [bytes([index]), *encoded.frames])
 
     def _collect(self, rank: int, msg: Message) -> None:
         pending = self.calls.get(msg.call_id)
@@ -349,11 +324,7 @@ class Coordinator:
 
     def _shutdown(self, code: int) -> None:
         encoded = encode(Message(MsgType.SHUTDOWN, 0, {"reason": "coordinator exiting"}))
-        for ident in self.worker_ids.values():
-            try:
-                self.fan.send_multipart([ident, b"\0", *encoded.frames], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # that rank is gone already
+        self.links.shutdown(encoded.frames)
         self.arena.close()
         self.ctx.destroy(linger=500)  # flush the SHUTDOWNs before the process goes
         os._exit(code)

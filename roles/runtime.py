@@ -28,7 +28,7 @@ from transport.settings import Timeouts
 
 log = logging.getLogger("hybridflow.rank")
 
-FANOUT_BACKENDS = ("zmq", "rpc")
+FANOUT_BACKENDS = ("socket", "zmq", "rpc")
 
 
 @dataclass
@@ -47,6 +47,12 @@ class GroupEnv:
     socket_dir: Path
     curve: CurveClient | None
 
+    @property
+    def link_kind(self) -> str:
+        """The coordinator↔rank links: ZeroMQ for the zmq backend, plain sockets otherwise
+        (the rpc backend uses them for hello, liveness and shutdown)."""
+        return "zmq" if self.fanout == "zmq" else "socket"
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> GroupEnv:
         e = dict(os.environ if env is None else env)
@@ -63,7 +69,7 @@ class GroupEnv:
         layout = Layout.for_world(
             world, tp=int(e.get("HYBRIDFLOW_TP", "1")), pp=int(e.get("HYBRIDFLOW_PP", "1"))
         )
-        fanout = e.get("HYBRIDFLOW_FANOUT", "zmq")
+        fanout = e.get("HYBRIDFLOW_FANOUT", "socket")
         if fanout not in FANOUT_BACKENDS:
             raise ValueError(
                 f"HYBRIDFLOW_FANOUT={fanout!r}; use one of {', '.join(FANOUT_BACKENDS)}"

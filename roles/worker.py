@@ -18,9 +18,10 @@ import zmq
 from roles.base import RoleHost
 from roles.calls import error_body, run_call
 from roles.fanout import init_rpc, serve_rpc_worker
+from roles.links import worker_link
 from roles.runtime import GroupEnv
-from transport.channel import connect_dealer, host_id, send_frames
-from transport.codec import Encoded, decode, encode
+from transport.channel import host_id
+from transport.codec import Encoded, decode, encode, frame_buffer
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError
 from transport.shm import ShmArena, ShmReader
 
@@ -53,34 +54,28 @@ class Worker:
         self.reader = ShmReader() if same_host else None
         self.arena = ShmArena(prefix="hfw") if same_host else None
         self.ctx = zmq.Context()
-        self.sock = connect_dealer(
-            self.ctx, info["address"], f"rank{env.rank}".encode(), env.timeouts
-        )
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.link = worker_link(env.link_kind, self.ctx, info["address"], env.rank, env.timeouts)
 
     def serve(self) -> None:
-        send_frames(self.sock, encode(Message(MsgType.HELLO, 0, hello_body(self.env))))
+        self.link.send(encode(Message(MsgType.HELLO, 0, hello_body(self.env))))
         if self.env.fanout == "rpc":
             serve_rpc_worker(self.host)
             e = self.env
             init_rpc(e.rank, e.world_size, e.master_addr, self.store, e.timeouts.call_s)
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
-            while self.sock.poll(0):  # messages first: a SHUTDOWN precedes the disconnect
-                if not self._handle(self.sock.recv_multipart(copy=False)):
-                    self._exit(0)
-            if self.monitor in ready:
+            frames = self.link.recv()
+            if frames is None:
                 log.warning("lost the coordinator; exiting")
                 self._exit(1)
+            elif not self._handle(frames):
+                self._exit(0)
 
     def _handle(self, frames: list[Any]) -> bool:
         """Handle one message; False when the worker should stop. Frame 0 is this worker's
         index among the message's receivers (shared-memory release flags are per receiver)."""
         try:
-            index = frames[0].bytes[0] if frames and len(frames[0]) == 1 else 0
+            first = bytes(frame_buffer(frames[0])) if frames else b""
+            index = first[0] if len(first) == 1 else 0
             msg = decode(frames[1:], self.reader, index, self.env.timeouts.max_frame_bytes)
         except ProtocolError as exc:
             log.warning("rejected a message from the coordinator: %s", exc)
@@ -90,14 +85,9 @@ class Worker:
         if msg.type != MsgType.CALL:
             log.warning("unexpected %s from the coordinator; ignored", msg.type.name)
             return True
-        self._reply(run_call(self.host, msg.call_id, msg.body), str(msg.body["role"]))
+        role = str(msg.body["role"])
+        self.link.send(self._encode(run_call(self.host, msg.call_id, msg.body), role))
         return True
-
-    def _reply(self, reply: Message, role: str) -> None:
-        encoded = self._encode(reply, role)
-        tracker = send_frames(self.sock, encoded)
-        if tracker is not None:  # results may alias role state the next call mutates
-            tracker.wait(self.env.timeouts.call_s)
 
     def _encode(self, reply: Message, role: str) -> Encoded:
         try:
@@ -109,5 +99,5 @@ class Worker:
     def _exit(self, code: int) -> None:
         if self.arena is not None:
             self.arena.close()
-        self.sock.close(linger=0)
+        self.ctx.destroy(linger=0)
         os._exit(code)

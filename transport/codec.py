@@ -127,7 +127,7 @@ def encode(
     return Encoded(enc.frames, big)
 
 
-def _buffer(frame: Any) -> memoryview:
+def frame_buffer(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
@@ -185,7 +185,7 @@ class _Decoder:
         elif isinstance(where, int) and not isinstance(where, bool):
             if not 1 <= where < len(self.frames):
                 raise ProtocolError(f"tensor frame index {where} but {len(self.frames)} frames")
-            buf = _buffer(self.frames[where])
+            buf = frame_buffer(self.frames[where])
             raw = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else _empty()
         elif isinstance(where, dict):
             if self.reader is None:
@@ -226,13 +226,13 @@ def decode(
     if not frames:
         raise ProtocolError("empty message")
     for i, frame in enumerate(frames):
-        size = _buffer(frame).nbytes
+        size = frame_buffer(frame).nbytes
         limit = MAX_HEADER_BYTES if i == 0 else max_frame_bytes
         if size > limit:
             raise ProtocolError(f"frame {i} has {size} bytes, over the limit of {limit}")
     dec = _Decoder(frames, reader, reader_index, max_frame_bytes)
     try:
-        header = dec.unpack(_buffer(frames[0]))
+        header = dec.unpack(frame_buffer(frames[0]))
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises many types for garbage; all mean "not ours"

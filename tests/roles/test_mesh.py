@@ -31,7 +31,7 @@ def pid_alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"
 
 
-@pytest.mark.parametrize("fanout", ["zmq", "rpc"])
+@pytest.mark.parametrize("fanout", ["socket", "zmq", "rpc"])
 def test_one_to_all_runs_spmd_on_every_rank(fanout: str) -> None:
     async def main() -> None:
         async with local_session([group("g", 2, echo=ECHO)], TEST_TIMEOUTS, fanout=fanout) as c:
@@ -48,7 +48,7 @@ def test_one_to_all_runs_spmd_on_every_rank(fanout: str) -> None:
     run(main)
 
 
-@pytest.mark.parametrize("fanout", ["zmq", "rpc"])
+@pytest.mark.parametrize("fanout", ["socket", "zmq", "rpc"])
 def test_dp_split_shards_by_dp_rank_and_collects_tp_rank_zero(fanout: str) -> None:
     async def main() -> None:
         placement = [group("g", 4, tp=2, echo=ECHO)]  # dp=2 x tp=2: ranks 0,1 | 2,3
