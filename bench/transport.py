@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import json
 import logging
@@ -177,35 +176,54 @@ def echo_group(nproc: int, name: str = "echo") -> GroupSpec:
 
 
 # -- (1) round trip over each fan-out backend -----------------------------------------------------
-async def measure_rtt(backend: str, plan: Plan) -> dict[str, float]:
+def backend_group(backend: str) -> GroupSpec:
+    """A 2-rank echo group reached through ``backend``; its role is named after it."""
+    return GroupSpec.model_validate(
+        {
+            "name": backend,
+            "roles": {f"echo_{backend}": RoleSpec(cls=ECHO_CLS)},
+            "nproc": 2,
+            "fanout": backend,
+        }
+    )
+
+
+async def measure_rtt(plan: Plan) -> dict[str, dict[str, float]]:
+    """All backends in one session, their calls interleaved round-robin, so each sees the same
+    machine state: on a 2-core VM the noise between two runs is larger than the differences."""
     started = time.perf_counter()
-    async with local_session([echo_group(2)], fanout=backend) as controller:
-        err.print(f"  [{backend}] group of 2 ready in {time.perf_counter() - started:.1f} s")
-        echo = RoleClient(controller, "echo")
+    async with local_session([backend_group(b) for b in BACKENDS]) as controller:
+        err.print(f"  {len(BACKENDS)} groups of 2 ready in {time.perf_counter() - started:.1f} s")
+        clients = {b: RoleClient(controller, f"echo_{b}") for b in BACKENDS}
         for _ in range(plan.warmup_calls):
-            await echo.call("ping")
+            for echo in clients.values():
+                await echo.call("ping")
         gc.collect()
-        samples: list[int] = []
+        samples: dict[str, list[int]] = {b: [] for b in BACKENDS}
         clock = time.perf_counter_ns
         for _ in range(plan.calls):
+            for backend, echo in clients.items():
+                t0 = clock()
+                await echo.call("ping")
+                samples[backend].append(clock() - t0)
+        results = {b: rtt_summary(samples[b]) for b in BACKENDS}
+        for backend, echo in clients.items():
+            await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))  # warm-up
             t0 = clock()
-            await echo.call("ping")
-            samples.append(clock() - t0)
-        result = rtt_summary(samples)
-
-        await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))  # warm-up
-        t0 = clock()
-        for _ in range(plan.concurrent_rounds):
-            replies = await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))
-            assert replies == [None] * CONCURRENCY
-        elapsed_s = (clock() - t0) / 1e9
-        result["calls_per_s_concurrent"] = plan.concurrent_rounds * CONCURRENCY / elapsed_s
-    err.print(
-        f"  [{backend}] p50 {result['p50']:.0f} µs  p99 {result['p99']:.0f} µs  "
-        f"{result['calls_per_s']:.0f} calls/s  "
-        f"{result['calls_per_s_concurrent']:.0f} calls/s with {CONCURRENCY} in flight"
-    )
-    return result
+            for _ in range(plan.concurrent_rounds):
+                replies = await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))
+                assert replies == [None] * CONCURRENCY
+            elapsed_s = (clock() - t0) / 1e9
+            results[backend]["calls_per_s_concurrent"] = (
+                plan.concurrent_rounds * CONCURRENCY / elapsed_s
+            )
+    for backend, result in results.items():
+        err.print(
+            f"  [{backend}] p50 {result['p50']:.0f} µs  p99 {result['p99']:.0f} µs  "
+            f"{result['calls_per_s']:.0f} calls/s  "
+            f"{result['calls_per_s_concurrent']:.0f} calls/s with {CONCURRENCY} in flight"
+        )
+    return results
 
 
 # -- (2) bulk tensors, controller → coordinator ---------------------------------------------------
@@ -444,10 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     load.start()
 
-    rtt: dict[str, dict[str, float]] = {}
-    for backend in BACKENDS:
-        err.print(f"[bold]round trip, fan-out {backend}[/]")
-        rtt[backend] = run_async(functools.partial(measure_rtt, backend, plan))
+    err.print(f"[bold]round trip, fan-out {', '.join(BACKENDS)} (interleaved)[/]")
+    rtt: dict[str, dict[str, float]] = run_async(lambda: measure_rtt(plan))
     err.print("[bold]bulk, controller → coordinator[/]")
     bulk: dict[str, float] = run_async(lambda: measure_bulk(plan))
     during = load.pct()  # before Ray: its daemons are not all our children, so they'd count

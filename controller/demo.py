@@ -19,9 +19,13 @@ from controller.server import Controller
 from transport.batch import TensorBatch
 
 
-def demo_placement(nproc: int = 2, dim: int = 8) -> list[GroupSpec]:
+def demo_placement(nproc: int = 2, dim: int = 8, fanout: str = "socket") -> list[GroupSpec]:
     role = RoleSpec(cls="roles.demo:LinearRegressor", config={"dim": dim, "lr": 0.1})
-    return [GroupSpec(name="trainer", roles={"linear": role}, nproc=nproc)]
+    return [
+        GroupSpec.model_validate(
+            {"name": "trainer", "roles": {"linear": role}, "nproc": nproc, "fanout": fanout}
+        )
+    ]
 
 
 async def train_linear(

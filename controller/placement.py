@@ -9,7 +9,7 @@ imported inside role processes — the controller never loads model code.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -41,6 +41,9 @@ class GroupSpec(BaseModel):
     nproc: int = Field(1, ge=1, description="ranks in the group")
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    fanout: Literal["socket", "zmq", "rpc"] = Field(
+        "socket", description="how rank 0 reaches the other ranks (python -m bench.transport)"
+    )
 
     @field_validator("name")
     @classmethod

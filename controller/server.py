@@ -23,7 +23,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from controller.placement import GroupSpec, check_placement
-from transport.channel import PeerWatch, bind_router, host_id, send_frames
+from transport.channel import PeerWatch, bind_router, host_id, readable, send_frames
 from transport.codec import decode, encode
 from transport.errors import CallTimeoutError, RegistrationError, RemoteError, RoleDeadError
 from transport.protocol import PROTOCOL_VERSION, Layout, Message, MsgType, ProtocolError
@@ -59,10 +59,6 @@ class Group:
 
 def _fd(sock: zmq.Socket[Any]) -> int:
     return int(sock.getsockopt(zmq.FD))
-
-
-def _readable(sock: zmq.Socket[Any]) -> bool:
-    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def exit_cause(returncode: int) -> str:
@@ -124,7 +120,7 @@ class Controller:
             self._drain_monitor(watch)
 
     def _drain(self, sock: zmq.Socket[Any], watch: PeerWatch) -> None:
-        while not sock.closed and _readable(sock):
+        while not sock.closed and readable(sock):
             identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             self._handle(sock, watch, identity, frames)
 

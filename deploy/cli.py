@@ -51,8 +51,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def main() -> dict[str, Any]:
         start = time.perf_counter()
-        placement = demo_placement(nproc=args.nproc)
-        async with local_session(placement, fanout=args.fanout) as controller:
+        placement = demo_placement(nproc=args.nproc, fanout=args.fanout)
+        async with local_session(placement) as controller:
             ready = time.perf_counter() - start
             result = await train_linear(controller, steps=args.steps)
         return {
@@ -109,7 +109,6 @@ def cmd_role(args: argparse.Namespace) -> int:
             sock_dir,
             Timeouts.from_env(),
             on_exit,
-            args.fanout,
         )
         launcher.start(spec)
         try:
@@ -133,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a linear model with a 2-rank data-parallel group")
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--nproc", type=int, default=2)
-    demo.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
+    demo.add_argument(
+        "--fanout", choices=("socket", "zmq", "rpc"), default="socket", help="rank 0 → ranks"
+    )
     demo.add_argument("--json", action="store_true", help="print the result as one JSON line")
     demo.set_defaults(fn=cmd_demo)
 

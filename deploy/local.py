@@ -54,7 +54,6 @@ class LocalLauncher:
         socket_dir: Path,
         timeouts: Timeouts,
         on_exit: ExitCallback,
-        fanout: str = "socket",
     ) -> None:
         self.controller_address = controller_address
         self.token = token
@@ -62,7 +61,6 @@ class LocalLauncher:
         self.socket_dir = socket_dir
         self.timeouts = timeouts
         self.on_exit = on_exit
-        self.fanout = fanout
         self.procs: list[RankProcess] = []
         self.stopping = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -82,7 +80,7 @@ class LocalLauncher:
             HYBRIDFLOW_PP=str(spec.pp),
             HYBRIDFLOW_CONTROLLER=self.controller_address,
             HYBRIDFLOW_TOKEN=self.token,
-            HYBRIDFLOW_FANOUT=self.fanout,
+            HYBRIDFLOW_FANOUT=spec.fanout,
             HYBRIDFLOW_SOCKET_DIR=str(self.socket_dir),
             HYBRIDFLOW_PARENT_PID=str(os.getpid()),
         )

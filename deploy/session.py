@@ -24,7 +24,6 @@ async def local_session(
     groups: list[GroupSpec],
     timeouts: Timeouts | None = None,
     run_dir: Path | None = None,
-    fanout: str = "socket",
     bind: str | None = None,
 ) -> AsyncIterator[Controller]:
     """``bind`` overrides the controller's address (default: an ipc socket in a private
@@ -39,7 +38,7 @@ async def local_session(
     try:
         address = controller.bind(bind or f"ipc://{sock_dir}/controller")
         launcher = LocalLauncher(
-            address, controller.token, run_dir, sock_dir, timeouts, controller.report_exit, fanout
+            address, controller.token, run_dir, sock_dir, timeouts, controller.report_exit
         )
         controller.local_groups = {g.name for g in groups}
         for group in groups:

@@ -38,7 +38,7 @@ from roles.fanout import RpcFanOut, init_rpc
 from roles.links import fanout_links
 from roles.runtime import GroupEnv
 from roles.worker import FANOUT_KEY, hello_body
-from transport.channel import connect_dealer, host_id, send_frames
+from transport.channel import connect_dealer, host_id, readable, send_frames
 from transport.codec import decode, encode
 from transport.errors import RegistrationError
 from transport.protocol import Message, MsgType, ProtocolError
@@ -159,9 +159,10 @@ class Coordinator:
         try:
             reply = run_call(self.host, task.call_id, task.body)
         finally:
-            os.write(self.wake_w, b"\0")
-            self.io.acquire()
-            _drain_pipe(self.wake_r)
+            if not self.io.acquire(blocking=False):  # the watchdog has the sockets: call it off
+                os.write(self.wake_w, b"\0")
+                self.io.acquire()
+                _drain_pipe(self.wake_r)
         self._collect(0, reply)
 
     def _watchdog(self) -> None:
@@ -209,7 +210,7 @@ class Coordinator:
         return stop_fd is not None and stop_fd in ready
 
     def _drain_controller(self) -> None:
-        while self.ctrl.poll(0):
+        while readable(self.ctrl):
             frames = self.ctrl.recv_multipart(copy=False)
             try:
                 msg = decode(frames, self.reader, 0, self.env.timeouts.max_frame_bytes)

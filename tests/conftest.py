@@ -21,14 +21,20 @@ def run(main: Callable[[], Awaitable[Any]]) -> Any:
 
 
 def group(
-    name: str, nproc: int = 1, tp: int = 1, **roles: str | tuple[str, dict[str, Any]]
+    name: str,
+    nproc: int = 1,
+    tp: int = 1,
+    fanout: str = "socket",
+    **roles: str | tuple[str, dict[str, Any]],
 ) -> GroupSpec:
     """``group("g", 2, echo="roles.testing:Echo")`` — a placement entry in one line."""
     specs = {}
     for role, value in roles.items():
         cls, config = (value, {}) if isinstance(value, str) else value
         specs[role] = RoleSpec(cls=cls, config=config)
-    return GroupSpec(name=name, roles=specs, nproc=nproc, tp=tp)
+    return GroupSpec.model_validate(
+        {"name": name, "roles": specs, "nproc": nproc, "tp": tp, "fanout": fanout}
+    )
 
 
 def require_system(component: str, available: bool, how: str) -> None:

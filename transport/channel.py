@@ -52,6 +52,11 @@ def is_local_address(address: str) -> bool:
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
 
 
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """A message is waiting (reads ZeroMQ's EVENTS: no syscall, unlike ``poll(0)``)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 def _heartbeats(sock: zmq.Socket[Any], timeouts: Timeouts) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(timeouts.heartbeat_s * 1000))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeouts.heartbeat_timeout_s * 1000))
@@ -138,7 +143,7 @@ class PeerWatch:
         return cls(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
 
     def _pump(self) -> None:
-        while self.monitor.poll(0):
+        while readable(self.monitor):
             event = parse_monitor_message(self.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 ident = self._by_fd.pop(int(event["value"]), None)

@@ -34,7 +34,7 @@ def pid_alive(pid: int) -> bool:
 @pytest.mark.parametrize("fanout", ["socket", "zmq", "rpc"])
 def test_one_to_all_runs_spmd_on_every_rank(fanout: str) -> None:
     async def main() -> None:
-        async with local_session([group("g", 2, echo=ECHO)], TEST_TIMEOUTS, fanout=fanout) as c:
+        async with local_session([group("g", 2, fanout=fanout, echo=ECHO)], TEST_TIMEOUTS) as c:
             echo = RoleClient(c, "echo")
             seen = await echo.call("where")
             assert seen["rank"] == 0  # one-to-all collects rank 0's result
@@ -51,8 +51,8 @@ def test_one_to_all_runs_spmd_on_every_rank(fanout: str) -> None:
 @pytest.mark.parametrize("fanout", ["socket", "zmq", "rpc"])
 def test_dp_split_shards_by_dp_rank_and_collects_tp_rank_zero(fanout: str) -> None:
     async def main() -> None:
-        placement = [group("g", 4, tp=2, echo=ECHO)]  # dp=2 x tp=2: ranks 0,1 | 2,3
-        async with local_session(placement, TEST_TIMEOUTS, fanout=fanout) as c:
+        placement = [group("g", 4, tp=2, fanout=fanout, echo=ECHO)]  # dp=2 x tp=2
+        async with local_session(placement, TEST_TIMEOUTS) as c:
             echo = RoleClient(c, "echo")
             batch = TensorBatch.from_dict({"x": torch.arange(6)}, {"id": list("abcdef")})
             out = await echo.call("shard_info", batch)
