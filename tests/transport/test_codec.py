@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -27,7 +24,7 @@ from transport.codec import (
     encode,
 )
 from transport.protocol import PROTOCOL_VERSION, Layout, Message, MsgType, ProtocolError
-from transport.shm import SHM_DIR, ShmArena, ShmReader
+from transport.shm import ShmArena, ShmReader
 
 MIB = 1 << 20
 ALL_DTYPES = sorted(codec._DTYPES)
@@ -86,27 +83,6 @@ def _header(
 
 
 # ---------------------------------------------------------------------------------- fixtures
-@pytest.fixture
-def shm_prefix() -> Iterator[str]:
-    prefix = "hftest" + uuid.uuid4().hex[:8]
-    yield prefix
-    for entry in os.scandir(SHM_DIR):  # leave nothing behind even if a test fails
-        if entry.name.startswith(prefix + "-"):
-            os.unlink(entry.path)
-
-
-@pytest.fixture
-def arena(shm_prefix: str) -> Iterator[ShmArena]:
-    a = ShmArena(prefix=shm_prefix, max_bytes=64 * MIB, min_segment_bytes=MIB)
-    yield a
-    a.close()
-
-
-@pytest.fixture
-def reader() -> Iterator[ShmReader]:
-    r = ShmReader()
-    yield r
-    r.close()
 
 
 # ---------------------------------------------------------------------------------- 1. dtypes

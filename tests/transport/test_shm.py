@@ -7,8 +7,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import struct
-import uuid
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import pytest
@@ -18,29 +16,6 @@ from transport.shm import DATA_OFFSET, MAX_READERS, SHM_DIR, ShmArena, ShmReader
 
 MIB = 1 << 20
 WAIT_S = 60.0
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    p = "hft" + uuid.uuid4().hex[:10]
-    yield p
-    for entry in os.scandir(SHM_DIR):  # leave nothing behind even if a test fails
-        if entry.name.startswith(p + "-"):
-            os.unlink(entry.path)
-
-
-@pytest.fixture
-def arena(prefix: str) -> Iterator[ShmArena]:
-    a = ShmArena(prefix=prefix, max_bytes=64 * MIB, min_segment_bytes=MIB)
-    yield a
-    a.close()
-
-
-@pytest.fixture
-def reader() -> Iterator[ShmReader]:
-    r = ShmReader()
-    yield r
-    r.close()
 
 
 def _path(desc: dict[str, object]) -> str:
@@ -189,8 +164,8 @@ def test_second_process_reads_and_releases(arena: ShmArena) -> None:
             proc.join(WAIT_S)
 
 
-def test_max_bytes(prefix: str, reader: ShmReader) -> None:
-    with ShmArena(prefix=prefix, max_bytes=2 * MIB + 2 * DATA_OFFSET) as arena:
+def test_max_bytes(shm_prefix: str, reader: ShmReader) -> None:
+    with ShmArena(prefix=shm_prefix, max_bytes=2 * MIB + 2 * DATA_OFFSET) as arena:
         assert arena.put(torch.zeros(4 * MIB, dtype=torch.uint8)) is None
         d1 = arena.put(torch.zeros(MIB, dtype=torch.uint8))
         d2 = arena.put(torch.zeros(MIB, dtype=torch.uint8))
@@ -201,8 +176,8 @@ def test_max_bytes(prefix: str, reader: ShmReader) -> None:
         assert arena.put(torch.zeros(10, dtype=torch.uint8)) is not None
 
 
-def test_free_segments_are_retired_to_make_room(prefix: str, reader: ShmReader) -> None:
-    with ShmArena(prefix=prefix, max_bytes=5 * MIB + DATA_OFFSET) as arena:
+def test_free_segments_are_retired_to_make_room(shm_prefix: str, reader: ShmReader) -> None:
+    with ShmArena(prefix=shm_prefix, max_bytes=5 * MIB + DATA_OFFSET) as arena:
         small = arena.put(torch.ones(MIB, dtype=torch.uint8))
         assert small is not None
         assert int(reader.get(small).sum()) == MIB  # the reader now caches that mapping
@@ -213,8 +188,8 @@ def test_free_segments_are_retired_to_make_room(prefix: str, reader: ShmReader) 
         assert small["name"] not in reader._maps  # dropped on seeing the retired flag
 
 
-def test_close_removes_files(prefix: str, reader: ShmReader) -> None:
-    arena = ShmArena(prefix=prefix)
+def test_close_removes_files(shm_prefix: str, reader: ShmReader) -> None:
+    arena = ShmArena(prefix=shm_prefix)
     descs = [arena.put(torch.zeros(n * MIB, dtype=torch.uint8)) for n in (1, 2, 3)]
     paths = [_path(d) for d in descs if d is not None]
     assert len(paths) == 3 and all(os.path.exists(p) for p in paths)
@@ -236,29 +211,29 @@ def _child_leaks(conn: Connection, prefix: str) -> None:
     os._exit(0)  # no atexit: the segments are left behind
 
 
-def test_sweep_dead_process(prefix: str) -> None:
+def test_sweep_dead_process(shm_prefix: str) -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child_leaks, args=(child, prefix))
+    proc = ctx.Process(target=_child_leaks, args=(child, shm_prefix))
     proc.start()
     names = _recv(parent)
     proc.join(WAIT_S)
     assert proc.exitcode == 0 and proc.pid is not None
     assert isinstance(names, list) and len(names) == 2
     assert all(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
-    assert sweep(proc.pid, prefix=prefix) == 2
+    assert sweep(proc.pid, prefix=shm_prefix) == 2
     assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
-    assert sweep(proc.pid, prefix=prefix) == 0
+    assert sweep(proc.pid, prefix=shm_prefix) == 0
     with pytest.raises(ValueError, match="alive"):
-        sweep(os.getpid(), prefix=prefix)
+        sweep(os.getpid(), prefix=shm_prefix)
 
 
-def test_bad_descriptors(arena: ShmArena, reader: ShmReader, prefix: str) -> None:
+def test_bad_descriptors(arena: ShmArena, reader: ShmReader, shm_prefix: str) -> None:
     desc = arena.put(torch.zeros(MIB, dtype=torch.uint8), readers=2)
     assert desc is not None
     bad: list[dict[str, object]] = [
         {},
-        {**desc, "name": f"{prefix}-{os.getpid()}-999"},
+        {**desc, "name": f"{shm_prefix}-{os.getpid()}-999"},
         {**desc, "name": "../etc/passwd"},
         {**desc, "name": 5},
         {**desc, "nbytes": 3 * MIB},
@@ -279,8 +254,8 @@ def test_bad_descriptors(arena: ShmArena, reader: ShmReader, prefix: str) -> Non
     assert torch.equal(reader.get(desc, 1), torch.zeros(MIB, dtype=torch.uint8))
 
 
-def test_leftover_of_an_earlier_process_with_our_pid(prefix: str, reader: ShmReader) -> None:
-    path = os.path.join(SHM_DIR, f"{prefix}-{os.getpid()}-0")
+def test_leftover_of_an_earlier_process_with_our_pid(shm_prefix: str, reader: ShmReader) -> None:
+    path = os.path.join(SHM_DIR, f"{shm_prefix}-{os.getpid()}-0")
     header = bytearray(DATA_OFFSET)
     header[0] = 1
     struct.pack_into("<Q", header, 64, 5)
@@ -288,13 +263,13 @@ def test_leftover_of_an_earlier_process_with_our_pid(prefix: str, reader: ShmRea
         f.write(bytes(header) + b"\x09" * MIB)
     old = {"name": os.path.basename(path), "nbytes": 10, "gen": 5, "readers": 1}
     assert reader.get(old).tolist() == [9] * 10  # the reader now caches the old mapping
-    with ShmArena(prefix=prefix) as arena:
+    with ShmArena(prefix=shm_prefix) as arena:
         desc = arena.put(torch.full((20,), 4, dtype=torch.uint8))
         assert desc is not None and desc["name"] == old["name"]
         assert reader.get(desc).tolist() == [4] * 20
         with pytest.raises(ValueError, match="already uses prefix"):
-            ShmArena(prefix=prefix)
-    ShmArena(prefix=prefix).close()  # the prefix is free again after close
+            ShmArena(prefix=shm_prefix)
+    ShmArena(prefix=shm_prefix).close()  # the prefix is free again after close
 
 
 def test_bad_puts(arena: ShmArena) -> None:
