@@ -117,11 +117,27 @@ def cmd_role(args: argparse.Namespace) -> int:
                 await done.wait()
         finally:
             await launcher.stop()
-        for rank, code in failed:
-            console.print(f"[red]{name} rank {rank} exited with {code}; see {args.run_dir}/logs[/]")
+        if failed:
+            logs = Path(args.run_dir) / "logs"
+            ranks = ", ".join(f"rank {rank} ({code})" for rank, code in failed)
+            # rank 0 talks to the controller, so its log holds the reason (e.g. a refusal)
+            console.print(f"[red]{name}: {ranks} exited: {last_error(logs / f'{name}-0.log')}[/]")
+            console.print(f"logs: {logs}")
         return 1 if failed else 0
 
     return int(run_async(main))
+
+
+def last_error(log_path: Path) -> str:
+    """The last line of a rank's log that names an error (the reason a group was refused)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line.split("]: ", 1)[-1].strip()
+    return lines[-1] if lines else "empty log"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import tempfile
 
 import msgpack
 import pytest
@@ -63,21 +64,10 @@ def test_garbage_wrong_version_unknown_type_and_oversized_are_rejected(
 
 
 def _role_cli(address: str, names: str, token: str, *extra: str) -> subprocess.Popen[bytes]:
+    run_dir = tempfile.mkdtemp(prefix="hf-role-test-")  # each group its own logs
+    argv = ["role", names, "--connect", address, "--token", token, "--run-dir", run_dir, *extra]
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.cli",
-            "role",
-            names,
-            "--connect",
-            address,
-            "--token",
-            token,
-            "--run-dir",
-            "/tmp/hf-role-test",
-            *extra,
-        ],
+        [sys.executable, "-m", "deploy.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -99,7 +89,8 @@ def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
             for proc in wrong:
                 code = await asyncio.to_thread(proc.wait, 60)
                 assert code != 0
-                outputs.append(proc.stdout.read() if proc.stdout else b"")
+                out = proc.stdout.read() if proc.stdout else b""
+                outputs.append(b" ".join(out.split()))  # rich wraps long lines
             good = _role_cli(address, "echo", controller.token, "--nproc", "2")
             await controller.wait_ready(60)
             assert (await RoleClient(controller, "echo").call("where"))["ranks"] == [0, 1]
@@ -113,7 +104,7 @@ def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
     assert any("bad token" in r for r in rejected)
     assert any("unknown group" in r and "critic" in r for r in rejected)
     assert any("world size 3" in r and "nproc=2" in r for r in rejected)
-    for out in outputs:  # the reason reaches the other side too (rank log path is printed)
-        assert b"exited with" in out
-    logs = open("/tmp/hf-role-test/logs/echo-0.log").read()
-    assert "refused" in logs
+    # the reason is printed on the group's side too
+    assert any(b"bad token" in out for out in outputs)
+    assert any(b"unknown group" in out for out in outputs)
+    assert any(b"world size 3" in out for out in outputs)

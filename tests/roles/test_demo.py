@@ -1,0 +1,40 @@
+"""The demo role is real data parallelism: 2 ranks on split batches == 1 rank on whole batches."""
+
+from __future__ import annotations
+
+import torch
+
+from controller.client import RoleClient
+from deploy.session import local_session
+from tests.conftest import TEST_TIMEOUTS, group, run
+from transport.batch import TensorBatch
+
+
+def train(nproc: int, steps: int = 15) -> tuple[dict[str, torch.Tensor], list[float]]:
+    async def main() -> tuple[dict[str, torch.Tensor], list[float]]:
+        placement = [group("g", nproc, linear=("roles.demo:LinearRegressor", {"dim": 4}))]
+        async with local_session(placement, TEST_TIMEOUTS) as c:
+            model = RoleClient(c, "linear")
+            gen = torch.Generator().manual_seed(3)
+            losses = []
+            for _ in range(steps):
+                x = torch.randn(10, 4, generator=gen)  # 5 rows per rank at dp=2
+                y = x.sum(dim=1, keepdim=True)
+                metrics = await model.call("train_step", TensorBatch.from_dict({"x": x, "y": y}))
+                assert len(metrics) == nproc  # one dict per dp rank
+                assert len({m["loss"] for m in metrics}) == 1  # all ranks saw the global loss
+                losses.append(metrics[0]["loss"])
+            assert await model.call("replicas_agree") is True
+            return await model.call("weights"), losses
+
+    result: tuple[dict[str, torch.Tensor], list[float]] = run(main)
+    return result
+
+
+def test_two_rank_data_parallel_step_equals_one_rank() -> None:
+    w1, losses1 = train(1)
+    w2, losses2 = train(2)
+    assert losses1[-1] < losses1[0]
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], atol=1e-6, rtol=0)
+    assert abs(losses1[0] - losses2[0]) < 1e-6
