@@ -190,7 +190,13 @@ class Coordinator:
         if stop_fd is not None:
             self.poller.register(stop_fd, zmq.POLLIN)
         try:
-            ready = dict(self.poller.poll())
+            ready: dict[Any, int] = {}
+            if stop_fd is None and self.calls:  # a rank's answer is due: look before sleeping
+                deadline = time.perf_counter() + self.env.timeouts.spin_us / 1e6
+                while not ready and time.perf_counter() < deadline:
+                    ready = dict(self.poller.poll(0))
+            if not ready:
+                ready = dict(self.poller.poll())
         finally:
             if stop_fd is not None:
                 self.poller.unregister(stop_fd)
