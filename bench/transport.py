@@ -6,9 +6,9 @@ on this host in one go, in this order, each part in its own processes:
 
 1. **Round trip, one-to-all** — one local session hosts ``roles.testing:Echo`` on one 2-rank
    group per fan-out backend (``socket``, ``zmq``, ``rpc``); the controller awaits ``Echo.ping``
-   (no arguments, returns ``None``) one call at a time, round-robin over the backends so that all
-   see the same machine state (on a 2-core VM the drift between two runs exceeds the differences
-   between backends). Each sample is one call, controller → coordinator (rank 0) → rank 1 and
+   (no arguments, returns ``None``) one call at a time, in blocks of ``BLOCK`` calls per backend
+   with the blocks interleaved, so that all backends see the same machine state (on a 2-core VM
+   the drift between two runs exceeds the differences between backends). Each sample is one call, controller → coordinator (rank 0) → rank 1 and
    rank 0's own share → back, timed with ``perf_counter_ns``. Reported as p50/p99 in µs and
    calls/s; ``calls_per_s_concurrent`` is the throughput with ``CONCURRENCY`` calls in flight
    (``asyncio.gather``). ``rtt_p50_us``/``rtt_p99_us``/``calls_per_s`` are those of the library's
@@ -77,6 +77,8 @@ from deploy.session import local_session
 
 BACKENDS = ("socket", "zmq", "rpc")
 DEFAULT_FANOUT = GroupSpec.model_fields["fanout"].default
+BLOCK = 50  # round trips are measured in blocks per backend, the blocks interleaved
+BLOCK_WARMUP = 5
 CONCURRENCY = 32
 ECHO_CLS = "roles.testing:Echo"
 MiB = 1 << 20
@@ -204,11 +206,13 @@ async def measure_rtt(plan: Plan) -> dict[str, dict[str, float]]:
         gc.collect()
         samples: dict[str, list[int]] = {b: [] for b in BACKENDS}
         clock = time.perf_counter_ns
-        for _ in range(plan.calls):
+        for _ in range(plan.calls // BLOCK):
             for backend, echo in clients.items():
-                t0 = clock()
-                await echo.call("ping")
-                samples[backend].append(clock() - t0)
+                for i in range(BLOCK + BLOCK_WARMUP):
+                    t0 = clock()
+                    await echo.call("ping")
+                    if i >= BLOCK_WARMUP:  # the first calls after a switch find ranks asleep
+                        samples[backend].append(clock() - t0)
         results = {b: rtt_summary(samples[b]) for b in BACKENDS}
         for backend, echo in clients.items():
             await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))  # warm-up
