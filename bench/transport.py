@@ -21,8 +21,9 @@ on this host in one go, in this order, each part in its own processes:
    compared with one computed here; a mismatch aborts the run. ``bulk_first_ms_*`` is the
    warm-up transfer, for reference. ``memcpy_gbps_*`` is the same payload copied by
    ``dst.copy_(src)`` into a pre-faulted heap buffer on one thread (median), the cost floor for
-   moving those bytes once; its samples are taken between the transfers, because this VM's memory
-   bandwidth drifts from second to second. ``bulk_vs_memcpy_*`` = bulk / memcpy. A transfer
+   moving those bytes once; transfers and memcpys run in alternating blocks of ``BULK_BLOCK``,
+   each in its own steady state (one between two of the other would evict its working set from
+   the 32 MiB L3), while drift in this VM's memory bandwidth still hits both alike. ``bulk_vs_memcpy_*`` = bulk / memcpy. A transfer
    copies the bytes once (into shared memory), the receiver then reads them from another core,
    and a control round trip comes on top, so even a perfect implementation of this design stays
    below 1; at 16 MiB the memcpy runs from cache (source and target fit a 32 MiB L3), which the
@@ -79,6 +80,7 @@ BACKENDS = ("socket", "zmq", "rpc")
 DEFAULT_FANOUT = GroupSpec.model_fields["fanout"].default
 BLOCK = 50  # round trips are measured in blocks per backend, the blocks interleaved
 BLOCK_WARMUP = 5
+BULK_BLOCK = 3  # transfers (then memcpys) per block
 CONCURRENCY = 32
 ECHO_CLS = "roles.testing:Echo"
 MiB = 1 << 20
@@ -100,15 +102,14 @@ class Plan:
     calls: int  # timed sequential calls per backend
     warmup_calls: int
     concurrent_rounds: int  # rounds of CONCURRENCY calls gathered at once
-    bulk_reps: int  # timed transfers per size, after one warm-up
-    memcpy_per_rep: int  # memcpys timed after each bulk transfer
+    bulk_reps: int  # blocks of BULK_BLOCK transfers (and as many memcpys) per size
     ray_calls: int
 
     @classmethod
     def pick(cls, quick: bool) -> Plan:
         if quick:
-            return cls(300, 50, 10, 5, 3, 300)
-        return cls(3000, 300, 100, 15, 3, 3000)
+            return cls(300, 50, 10, 3, 300)
+        return cls(3000, 300, 100, 8, 3000)
 
 
 # -- small helpers --------------------------------------------------------------------------------
@@ -241,7 +242,8 @@ def timed_memcpy(dst: torch.Tensor, src: torch.Tensor) -> int:
 
 
 async def measure_bulk(plan: Plan) -> dict[str, float]:
-    """Transfers and memcpys of each size, interleaved so both see the same machine state."""
+    """Transfers and memcpys of each size, in alternating blocks so both see the same machine
+    state."""
     started = time.perf_counter()
     results: dict[str, float] = {}
     async with local_session([echo_group(1, "bulk")]) as controller:
@@ -254,21 +256,23 @@ async def measure_bulk(plan: Plan) -> dict[str, float]:
             dst.copy_(payload)  # every page of the memcpy target is faulted in before timing
             transfers: list[int] = []
             copies: list[int] = []
-            first_ns = 0
-            for rep in range(plan.bulk_reps + 1):  # rep 0: warm-up (new segment, page faults)
-                t0 = time.perf_counter_ns()
-                got = await echo.call("checksum", payload)
-                elapsed = time.perf_counter_ns() - t0
-                if got != expected:
-                    raise RuntimeError(
-                        f"bulk {key}: the coordinator's checksum {got} != local {expected}; "
-                        "the bytes were corrupted in transit"
-                    )
-                if rep == 0:
-                    first_ns = elapsed
-                    continue
-                transfers.append(elapsed)
-                copies.extend(timed_memcpy(dst, payload) for _ in range(plan.memcpy_per_rep))
+            t0 = time.perf_counter_ns()  # warm-up: creates and pre-faults the segment
+            await echo.call("checksum", payload)
+            first_ns = time.perf_counter_ns() - t0
+            # Blocks of transfers and blocks of memcpys, alternating: each runs in its own
+            # steady state (a memcpy between two transfers would evict the segment from the
+            # cache, and the other way round), and drift in memory bandwidth hits both alike.
+            for _ in range(plan.bulk_reps):
+                for _ in range(BULK_BLOCK):
+                    t0 = time.perf_counter_ns()
+                    got = await echo.call("checksum", payload)
+                    transfers.append(time.perf_counter_ns() - t0)
+                    if got != expected:
+                        raise RuntimeError(
+                            f"bulk {key}: the coordinator's checksum {got} != local {expected}; "
+                            "the bytes were corrupted in transit"
+                        )
+                copies.extend(timed_memcpy(dst, payload) for _ in range(BULK_BLOCK))
             bulk_ns, copy_ns = statistics.median(transfers), statistics.median(copies)
             results[f"bulk_gbps_{key}"] = nbytes / bulk_ns  # bytes per ns == GB/s
             results[f"memcpy_gbps_{key}"] = nbytes / copy_ns

@@ -158,6 +158,7 @@ class Coordinator:
         self.io.release()
         try:
             reply = run_call(self.host, task.call_id, task.body)
+            task.body = {}  # free the arguments now: their shared memory goes back before we reply
         finally:
             if not self.io.acquire(blocking=False):  # the watchdog has the sockets: call it off
                 os.write(self.wake_w, b"\0")
