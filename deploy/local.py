@@ -24,6 +24,7 @@ from pathlib import Path
 from controller.placement import GroupSpec
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
+from transport.shm import sweep_dead
 
 log = logging.getLogger("hybridflow.launcher")
 
@@ -109,6 +110,7 @@ class LocalLauncher:
         os.close(proc.pidfd)
         proc.pidfd = -1
         code = proc.popen.wait()
+        sweep_dead()  # shared memory a killed rank can no longer remove itself
         if self.stopping:
             return
         if code != 0:

@@ -17,6 +17,7 @@ from controller.placement import GroupSpec
 from controller.server import Controller
 from deploy.local import LocalLauncher
 from transport.settings import Timeouts
+from transport.shm import sweep_dead
 
 
 @asynccontextmanager
@@ -29,6 +30,7 @@ async def local_session(
     """``bind`` overrides the controller's address (default: an ipc socket in a private
     directory); ``tcp://127.0.0.1:0`` exercises the TCP path with ZeroMQ heartbeats."""
     timeouts = timeouts or Timeouts()
+    sweep_dead()  # what an earlier run killed with -9 left in /dev/shm
     sock_dir = Path(
         tempfile.mkdtemp(prefix="hf-")
     )  # short path: ipc names are limited to ~100 bytes

@@ -328,6 +328,18 @@ def sweep(pid: int, prefix: str = "hf") -> int:
     return sum(_retire_file(path) for path in names)
 
 
+def sweep_dead(prefix_pattern: str = r"hf[crw]\d*") -> int:
+    """Unlink every segment whose owner (the pid in its name) is dead, for prefixes matching
+    ``prefix_pattern``: what ``kill -9`` left behind. Returns how many."""
+    pattern = re.compile(f"(?:{prefix_pattern})-(\\d+)-\\d+")
+    removed = 0
+    for entry in os.scandir(SHM_DIR):
+        match = pattern.fullmatch(entry.name)
+        if match and not _pid_alive(int(match.group(1))):
+            removed += _retire_file(entry.path)
+    return removed
+
+
 def _retire_file(path: str) -> bool:
     """Set a segment's retired flag (readers drop cached mappings), then unlink it."""
     try:
