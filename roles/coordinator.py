@@ -101,7 +101,7 @@ class Coordinator:
         )
         self.links = fanout_links(e.link_kind, self.ctx, base, e.timeouts)
         store.set(FANOUT_KEY, json.dumps({"address": self.links.address, "host": host_id()}))
-        hellos = self.links.wait_hellos(set(range(1, e.world_size)), e.timeouts)
+        hellos = self.links.wait_hellos(set(range(1, e.world_size)), e.timeouts, e.token)
         self.same_host_workers = {r for r, h in hellos.items() if h["host"] == host_id()}
         if e.fanout == "rpc":
             init_rpc(0, e.world_size, e.master_addr, store, e.timeouts.call_s)

@@ -24,7 +24,8 @@ import zmq
 from transport.channel import PeerWatch, bind_router, connect_dealer, send_frames
 from transport.codec import Encoded, decode
 from transport.errors import RegistrationError
-from transport.protocol import MsgType, ProtocolError
+from transport.protocol import Message, MsgType, ProtocolError
+from transport.security import token_ok
 from transport.settings import Timeouts
 from transport.stream import connect, listen, recv_message, send_message, tune
 
@@ -38,14 +39,20 @@ def _missing_error(missing: set[int], timeouts: Timeouts) -> RegistrationError:
     )
 
 
+def _is_hello(msg: Message, token: str) -> bool:
+    return msg.type == MsgType.HELLO and token_ok(token, msg.body.get("token"))
+
+
 class FanOutLinks(abc.ABC):
     """The coordinator's end."""
 
     address: str
 
     @abc.abstractmethod
-    def wait_hellos(self, ranks: set[int], timeouts: Timeouts) -> dict[int, dict[str, Any]]:
-        """Every rank's hello body, by rank."""
+    def wait_hellos(
+        self, ranks: set[int], timeouts: Timeouts, token: str
+    ) -> dict[int, dict[str, Any]]:
+        """Every rank's hello body, by rank; hellos without the group's token are ignored."""
 
     @abc.abstractmethod
     def pollables(self) -> list[Any]:
@@ -74,7 +81,9 @@ class SocketFanOut(FanOutLinks):
         self.by_fd: dict[int, int] = {}
         self._lost: list[int] = []
 
-    def wait_hellos(self, ranks: set[int], timeouts: Timeouts) -> dict[int, dict[str, Any]]:
+    def wait_hellos(
+        self, ranks: set[int], timeouts: Timeouts, token: str
+    ) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + timeouts.group_init_s
         hellos: dict[int, dict[str, Any]] = {}
         while set(hellos) != ranks:
@@ -90,7 +99,7 @@ class SocketFanOut(FanOutLinks):
                 conn.close()  # not one of ours
                 continue
             rank = msg.body.get("rank")
-            if msg.type != MsgType.HELLO or rank not in ranks or rank in hellos:
+            if not _is_hello(msg, token) or rank not in ranks or rank in hellos:
                 conn.close()
                 continue
             conn.settimeout(None)
@@ -142,7 +151,9 @@ class ZmqFanOut(FanOutLinks):
         self.watch = PeerWatch.on(self.sock)
         self.ids: dict[int, bytes] = {}
 
-    def wait_hellos(self, ranks: set[int], timeouts: Timeouts) -> dict[int, dict[str, Any]]:
+    def wait_hellos(
+        self, ranks: set[int], timeouts: Timeouts, token: str
+    ) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + timeouts.group_init_s
         hellos: dict[int, dict[str, Any]] = {}
         while set(hellos) != ranks:
@@ -155,7 +166,7 @@ class ZmqFanOut(FanOutLinks):
             except ProtocolError:
                 continue
             rank = msg.body.get("rank")
-            if msg.type == MsgType.HELLO and rank in ranks and rank not in hellos:
+            if _is_hello(msg, token) and rank in ranks and rank not in hellos:
                 self.ids[rank] = ident.bytes
                 self.watch.learn(ident.bytes, ident)
                 hellos[rank] = msg.body

@@ -155,11 +155,6 @@ class PeerWatch:
         self._pump()
         self._by_fd[first_frame.get(zmq.SRCFD)] = identity
 
-    def forget(self, identity: bytes) -> None:
-        for fd, ident in list(self._by_fd.items()):
-            if ident == identity:
-                del self._by_fd[fd]
-
     def lost(self) -> list[bytes]:
         """The identities whose connection closed since the last call."""
         self._pump()
