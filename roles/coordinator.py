@@ -86,6 +86,7 @@ class Coordinator:
         self.calls: dict[int, PendingCall] = {}
         self.held: set[int] = set()  # calls holding rank 0's unsent result
         self.trackers: list[zmq.MessageTracker] = []
+        self.computing_since: float | None = None  # set while rank 0 computes
         self.same_host_workers: set[int] = set()
         self.rpc: RpcFanOut | None = None
         self._open_fanout(store)
@@ -155,6 +156,7 @@ class Coordinator:
 
     def _compute(self, task: _Task) -> None:
         """Run rank 0's share with the sockets handed to the watchdog meanwhile."""
+        self.computing_since = time.monotonic()
         self.io.release()
         try:
             reply = run_call(self.host, task.call_id, task.body)
@@ -164,14 +166,18 @@ class Coordinator:
                 os.write(self.wake_w, b"\0")
                 self.io.acquire()
                 _drain_pipe(self.wake_r)
+            self.computing_since = None
         self._collect(0, reply)
 
     def _watchdog(self) -> None:
         """Serve the sockets whenever the main thread has been computing for a while."""
         while True:
             time.sleep(HANDOVER_S)
+            since = self.computing_since
+            if since is None or time.monotonic() - since < HANDOVER_S:
+                continue  # idle (serving the sockets itself) or a short computation
             if not self.io.acquire(blocking=False):
-                continue  # the main thread is serving them itself
+                continue
             try:
                 while not self._service(self.wake_r):
                     pass

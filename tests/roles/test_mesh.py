@@ -97,9 +97,11 @@ def test_colocated_roles_share_ranks_but_keep_their_own_state() -> None:
     run(main)
 
 
-def test_exception_on_a_rank_becomes_remote_error_and_group_stays_usable() -> None:
+@pytest.mark.parametrize("fanout", ["socket", "zmq", "rpc"])
+def test_exception_on_a_rank_becomes_remote_error_and_group_stays_usable(fanout: str) -> None:
     async def main() -> None:
-        async with local_session([group("g", 2, f=FAULTY, echo=ECHO)], TEST_TIMEOUTS) as c:
+        placement = [group("g", 2, fanout=fanout, f=FAULTY, echo=ECHO)]
+        async with local_session(placement, TEST_TIMEOUTS) as c:
             faulty = RoleClient(c, "f")
             for rank in (1, 0):
                 with pytest.raises(RemoteError) as info:
@@ -142,10 +144,13 @@ def test_call_timeout_names_the_setting_and_group_survives() -> None:
     run(main)
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int) -> None:
+@pytest.mark.parametrize(
+    ("victim", "fanout"), [(1, "socket"), (0, "socket"), (1, "zmq"), (1, "rpc")]
+)
+def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int, fanout: str) -> None:
     async def main() -> list[int]:
-        async with local_session([group("g", 2, f=FAULTY, echo=ECHO)], TEST_TIMEOUTS) as c:
+        placement = [group("g", 2, fanout=fanout, f=FAULTY, echo=ECHO)]
+        async with local_session(placement, TEST_TIMEOUTS) as c:
             pids = (await RoleClient(c, "echo").call("where"))["pids"]
             faulty = RoleClient(c, "f")
             pending = asyncio.ensure_future(faulty.call("sleep", 30.0))
