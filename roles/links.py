@@ -48,11 +48,40 @@ class FanOutLinks(abc.ABC):
 
     address: str
 
-    @abc.abstractmethod
     def wait_hellos(
         self, ranks: set[int], timeouts: Timeouts, token: str
     ) -> dict[int, dict[str, Any]]:
         """Every rank's hello body, by rank; hellos without the group's token are ignored."""
+        deadline = time.monotonic() + timeouts.group_init_s
+        hellos: dict[int, dict[str, Any]] = {}
+        while set(hellos) != ranks:
+            got = self._next_hello(deadline)
+            if got is None:
+                raise _missing_error(ranks - set(hellos), timeouts)
+            peer, msg = got
+            rank = msg.body.get("rank") if msg is not None else None
+            if msg is not None and _is_hello(msg, token) and rank in ranks and rank not in hellos:
+                assert isinstance(rank, int)
+                self._admit(rank, peer)
+                hellos[rank] = msg.body
+            else:
+                self._turn_away(peer)
+        self._admitted_all()
+        return hellos
+
+    @abc.abstractmethod
+    def _next_hello(self, deadline: float) -> tuple[Any, Message | None] | None:
+        """The next peer and its first message (``None`` if not ours); ``None`` at the deadline."""
+
+    @abc.abstractmethod
+    def _admit(self, rank: int, peer: Any) -> None: ...
+
+    def _turn_away(self, peer: Any) -> None:
+        """Drop a peer that is not one of the group's ranks (default: nothing to close)."""
+        del peer
+
+    def _admitted_all(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Called once every rank is in."""
 
     @abc.abstractmethod
     def pollables(self) -> list[Any]:
@@ -81,34 +110,29 @@ class SocketFanOut(FanOutLinks):
         self.by_fd: dict[int, int] = {}
         self._lost: list[int] = []
 
-    def wait_hellos(
-        self, ranks: set[int], timeouts: Timeouts, token: str
-    ) -> dict[int, dict[str, Any]]:
-        deadline = time.monotonic() + timeouts.group_init_s
-        hellos: dict[int, dict[str, Any]] = {}
-        while set(hellos) != ranks:
-            self.listener.settimeout(max(0.0, deadline - time.monotonic()))
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                raise _missing_error(ranks - set(hellos), timeouts) from None
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                msg = decode(recv_message(conn) or [])
-            except (ProtocolError, OSError):
-                conn.close()  # not one of ours
-                continue
-            rank = msg.body.get("rank")
-            if not _is_hello(msg, token) or rank not in ranks or rank in hellos:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            tune(conn)
-            self.conns[rank] = conn
-            self.by_fd[conn.fileno()] = rank
-            hellos[rank] = msg.body
+    def _next_hello(self, deadline: float) -> tuple[Any, Message | None] | None:
+        self.listener.settimeout(max(0.0, deadline - time.monotonic()))
+        try:
+            conn, _ = self.listener.accept()
+        except TimeoutError:
+            return None
+        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            return conn, decode(recv_message(conn) or [])
+        except (ProtocolError, OSError):
+            return conn, None  # not one of ours
+
+    def _admit(self, rank: int, peer: Any) -> None:
+        peer.settimeout(None)
+        tune(peer)
+        self.conns[rank] = peer
+        self.by_fd[peer.fileno()] = rank
+
+    def _turn_away(self, peer: Any) -> None:
+        peer.close()
+
+    def _admitted_all(self) -> None:
         self.listener.close()
-        return hellos
 
     def pollables(self) -> list[Any]:
         return list(self.by_fd)
@@ -151,26 +175,19 @@ class ZmqFanOut(FanOutLinks):
         self.watch = PeerWatch.on(self.sock)
         self.ids: dict[int, bytes] = {}
 
-    def wait_hellos(
-        self, ranks: set[int], timeouts: Timeouts, token: str
-    ) -> dict[int, dict[str, Any]]:
-        deadline = time.monotonic() + timeouts.group_init_s
-        hellos: dict[int, dict[str, Any]] = {}
-        while set(hellos) != ranks:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000)):
-                raise _missing_error(ranks - set(hellos), timeouts)
-            ident, *frames = self.sock.recv_multipart(copy=False)
-            try:
-                msg = decode(frames)
-            except ProtocolError:
-                continue
-            rank = msg.body.get("rank")
-            if _is_hello(msg, token) and rank in ranks and rank not in hellos:
-                self.ids[rank] = ident.bytes
-                self.watch.learn(ident.bytes, ident)
-                hellos[rank] = msg.body
-        return hellos
+    def _next_hello(self, deadline: float) -> tuple[Any, Message | None] | None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self.sock.poll(int(left * 1000)):
+            return None
+        ident, *frames = self.sock.recv_multipart(copy=False)
+        try:
+            return ident, decode(frames)
+        except ProtocolError:
+            return ident, None
+
+    def _admit(self, rank: int, peer: Any) -> None:
+        self.ids[rank] = peer.bytes
+        self.watch.learn(peer.bytes, peer)
 
     def pollables(self) -> list[Any]:
         return [self.sock, self.watch.monitor]
