@@ -294,25 +294,18 @@ def test_bad_puts(arena: ShmArena) -> None:
         arena.release_reader(MAX_READERS)
 
 
-def _child_dies_holding(conn: Connection, prefix: str) -> None:
-    arena = ShmArena(prefix=prefix)
-    desc = arena.put(torch.zeros(MIB, dtype=torch.uint8), readers=1)
-    assert desc is not None
-    conn.send(desc["name"])
-    os._exit(0)  # like kill -9: no close(), no atexit
-
-
 def test_sweep_dead_removes_what_a_killed_process_left(shm_prefix: str) -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child_dies_holding, args=(child, shm_prefix))
+    proc = ctx.Process(target=_child_leaks, args=(child, shm_prefix))  # exits like kill -9
     proc.start()
-    name = _recv(parent)
+    names = _recv(parent)
     proc.join(WAIT_S)
-    assert isinstance(name, str) and os.path.exists(os.path.join(SHM_DIR, name))
+    assert isinstance(names, list) and len(names) == 2
+    assert all(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
     with ShmArena(prefix=shm_prefix + "live") as live:  # a live owner's segment stays
         kept = live.put(torch.zeros(MIB, dtype=torch.uint8), readers=1)
         assert kept is not None
-        assert sweep_dead(re.escape(shm_prefix) + "(?:live)?") == 1
-        assert not os.path.exists(os.path.join(SHM_DIR, name))
+        assert sweep_dead(re.escape(shm_prefix) + "(?:live)?") == 2
+        assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
         assert os.path.exists(os.path.join(SHM_DIR, kept["name"]))
