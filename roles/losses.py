@@ -1,0 +1,233 @@
+"""Policy, value and KL losses for RL fine-tuning: pure tensor functions, no distributed code.
+
+The training engine splits a batch into micro-batches (and data-parallel ranks), calls these
+functions once per micro-batch and sums the gradients. For that sum to equal the gradient of the
+whole batch's loss, every micro-batch divides by the *global* counts of the batch — the engine
+takes them once with `count(whole_mask)` (summed over ranks) and passes them as `tokens` and
+`seqs`. Each call then returns its share; shares add up to the batch loss, and the metrics are
+normalised the same way so that summing them over micro-batches and ranks gives the batch value.
+
+All per-token tensors are [B, T]; `mask` is a [B, T] 0/1 tensor (bool or float) marking the
+tokens that count (response tokens, not prompt or padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from torch import Tensor
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
+
+_KL_ALIASES: dict[str, str] = {"mse": "k2", "low_var_kl": "k3"}
+# exp() of a log-ratio beyond this overflows float32 into inf, whose backward is NaN even where a
+# later clamp makes the forward value irrelevant; ratios of e^20 are far outside any trust region.
+_MAX_LOG_RATIO = 20.0
+
+
+def count(mask: Tensor) -> tuple[float, float]:
+    """(tokens, sequences) that count: the mask's sum and the rows with at least one token."""
+    per_row = mask.float().sum(dim=-1)
+    return float(per_row.sum()), float((per_row > 0).sum())
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: AggMode, tokens: float, seqs: float) -> Tensor:
+    """Scalar: this micro-batch's share of the batch loss, normalised by the batch's counts.
+
+    token-mean:           sum(values * mask) / tokens
+    seq-mean-token-sum:   sum over rows of (sum_t values * mask) / seqs
+    seq-mean-token-mean:  sum over rows of (sum_t values * mask / max(row tokens, 1)) / seqs
+    A zero denominator (nothing counts) gives 0.0 with a graph, so backward yields zero grads.
+    """
+    if mode not in get_args(AggMode):
+        raise ValueError(f"mode={mode!r} is not one of {get_args(AggMode)}")
+    keep = mask.bool()
+    # where(), not values * mask: padding may hold inf or NaN (e.g. log-probs of pad tokens).
+    masked = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    denominator = tokens if mode == "token-mean" else seqs
+    if denominator <= 0:
+        return masked.sum() * 0.0
+    if mode == "token-mean":
+        return masked.sum() / tokens
+    row_sums = masked.sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        return row_sums.sum() / seqs
+    row_tokens = keep.sum(dim=-1).clamp(min=1).to(values.dtype)
+    return (row_sums / row_tokens).sum() / seqs
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind) -> Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman's k1/k2/k3)."""
+    estimator = _KL_ALIASES.get(kind, kind)
+    diff = logp - ref_logp
+    if estimator == "k1":
+        return diff
+    if estimator == "abs":
+        return diff.abs()
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "k3":
+        log_ratio = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"kind={kind!r} is not one of {get_args(KLKind)}")
+
+
+@dataclass(frozen=True)
+class PolicyTerms:
+    loss: Tensor  # [B, T] per-token surrogate loss, still to be aggregated
+    ratio: Tensor  # [B, T] exp(logp - old_logp)
+    clipped: Tensor  # [B, T] bool: the clipped term was strictly larger and taken
+    dual_clipped: Tensor  # [B, T] bool: the dual-clip cap was applied
+
+
+def ppo_policy_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> PolicyTerms:
+    """PPO clipped surrogate, ratio clamped to [1 - clip_low, 1 + clip_high], with dual clip.
+
+    Dual clip (Ye et al. 2020) caps the loss of a negative-advantage token at -A * dual_clip, so a
+    huge ratio on a bad token cannot dominate the batch.
+    """
+    if clip_low < 0:
+        raise ValueError(f"clip_low={clip_low} must be >= 0")
+    if clip_high < 0:
+        raise ValueError(f"clip_high={clip_high} must be >= 0")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None to disable)")
+    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    dual_clipped = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual_clipped, cap, loss)
+    return PolicyTerms(loss=loss, ratio=ratio, clipped=clipped, dual_clipped=dual_clipped)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None) -> Tensor:
+    """Per-token value loss 0.5 * (v - R)^2, pessimistic over v clipped to old_v +- clip."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        return 0.5 * unclipped
+    if clip < 0:
+        raise ValueError(f"clip={clip} must be >= 0 (or None to disable)")
+    moved = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum(unclipped, (moved - returns).square())
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax over the last dim, [..., V] -> [...], computed in float32."""
+    logits = logits.float()
+    probs = logits.softmax(dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
+    """Per-pair reward-model loss -log sigmoid(r_chosen - r_rejected), shape [N]."""
+    return -F.logsigmoid(chosen - rejected)
+
+
+class PolicyLossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    clip_ratio_low: float = Field(0.2, description="ratio floor is 1 - clip_ratio_low")
+    clip_ratio_high: float | None = Field(
+        None, description="ratio ceiling is 1 + clip_ratio_high; null: same as clip_ratio_low"
+    )
+    dual_clip: float | None = Field(
+        3.0, description="cap on a negative-advantage token's loss, in units of -A; null: off"
+    )
+    entropy_coef: float = Field(0.0, description="weight of the entropy bonus")
+    kl_coef: float = Field(0.0, description="weight of KL-to-reference; needs ref_log_probs")
+    kl_type: KLKind = Field("k3", description="KL estimator, see kl_penalty")
+    agg: AggMode = Field("token-mean", description="how per-token terms become one number")
+
+    @field_validator("clip_ratio_low", "clip_ratio_high", "kl_coef")
+    @classmethod
+    def _non_negative(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"{info.field_name}={value} must be >= 0")
+        return value
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float | None) -> float | None:
+        if value is not None and value <= 1:
+            raise ValueError(f"dual_clip={value} must be > 1 (or null to disable)")
+        return value
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio_low if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+class ValueLossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    clip: float | None = Field(0.5, description="max move of a value from its old one; null: off")
+    agg: AggMode = Field("token-mean", description="how per-token terms become one number")
+
+    @field_validator("clip")
+    @classmethod
+    def _clip_non_negative(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"clip={value} must be >= 0 (or null to disable)")
+        return value
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+    tokens: float,
+    seqs: float,
+    entropy: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(this micro-batch's loss share, metrics): agg(pg) - entropy_coef*agg(H) + kl_coef*agg(KL).
+
+    Loss terms use cfg.agg; the diagnostic fractions and ppo_kl are per-token means.
+    """
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy_coef={cfg.entropy_coef} needs entropy; pass it or set 0")
+    if cfg.kl_coef != 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logp (ref_log_probs); pass it or set 0")
+
+    def agg(values: Tensor, mode: AggMode = cfg.agg) -> Tensor:
+        return aggregate(values, mask, mode, tokens, seqs)
+
+    terms = ppo_policy_terms(
+        logp, old_logp, advantages, cfg.clip_ratio_low, cfg.clip_high, cfg.dual_clip
+    )
+    loss = agg(terms.loss)
+    metrics = {
+        "pg_loss": loss.detach(),
+        "pg_clipfrac": agg(terms.clipped.float(), "token-mean"),
+        "pg_dualclip_frac": agg(terms.dual_clipped.float(), "token-mean"),
+        "ppo_kl": agg((old_logp - logp).detach(), "token-mean"),
+    }
+    if entropy is not None:
+        entropy_term = agg(entropy)
+        metrics["entropy"] = entropy_term.detach()
+        loss = loss - cfg.entropy_coef * entropy_term
+    if ref_logp is not None and cfg.kl_coef != 0:
+        kl_term = agg(kl_penalty(logp, ref_logp, cfg.kl_type))
+        metrics["kl"] = kl_term.detach()
+        loss = loss + cfg.kl_coef * kl_term
+    return loss, metrics
