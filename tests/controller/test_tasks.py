@@ -1,0 +1,146 @@
+"""Built-in arithmetic tasks: deterministic, disjoint splits, right answers, a fair rule reward."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from controller.tasks import (
+    SPLITS,
+    TASKS,
+    arithmetic,
+    arithmetic_reward,
+    preference,
+    problems,
+)
+
+PROMPT = re.compile(r"^(\d+)([-+*])(\d+)=$")
+
+
+def evaluate(prompt: str) -> int:
+    match = PROMPT.match(prompt)
+    assert match, prompt
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+def test_same_seed_same_rows_other_seed_other_rows() -> None:
+    assert arithmetic(50, "train", seed=3) == arithmetic(50, "train", seed=3)
+    assert arithmetic(50, "train", seed=3) != arithmetic(50, "train", seed=4)
+    assert preference(50, "test", seed=3) == preference(50, "test", seed=3)
+
+
+@pytest.mark.parametrize("ops", ["+", "+-", "+-*"])
+def test_splits_are_disjoint_and_cover_the_problem_space(ops: str) -> None:
+    prompts = {split: {p.prompt for p in problems(split, ops=ops)} for split in SPLITS}
+    assert not prompts["train"] & prompts["sft"]
+    assert not prompts["train"] & prompts["test"]
+    assert not prompts["sft"] & prompts["test"]
+    per_op = {"+": 100 * 100, "-": 100 * 101 // 2, "*": 100 * 100}
+    assert sum(len(p) for p in prompts.values()) == sum(per_op[op] for op in ops)
+
+
+def test_commuted_problems_share_a_split() -> None:
+    test = {p.prompt for p in problems("test")}
+    for prompt in test:
+        a, b = prompt.rstrip("=").split("+")
+        assert f"{b}+{a}=" in test
+
+
+def test_sampled_rows_stay_in_their_split_for_any_seed() -> None:
+    held_out = {p.prompt for p in problems("test")}
+    for seed in range(3):
+        assert not {r["prompt"] for r in arithmetic(2000, "train", seed=seed)} & held_out
+        assert not {r["prompt"] for r in arithmetic(1000, "sft", seed=seed)} & held_out
+        assert not {r["prompt"] for r in preference(1000, "train", seed=seed)} & held_out
+
+
+def test_test_split_has_at_least_500_distinct_problems() -> None:
+    assert len(problems("test")) >= 500
+    rows = arithmetic(len(problems("test")), "test")
+    assert len({r["prompt"] for r in rows}) == len(problems("test"))
+
+
+def test_without_replacement_up_to_the_split_size_then_with() -> None:
+    size = len(problems("test"))
+    assert len({r["prompt"] for r in arithmetic(size, "test")}) == size
+    rows = arithmetic(size + 10, "test")
+    assert len(rows) == size + 10
+    assert len({r["prompt"] for r in rows}) <= size
+
+
+@pytest.mark.parametrize("ops", ["+", "+-*"])
+def test_answers_are_correct_and_never_negative(ops: str) -> None:
+    for row in arithmetic(500, "train", seed=1, ops=ops):
+        assert row["response"] == row["answer"] == str(evaluate(row["prompt"]))
+        assert int(row["answer"]) >= 0
+        assert row["data_source"] == "arithmetic"
+
+
+def test_max_operand_bounds_the_operands() -> None:
+    for row in arithmetic(200, "train", max_operand=9, ops="+-"):
+        assert all(int(x) <= 9 for x in re.split(r"[-+=]", row["prompt"]) if x)
+
+
+def test_preference_rejected_is_near_non_negative_and_wrong_in_the_units_digit() -> None:
+    rows = preference(3000, "train", seed=2, ops="+-*")
+    for row in rows:
+        assert set(row) == {"prompt", "chosen", "rejected", "data_source"}
+        assert row["chosen"] == str(evaluate(row["prompt"]))
+        rejected = int(row["rejected"])
+        assert rejected >= 0
+        assert 1 <= abs(rejected - int(row["chosen"])) <= 9
+        assert row["rejected"][-1] != row["chosen"][-1]
+    signs = {int(r["rejected"]) > int(r["chosen"]) for r in rows}
+    assert signs == {True, False}
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        ("82", 1.0),
+        (" 82\n", 1.0),
+        ("82 because 37+45=82", 1.0),
+        ("82\nmore text", 1.0),
+        ("82</s>", 0.0),  # special tokens are the caller's to strip
+        ("83", 0.0),
+        ("820", 0.0),
+        ("8 2", 0.0),
+        ("", 0.0),
+        ("   ", 0.0),
+        ("the answer is 82", 0.0),
+    ],
+)
+def test_arithmetic_reward_compares_the_first_token(response: str, reward: float) -> None:
+    assert arithmetic_reward("37+45=", response, {"answer": "82"}) == reward
+
+
+def test_arithmetic_reward_accepts_numeric_answers() -> None:
+    assert arithmetic_reward("37+45=", "82", {"answer": 82}) == 1.0
+    assert arithmetic_reward("37+45=", "82", {"answer": 82.0}) == 1.0
+    assert arithmetic_reward("37+45=", "82", {"answer": " 82 "}) == 1.0
+
+
+def test_arithmetic_reward_without_answer_says_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="metadata\\['answer'\\]"):
+        arithmetic_reward("37+45=", "82", {})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"split": "dev"}, "split='dev' is not one of train, sft, test"),
+        ({"n": 0}, "n=0 must be at least 1"),
+        ({"ops": "/"}, "ops='/' must be distinct characters"),
+        ({"ops": "++"}, "ops='\\+\\+' must be distinct"),
+        ({"ops": ""}, "ops='' must be"),
+        ({"max_operand": -1}, "max_operand=-1 must be at least 0"),
+        ({"max_operand": 0, "split": "test"}, "has no problems with max_operand=0"),
+    ],
+)
+def test_bad_options_raise_value_error(kwargs: dict[str, object], message: str) -> None:
+    options: dict[str, object] = {"n": 5, "split": "train", **kwargs}
+    for task in TASKS.values():
+        with pytest.raises(ValueError, match=message):
+            task(**options)
