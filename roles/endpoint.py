@@ -82,6 +82,9 @@ def _dp_gather(results: list[Any], layout: Layout) -> Any:
 ONE_TO_ALL = TransferProtocol("one-to-all", _broadcast, _first)
 DP_SPLIT = TransferProtocol("dp-split", _dp_scatter, _dp_gather)
 RANK_ZERO = TransferProtocol("rank-zero", _rank_zero_only, _first)
+#: dp-split in, rank 0's result out: for calls whose ranks already reduced their result over the
+#: group (a training step's metrics), so the controller gets one value, not one per dp rank.
+DP_REDUCED = TransferProtocol("dp-split/reduced", _dp_scatter, _first)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,121 @@
+"""The actor and reference roles: a causal LM that scores tokens, and (actor) learns.
+
+Both compute per-token log-probs with the definition in ``roles/logprob.py``. The reference is a
+frozen copy; the actor also trains — by PPO-style policy updates for RL and by next-token loss for
+supervised fine-tuning. All batch endpoints are dp-split: the controller's batch is sharded over
+the group's data-parallel ranks. Checkpoints and export come from ``EngineRole``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from roles.base import RoleContext
+from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
+from roles.engine_role import EngineRole, tensor
+from roles.logprob import token_entropy, token_log_probs
+from roles.losses import PolicyLossConfig, aggregate, policy_loss
+from roles.models import load_tokenizer
+from roles.text import encode_rows
+from transport.batch import TensorBatch
+
+
+class Reference(EngineRole):
+    """Frozen causal LM: log-probs of given tokens."""
+
+    frozen = True
+
+    def __init__(self, ctx: RoleContext, **config: Any) -> None:
+        super().__init__(ctx, **config)
+        self.tokenizer = load_tokenizer(self.engine.cfg.model)
+
+    @endpoint(DP_SPLIT)
+    def compute_log_prob(
+        self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
+    ) -> TensorBatch:
+        """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
+
+        def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
+            mask = tensor(micro, "attention_mask")
+            logp = token_log_probs(logits, tensor(micro, "input_ids"), temperature) * mask
+            if not entropy:
+                return logp
+            return torch.stack([logp, token_entropy(logits, temperature) * mask], dim=-1)
+
+        out = self.engine.infer(batch, read)
+        if entropy:
+            return TensorBatch.from_dict({"log_probs": out[..., 0], "entropy": out[..., 1]})
+        return TensorBatch.from_dict({"log_probs": out})
+
+
+class Actor(Reference):
+    """The policy: log-probs, PPO updates, supervised fine-tuning, checkpoints and export."""
+
+    frozen = False
+
+    @endpoint(DP_REDUCED)
+    def update_policy(
+        self, batch: TensorBatch, loss: dict[str, Any] | None = None, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped surrogate on the whole batch. Needs ``input_ids``,
+        ``attention_mask``, ``response_mask``, ``old_log_probs``, ``advantages`` (and
+        ``ref_log_probs`` when ``loss.kl_coef`` > 0)."""
+        cfg = PolicyLossConfig.model_validate(loss or {})
+
+        def loss_fn(
+            logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            ids = tensor(micro, "input_ids")
+            return policy_loss(
+                token_log_probs(logits, ids, temperature),
+                tensor(micro, "old_log_probs"),
+                tensor(micro, "advantages"),
+                tensor(micro, "response_mask"),
+                cfg,
+                tokens,
+                seqs,
+                entropy=token_entropy(logits, temperature) if cfg.entropy_coef else None,
+                ref_logp=micro.tensors.get("ref_log_probs") if cfg.kl_coef else None,
+            )
+
+        return self.engine.train_step(batch, loss_fn)
+
+    def _sft_batch(self, batch: TensorBatch, response_only: bool) -> tuple[TensorBatch, int]:
+        prompts, responses = batch["prompt"], batch["response"]
+        assert isinstance(prompts, list) and isinstance(responses, list)
+        limit = int(self.engine.model_config.max_position_embeddings)
+        return encode_rows(self.tokenizer, prompts, responses, limit, response_only)
+
+    @endpoint(DP_REDUCED)
+    def sft_step(self, batch: TensorBatch, response_only: bool = True) -> dict[str, float]:
+        """One optimizer step of token-mean next-token loss on text rows (``prompt``,
+        ``response``); with ``response_only`` the prompt tokens are not trained on."""
+        tokens_batch, cut = self._sft_batch(batch, response_only)
+        metrics = self.engine.train_step(tokens_batch, _nll)
+        metrics["truncated"] = self.sum_over_dp({"cut": torch.tensor(float(cut))})["cut"]
+        return metrics
+
+    @endpoint(DP_REDUCED)
+    def sft_eval(self, batch: TensorBatch, response_only: bool = True) -> dict[str, float]:
+        """Token-mean next-token loss on text rows, no update (held-out loss)."""
+        tokens_batch, _ = self._sft_batch(batch, response_only)
+
+        def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
+            nll = -token_log_probs(logits, tensor(micro, "input_ids")) * tensor(
+                micro, "response_mask"
+            )
+            return nll.sum(-1)
+
+        mask = tensor(tokens_batch, "response_mask")
+        totals = {"nll": self.engine.infer(tokens_batch, read).sum(), "tokens": mask.sum().float()}
+        summed = self.sum_over_dp(totals)
+        return {"loss": summed["nll"] / max(summed["tokens"], 1.0), "tokens": summed["tokens"]}
+
+
+def _nll(
+    logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    nll = -token_log_probs(logits, tensor(micro, "input_ids"))
+    return aggregate(nll, tensor(micro, "response_mask"), "token-mean", tokens, seqs), {}

@@ -1,0 +1,67 @@
+"""What every model-holding role shares: its training engine, checkpoints, export and layout.
+
+Actor, reference, critic and reward-model roles subclass ``EngineRole``; their own files hold only
+what differs (which head, which loss). The placement config of such a role is an ``EngineConfig``
+(``roles/training/config.py``): ``{"model": PATH, "dtype": "bf16", "micro_batch_size": 8,
+"optim": {"lr": 1e-5, ...}}``; ``optim: null`` freezes the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roles.base import Role, RoleContext
+from roles.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
+from roles.training.config import EngineConfig
+from roles.training.engine import Head, TrainingEngine
+from roles.training.fsdp import FSDPEngine
+from transport.batch import TensorBatch
+
+
+def tensor(batch: TensorBatch, name: str) -> torch.Tensor:
+    """A tensor column, or an error naming the column the caller forgot."""
+    if name not in batch.tensors:
+        raise KeyError(f"the batch has no tensor column {name!r} (it has {sorted(batch.tensors)})")
+    return batch.tensors[name]
+
+
+class EngineRole(Role):
+    head: Head = "lm"
+    frozen = False  # True: the role never trains, whatever its config says
+
+    def __init__(self, ctx: RoleContext, **config: Any) -> None:
+        super().__init__(ctx)
+        if self.frozen:
+            config = {**config, "optim": None}
+        self.engine: TrainingEngine = FSDPEngine(
+            EngineConfig.model_validate(config), ctx, head=self.head
+        )
+
+    def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        return self.engine.sum_over_dp(values)
+
+    @endpoint(ONE_TO_ALL)
+    def save(self, path: str) -> str:
+        """Sharded checkpoint (model, optimizer, schedule, RNG), written atomically."""
+        self.engine.save(path)
+        return str(Path(path))
+
+    @endpoint(ONE_TO_ALL)
+    def load(self, path: str) -> int:
+        """Restore a checkpoint written by ``save`` at the same layout; returns its step."""
+        self.engine.load(path)
+        return self.engine.step
+
+    @endpoint(ONE_TO_ALL)
+    def export(self, path: str) -> str:
+        """The full weights as a plain Hugging Face folder."""
+        self.engine.export(path)
+        return str(Path(path))
+
+    @endpoint(RANK_ZERO)
+    def param_layout(self) -> dict[str, dict[str, object]]:
+        """Per parameter: full shape, the dim split over tp and the dim split over dp."""
+        return {name: layout.as_dict() for name, layout in self.engine.param_layout().items()}

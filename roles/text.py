@@ -1,0 +1,78 @@
+"""Text rows → the token batch every engine reads, and back.
+
+A training row is ``<bos> prompt response <eos>`` right-padded to the longest row of the batch:
+
+* ``input_ids``, ``attention_mask`` ``[B, T]``;
+* ``response_mask`` ``[B, T]``: the response tokens and the closing ``<eos>`` — the tokens a policy
+  is trained on (or every token after ``<bos>`` when the whole sequence is the target).
+
+Tokenization happens on the role's ranks (each on its own data-parallel shard), not in the
+controller, which never loads model code. Rows longer than the model's context are cut from the
+right; how many were cut is reported, never hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from transport.batch import TensorBatch
+
+
+def encode_rows(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    max_len: int,
+    response_only: bool = True,
+) -> tuple[TensorBatch, int]:
+    """Tokenize (prompt, response) pairs; returns the batch and the number of rows truncated."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    rows, masks, cut = [], [], 0
+    for prompt, response in zip(prompts, responses, strict=True):
+        head = [bos, *tokenizer.encode(prompt, add_special_tokens=False)]
+        tail = [*tokenizer.encode(response, add_special_tokens=False), eos]
+        ids = head + tail
+        target = [0] * len(head) + [1] * len(tail) if response_only else [0] + [1] * (len(ids) - 1)
+        if len(ids) > max_len:
+            ids, target, cut = ids[:max_len], target[:max_len], cut + 1
+        rows.append(ids)
+        masks.append(target)
+    return pad_rows(rows, masks, tokenizer.pad_token_id), cut
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], pad: int
+) -> TensorBatch:
+    """Right-pad token rows into ``input_ids`` / ``attention_mask`` / ``response_mask``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    response = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, target) in enumerate(zip(rows, targets, strict=True)):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention[i, : len(row)] = 1
+        response[i, : len(row)] = torch.tensor(target, dtype=torch.long)
+    return TensorBatch.from_dict(
+        {"input_ids": ids, "attention_mask": attention, "response_mask": response}
+    )
+
+
+def decode_rows(tokenizer: Any, batch: TensorBatch) -> tuple[list[str], list[str]]:
+    """(prompt text, response text) of each row of a token batch, special tokens dropped."""
+    ids, attention, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+    assert isinstance(ids, torch.Tensor)
+    assert isinstance(attention, torch.Tensor) and isinstance(response, torch.Tensor)
+    prompts, responses = [], []
+    for row, att, resp in zip(ids, attention.bool(), response.bool(), strict=True):
+        prompts.append(tokenizer.decode(row[att & ~resp].tolist(), skip_special_tokens=True))
+        responses.append(tokenizer.decode(row[resp].tolist(), skip_special_tokens=True))
+    return prompts, responses
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last real token (where a sequence-scoring head reads)."""
+    positions = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)
+    return (positions * attention_mask.bool()).max(-1).values

@@ -1,0 +1,82 @@
+"""The training-engine interface the actor, critic, reference and reward roles program against.
+
+An engine owns one model on the ranks of a role group (sharded however its backend likes), its
+optimizer and schedule. Roles never touch the parallelism: they hand the engine a rank's shard of
+a batch plus a function of the model's output, and get tensors back.
+
+* ``infer(batch, read)`` runs the model without gradients, micro-batch by micro-batch, and
+  returns ``read(output, micro_batch)`` concatenated over the rows — e.g. per-token log-probs.
+* ``train_step(batch, loss_fn)`` is one optimizer step on the *global* batch (all data-parallel
+  shards together): ``loss_fn`` gets each micro-batch with the global count of tokens and
+  sequences under ``count_key``, so the sum of its results over micro-batches and ranks is the loss
+  of the whole batch, whatever the split (see ``roles/losses.py``).
+* ``save`` / ``load`` a sharded checkpoint (model, optimizer, schedule, RNG), ``export`` a plain
+  Hugging Face folder, ``param_layout`` which dim of each parameter is split over tp and dp (the
+  reshard module reads it).
+
+Output kinds: an ``lm`` engine returns logits ``[B, T, V]``; a ``token`` engine (critic, reward
+model) returns one scalar per position ``[B, T]``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from roles.training.config import EngineConfig
+from transport.batch import TensorBatch
+
+Head = Literal["lm", "token"]
+Read = Callable[[torch.Tensor, TensorBatch], torch.Tensor]
+LossFn = Callable[
+    [torch.Tensor, TensorBatch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one parameter lives: its full shape and the dim split over tp / over dp (or None)."""
+
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    dp_dim: int | None
+
+    def as_dict(self) -> dict[str, object]:
+        return {"shape": list(self.shape), "tp_dim": self.tp_dim, "dp_dim": self.dp_dim}
+
+
+class TrainingEngine(ABC):
+    """One model trained (or frozen) over the ranks of a role group."""
+
+    cfg: EngineConfig
+    model_config: Any  # the Hugging Face config of the model
+    step: int  # optimizer steps taken
+
+    @abstractmethod
+    def infer(self, batch: TensorBatch, read: Read) -> torch.Tensor: ...
+
+    @abstractmethod
+    def train_step(
+        self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
+    ) -> dict[str, float]: ...
+
+    @abstractmethod
+    def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum per-rank values over the data-parallel ranks (same keys on every rank)."""
+
+    @abstractmethod
+    def save(self, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def load(self, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def export(self, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def param_layout(self) -> dict[str, ParamLayout]: ...

@@ -1,0 +1,421 @@
+"""The ``fsdp`` training engine: FSDP2 for data parallel, DTensor tensor parallel, dp x tp mesh.
+
+The group's ranks form a device mesh ``(dp, tp)`` in the same row-major order as the role layout
+(rank = dp_rank · tp + tp_rank). Each decoder layer's attention and MLP projections are split over
+``tp`` (q/k/v and gate/up column-wise, o and down row-wise, so each layer needs two all-reduces);
+embeddings, norms and heads stay whole on the tp ranks. Then every layer and the root are
+``fully_shard``-ed over ``dp``. Gloo runs all of it on CPU; NCCL would on GPU.
+
+Exactness matters more than anything here (the tests compare 1, dp = 2 and tp = 2 runs):
+
+* losses are normalised by global counts (``roles/losses.py``) and multiplied by ``dp`` because
+  FSDP averages gradients over its ranks;
+* every dp rank runs the same number of micro-batches — a rank with fewer rows runs a masked-out
+  copy of its first row, since a forward pass is a sequence of collectives;
+* the gradient norm for clipping is summed over the local shards with one all-reduce, each
+  parameter's local square counted once however many ranks replicate it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from roles.base import RoleContext
+from roles.losses import count
+from roles.models import check_model_dir, load_causal_lm, load_tokenizer
+from roles.training.config import EngineConfig
+from roles.training.engine import Head, LossFn, ParamLayout, Read, TrainingEngine
+from transport.batch import TensorBatch
+
+# Column-wise splits the output features (heads), row-wise the input features; a row-wise layer
+# ends with an all-reduce over tp.
+TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+class EngineError(ValueError):
+    """A model or batch this engine cannot run, with what to change."""
+
+
+def load_module(cfg: EngineConfig, head: Head) -> torch.nn.Module:
+    """The model, in fp32 on CPU, identical on every rank (seeded before any head is created)."""
+    torch.manual_seed(cfg.seed)
+    if head == "lm":
+        module = load_causal_lm(cfg.model)
+    else:
+        from transformers import AutoModelForTokenClassification
+
+        config, _ = check_model_dir(cfg.model)
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+        module = AutoModelForTokenClassification.from_pretrained(
+            cfg.model, config=config, dtype=torch.float32
+        )
+    module.eval()  # no dropout anywhere: ranks and recomputations must agree
+    return module
+
+
+class FSDPEngine(TrainingEngine):
+    def __init__(self, cfg: EngineConfig, ctx: RoleContext, head: Head = "lm") -> None:
+        layout = ctx.layout
+        if layout.pp != 1:
+            raise EngineError(f"the fsdp engine has no pipeline parallel; got pp={layout.pp}")
+        self.cfg, self.head, self.step = cfg, head, 0
+        self.dp, self.tp, self.world = layout.dp, layout.tp, layout.world_size
+        self.module = load_module(cfg, head)
+        self.model_config = self.module.config
+        self.mesh: DeviceMesh | None = None
+        if self.world > 1:
+            self.mesh = init_device_mesh("cpu", (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+            self._parallelize(self.mesh)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if cfg.optim is not None:
+            optim = cfg.optim
+            self.optimizer = torch.optim.AdamW(
+                self.module.parameters(),
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                foreach=False,  # mixes DTensors of different meshes (tp-split and tp-whole)
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim.lr_factor)
+        else:
+            self.module.requires_grad_(False)
+
+    # -- parallelism ---------------------------------------------------------------------------
+
+    def _layers(self) -> torch.nn.ModuleList:
+        base = getattr(self.module, str(self.module.base_model_prefix))
+        layers = getattr(base, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise EngineError(f"{type(self.module).__name__} has no decoder layers to shard")
+        return layers
+
+    def _parallelize(self, mesh: DeviceMesh) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        if self.tp > 1:
+            self._check_tp_divides()
+            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+            plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
+            for layer in self._layers():
+                parallelize_module(layer, mesh["tp"], plan)
+        if self.dp > 1:
+            for layer in self._layers():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(self.module, mesh=mesh["dp"])
+
+    def _check_tp_divides(self) -> None:
+        config = self.model_config
+        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(config, field)
+            if value % self.tp:
+                raise EngineError(
+                    f"tp={self.tp} does not divide the model's {field}={value}; "
+                    f"pick a tp that divides it"
+                )
+
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["dp"].get_group() if self.mesh is not None and self.dp > 1 else None
+
+    # -- micro-batches -------------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TensorBatch) -> Iterator[tuple[TensorBatch, bool]]:
+        """This rank's micro-batches, padded with masked-out copies of the first one up to the
+        largest count on any dp rank; yields (micro-batch, is_real)."""
+        size = self.cfg.micro_batch_size
+        local = [batch[i : i + size] for i in range(0, len(batch), size)]
+        stats = torch.tensor([len(local), -len(batch)], dtype=torch.int64)
+        group = self._dp_group()
+        if group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+        if int(stats[1]) == 0:
+            raise EngineError(
+                f"a data-parallel rank got no rows (dp={self.dp}); give every call at least "
+                f"dp rows (TensorBatch.pad_to_divisor pads a batch)"
+            )
+        yield from ((micro, True) for micro in local)
+        for _ in range(int(stats[0]) - len(local)):
+            yield local[0], False
+
+    def _forward(self, micro: TensorBatch) -> torch.Tensor:
+        ids, mask = micro["input_ids"], micro["attention_mask"]
+        assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        with self._autocast():
+            out = self.module(
+                input_ids=ids,
+                attention_mask=None if bool(mask.all()) else mask,
+                position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+                use_cache=False,
+            )
+        logits = out.logits
+        return logits.squeeze(-1) if self.head == "token" else logits
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.cfg.dtype == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return nullcontext()
+
+    # -- the interface -------------------------------------------------------------------------
+
+    def infer(self, batch: TensorBatch, read: Read) -> torch.Tensor:
+        width = _width(batch)
+        parts = []
+        with torch.no_grad():
+            for micro, real in self._micro_batches(batch):
+                micro = trim(micro)
+                result = read(self._forward(micro), micro)
+                if real:
+                    parts.append(_pad_to(result, width))
+        return torch.cat(parts)
+
+    def train_step(
+        self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
+    ) -> dict[str, float]:
+        if self.optimizer is None or self.scheduler is None:
+            raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
+        tokens, seqs = self._global_counts(batch, count_key)
+        micro_batches = list(self._micro_batches(batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for i, (micro, real) in enumerate(micro_batches):
+            if self.dp > 1:  # reduce-scatter gradients once, after the last micro-batch
+                self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)  # type: ignore[operator]
+            micro = trim(micro)
+            loss, metrics = loss_fn(self._forward(micro), micro, tokens, seqs)
+            (loss * (self.dp if real else 0.0)).backward()
+            if real:
+                for name, value in {"loss": loss, **metrics}.items():
+                    totals[name] = totals.get(name, 0.0) + value.detach().float()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.step += 1
+        result = self.sum_over_dp(totals)
+        result.update(grad_norm=grad_norm, lr=float(lr), tokens=tokens, seqs=seqs)
+        return result
+
+    def _global_counts(self, batch: TensorBatch, count_key: str) -> tuple[float, float]:
+        mask = batch[count_key]
+        assert isinstance(mask, torch.Tensor)
+        counts = torch.tensor(count(mask), dtype=torch.float64)
+        group = self._dp_group()
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        return float(counts[0]), float(counts[1])
+
+    def sum_over_dp(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        names = sorted(totals)
+        stacked = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
+        group = self._dp_group()
+        if group is not None and names:
+            dist.all_reduce(stacked, group=group)
+        return {n: float(v) for n, v in zip(names, stacked, strict=True)}
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm of the gradients (fp64 sum of squares, one all-reduce); scale them
+        down to ``grad_clip`` when above it, as ``torch.nn.utils.clip_grad_norm_`` does."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64)
+        for grad in grads:
+            local, copies = _local_and_copies(grad, self.world)
+            square += local.double().pow(2).sum() / copies
+        if self.world > 1:
+            dist.all_reduce(square)
+        norm = float(square.sqrt())
+        clip = self.cfg.optim.grad_clip if self.cfg.optim else None
+        if clip is not None and math.isfinite(norm):
+            coef = min(1.0, clip / (norm + 1e-6))
+            for grad in grads:
+                _local_and_copies(grad, self.world)[0].mul_(coef)
+        return norm
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """A sharded checkpoint of model, optimizer, schedule and each rank's RNG, written aside
+        and renamed into place (a crash leaves the previous checkpoint intact)."""
+        import torch.distributed.checkpoint as dcp
+
+        final = Path(path)
+        aside = final.with_name(final.name + ".partial")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            shutil.rmtree(aside, ignore_errors=True)
+            aside.mkdir(parents=True)
+        self._barrier()
+        dcp.save(self._state(), checkpoint_id=str(aside))
+        torch.save(
+            {"rng": torch.get_rng_state(), "step": self.step, "scheduler": self._sched_state()},
+            aside / f"rank{rank}.pt",
+        )
+        self._barrier()
+        if rank == 0:
+            (aside / "engine.json").write_text(json.dumps(self._describe(), indent=1))
+            _replace_dir(aside, final)
+        self._barrier()
+
+    def load(self, path: str | Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        folder = Path(path)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if not (folder / f"rank{rank}.pt").exists():
+            raise EngineError(f"no checkpoint for rank {rank} at {folder}")
+        saved = json.loads((folder / "engine.json").read_text())
+        if saved != self._describe():
+            raise EngineError(f"checkpoint {folder} was written by {saved}, not {self._describe()}")
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(
+            self.module,
+            [self.optimizer] if self.optimizer else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+        )
+        extra = torch.load(folder / f"rank{rank}.pt", weights_only=True)
+        torch.set_rng_state(extra["rng"])
+        self.step = int(extra["step"])
+        if self.scheduler is not None and extra["scheduler"] is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizers = [self.optimizer] if self.optimizer else []
+        model_state, optim_state = get_state_dict(self.module, optimizers)
+        return (
+            {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
+        )
+
+    def _sched_state(self) -> dict[str, Any] | None:
+        return self.scheduler.state_dict() if self.scheduler else None
+
+    def _describe(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "head": self.head}
+
+    def export(self, path: str | Path) -> None:
+        """The full weights as a plain Hugging Face folder (safetensors + config + tokenizer),
+        gathered to rank 0 and written aside, then renamed into place."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.world > 1)
+        full = get_model_state_dict(self.module, options=options)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            final = Path(path)
+            aside = final.with_name(final.name + ".partial")
+            shutil.rmtree(aside, ignore_errors=True)
+            aside.mkdir(parents=True)
+            if getattr(self.model_config, "tie_word_embeddings", False):
+                full.pop("lm_head.weight", None)
+            tensors = {k: v.detach().contiguous() for k, v in full.items()}  # type: ignore[union-attr]
+            save_file(tensors, str(aside / "model.safetensors"), metadata={"format": "pt"})
+            self.model_config.save_pretrained(aside)
+            load_tokenizer(self.cfg.model).save_pretrained(aside)
+            _replace_dir(aside, final)
+        self._barrier()
+
+    def param_layout(self) -> dict[str, ParamLayout]:
+        layout = {}
+        for name, param in self.module.named_parameters():
+            dims: dict[str, int | None] = {"dp": None, "tp": None}
+            if isinstance(param, DTensor):
+                names = param.device_mesh.mesh_dim_names or ()
+                for mesh_dim, placement in zip(names, param.placements, strict=True):
+                    dims[mesh_dim] = split_dim(placement)
+            layout[name] = ParamLayout(tuple(param.shape), dims["tp"], dims["dp"])
+        return layout
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def _local_and_copies(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
+    """The rank-local part of a gradient and how many ranks hold that same part."""
+    if isinstance(grad, DTensor):
+        shards = math.prod(
+            grad.device_mesh.size(i)
+            for i, p in enumerate(grad.placements)
+            if split_dim(p) is not None
+        )
+        return grad.to_local(), world // shards
+    return grad, world
+
+
+def split_dim(placement: Placement) -> int | None:
+    """The tensor dim a placement splits, or None when it replicates. FSDP2 on top of tensor
+    parallel splits with ``_StridedShard``, which (torch 2.13) is no ``Shard`` and answers
+    ``is_shard()`` with False — but it splits its ``dim`` all the same."""
+    if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+        return int(placement.dim)  # type: ignore[attr-defined]
+    return None
+
+
+def _width(batch: TensorBatch) -> int:
+    ids = batch["input_ids"]
+    assert isinstance(ids, torch.Tensor)
+    return ids.shape[1]
+
+
+def trim(micro: TensorBatch) -> TensorBatch:
+    """Drop columns past the last real token of any row (right padding costs nothing)."""
+    mask = micro["attention_mask"]
+    assert isinstance(mask, torch.Tensor)
+    width = mask.shape[1]
+    used = int(mask.any(0).nonzero().max()) + 1 if bool(mask.any()) else 1
+    if used == width:
+        return micro
+    tensors = {
+        k: v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v
+        for k, v in micro.tensors.items()
+    }
+    return TensorBatch(tensors, dict(micro.non_tensors), dict(micro.meta))
+
+
+def _pad_to(result: torch.Tensor, width: int) -> torch.Tensor:
+    if result.dim() < 2 or result.shape[1] == width:
+        return result
+    return F.pad(result, [0, 0] * (result.dim() - 2) + [0, width - result.shape[1]])
+
+
+def _replace_dir(aside: Path, final: Path) -> None:
+    """Swap a finished folder into place; an older one is moved away first and then deleted."""
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(aside, final)
+    shutil.rmtree(old, ignore_errors=True)

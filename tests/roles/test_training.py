@@ -1,0 +1,181 @@
+"""The fsdp training engine through real role groups: dp = 2 and tp = 2 (gloo) match 1 rank.
+
+One session runs three groups side by side — 1 rank, dp = 2, tp = 2 — each hosting an actor and a
+critic (colocated), and every engine method is called on all three with the same global batch.
+The batch has 6 rows and micro-batches of 2, so dp = 2 runs uneven micro-batches (2 + 1 rows);
+a 5-row batch makes the dp ranks run different numbers of micro-batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from controller.client import RoleClient
+from deploy.session import local_session
+from roles.logprob import token_log_probs
+from roles.models import init_model
+from tests.conftest import TEST_TIMEOUTS, group, run
+from transport.batch import TensorBatch
+
+LAYOUTS = {"one": (1, 1), "dp": (2, 1), "tp": (1, 2), "dp_tp": (2, 2)}
+POLICY_LOSS = {"clip_ratio_low": 0.2, "dual_clip": 3.0, "entropy_coef": 0.01, "kl_coef": 0.1}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+
+
+def token_batch(rows: int, seed: int, vocab: int = 250) -> TensorBatch:
+    """Right-padded rows of 9..20 tokens; the second half of each row is the response."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 20
+    lengths = torch.randint(9, width + 1, (rows,), generator=gen)
+    ids = torch.randint(3, vocab, (rows, width), generator=gen)
+    attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    response = attention * (torch.arange(width)[None, :] >= (lengths // 2)[:, None]).long()
+    ids = ids * attention
+    return TensorBatch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "response_mask": response,
+            "advantages": torch.randn(rows, width, generator=gen) * response,
+            "returns": torch.randn(rows, width, generator=gen) * response,
+        }
+    )
+
+
+def placement(model: Path, dtype: str) -> list[Any]:
+    config = {"model": str(model), "dtype": dtype, "micro_batch_size": 2, "optim": {"lr": 1e-4}}
+    return [
+        group(
+            name,
+            dp * tp,
+            tp=tp,
+            **{
+                f"actor_{name}": ("roles.actor:Actor", config),
+                f"critic_{name}": ("roles.critic:Critic", config),
+            },
+        )
+        for name, (dp, tp) in LAYOUTS.items()
+    ]
+
+
+async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[str, Any]:
+    """Every engine method once, in order; returns what each produced."""
+    actor, critic = RoleClient(c, f"actor_{name}"), RoleClient(c, f"critic_{name}")
+    out: dict[str, Any] = {}
+    first = await actor.call("compute_log_prob", batch, entropy=True)
+    out["log_probs"], out["entropy"] = first["log_probs"], first["entropy"]
+    batch = batch.union(
+        TensorBatch.from_dict(
+            {"old_log_probs": first["log_probs"], "ref_log_probs": first["log_probs"] - 0.05}
+        )
+    )
+    out["values"] = (await critic.call("compute_values", batch))["values"]
+    await actor.call("save", str(ckpt / "actor"))
+    out["policy"] = await actor.call("update_policy", batch, loss=POLICY_LOSS)
+    out["after"] = (await actor.call("compute_log_prob", batch))["log_probs"]
+    out["critic"] = await critic.call(
+        "update_critic",
+        batch.union(TensorBatch.from_dict({"values": out["values"]})),
+        loss={"clip": 0.5},
+    )
+    out["values_after"] = (await critic.call("compute_values", batch))["values"]
+    uneven = batch[:5]  # dp ranks get 3 and 2 rows: 2 vs 1 micro-batches
+    out["uneven"] = await actor.call("update_policy", uneven, loss=POLICY_LOSS)
+    # back to the checkpoint: the same step again must give the same weights, bit for bit
+    assert await actor.call("load", str(ckpt / "actor")) == 0
+    out["policy_again"] = await actor.call("update_policy", batch, loss=POLICY_LOSS)
+    out["after_again"] = (await actor.call("compute_log_prob", batch))["log_probs"]
+    out["layout"] = await actor.call("param_layout")
+    await actor.call("export", str(ckpt / "export"))
+    return out
+
+
+def scenario(model: Path, dtype: str, tmp: Path) -> dict[str, dict[str, Any]]:
+    batch = token_batch(6, seed=1)
+
+    async def main() -> dict[str, dict[str, Any]]:
+        async with local_session(placement(model, dtype), TEST_TIMEOUTS) as c:
+            names = list(LAYOUTS)
+            results = await asyncio.gather(*(exercise(c, n, batch, tmp / n) for n in names))
+            return dict(zip(names, results, strict=True))
+
+    found: dict[str, dict[str, Any]] = run(main)
+    return found
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return scenario(tiny, "fp32", tmp_path_factory.mktemp("fp32"))
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float, what: str = "") -> None:
+    torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["dp", "tp", "dp_tp"])
+def test_fp32_engine_methods_match_one_rank(fp32: dict[str, dict[str, Any]], name: str) -> None:
+    one, other = fp32["one"], fp32[name]
+    for key in ("log_probs", "entropy", "values", "after", "values_after", "after_again"):
+        close(other[key], one[key], 1e-5, key)
+    for metrics in ("policy", "critic", "uneven", "policy_again"):
+        for key, value in one[metrics].items():
+            assert other[metrics][key] == pytest.approx(value, abs=1e-5), (metrics, key)
+
+
+def test_update_changes_the_policy_and_checkpoint_replays_it_exactly(
+    fp32: dict[str, dict[str, Any]],
+) -> None:
+    for result in fp32.values():
+        assert (result["after"] - result["log_probs"]).abs().max() > 1e-3  # it learned
+        assert torch.equal(result["after_again"], result["after"])  # load -> identical step
+        assert result["policy_again"] == result["policy"]
+        assert result["policy"]["grad_norm"] > 0 and result["policy"]["kl"] > 0
+
+
+def test_log_probs_are_zero_outside_the_sequence(fp32: dict[str, dict[str, Any]]) -> None:
+    batch = token_batch(6, seed=1)
+    padding = batch["attention_mask"] == 0
+    logp = fp32["one"]["log_probs"]
+    assert bool((logp[padding] == 0).all()) and bool((logp[:, 0] == 0).all())
+    assert bool((logp[:, 1:][~padding[:, 1:]] < 0).all())
+
+
+def test_param_layout_names_the_sharded_dims(fp32: dict[str, dict[str, Any]]) -> None:
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert fp32["one"]["layout"][q] == {"shape": [128, 128], "tp_dim": None, "dp_dim": None}
+    assert fp32["tp"]["layout"][q]["tp_dim"] == 0 and fp32["tp"]["layout"][o]["tp_dim"] == 1
+    assert fp32["dp"]["layout"][o] == {"shape": [128, 128], "tp_dim": None, "dp_dim": 0}
+    assert fp32["tp"]["layout"][o]["dp_dim"] is None
+    assert fp32["dp_tp"]["layout"][o] == {"shape": [128, 128], "tp_dim": 1, "dp_dim": 0}
+    assert fp32["dp_tp"]["layout"][q] == {"shape": [128, 128], "tp_dim": 0, "dp_dim": 0}
+
+
+def test_export_is_a_plain_hf_model_with_the_trained_weights(
+    fp32: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    export = next(tmp_path_factory.getbasetemp().glob("fp32*/tp/export"))
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    batch = token_batch(6, seed=1)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = token_log_probs(logits, batch["input_ids"]) * batch["attention_mask"]
+    close(logp, fp32["tp"]["after_again"], 1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_bf16_autocast_matches_one_rank_within_1e_2(tiny: Path, tmp_path: Path) -> None:
+    bf16 = scenario(tiny, "bf16", tmp_path)
+    for name in ("dp", "tp"):
+        for key in ("log_probs", "values", "after"):
+            close(bf16[name][key], bf16["one"][key], 1e-2)
