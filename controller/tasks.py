@@ -10,8 +10,7 @@ for every setting, so test numbers are really held out. For commutative operator
 operand order, so ``45+37`` is never trained on while ``37+45`` is tested. Subtraction problems
 have ``a >= b``, so no answer is negative. Sampling within a split is deterministic given the seed.
 
-This module imports only the standard library, so a reward role can import `arithmetic_reward`
-without pulling in the controller.
+The rule reward that scores these answers lives with the reward role: ``roles/rules.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import functools
 import hashlib
 import operator
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 SPLITS = ("train", "sft", "test")
@@ -102,54 +101,62 @@ def arithmetic(
     ]
 
 
-def preference(
-    n: int, split: str, seed: int = 0, max_operand: int = 99, ops: str = "+"
-) -> list[dict[str, Any]]:
-    """n rows {prompt, chosen, rejected, data_source}: the right answer against a near miss.
+#: How a rejected answer goes wrong, in the spirit of real preference data: a near miss (units
+#: digit wrong), an operand copied as the answer, or the right number in a wrong format.
+REJECTION_KINDS = ("near", "operand", "format")
+_FORMATS = ("{} {}", "{}!!", "={}", "{}+", "{}?")
 
-    The rejected answer is the right one plus or minus k, k in 1..9 (sign at random, but never
-    below zero), so its units digit is always wrong: a reward model can learn to rank the pairs
-    from the units-digit rule alone.
+
+def preference(
+    n: int,
+    split: str,
+    seed: int = 0,
+    max_operand: int = 99,
+    ops: str = "+",
+    kinds: str = "near,operand,format",
+) -> list[dict[str, Any]]:
+    """n rows {prompt, chosen, rejected, kind, data_source}: the right answer against a wrong one.
+
+    ``kinds`` (comma-separated, drawn uniformly per row) says how the rejected answer is wrong:
+    ``near`` — the right one plus or minus k, k in 1..9, never below zero, so its units digit is
+    always wrong; ``operand`` — one of the operands copied (a common failure of small models);
+    ``format`` — the right number with stray characters. ``near`` needs the units-digit rule of
+    the operation; the other two are learnable from the text's shape and from copying.
     """
+    chosen_kinds = [k for k in kinds.split(",") if k]
+    unknown = sorted(set(chosen_kinds) - set(REJECTION_KINDS))
+    if unknown or not chosen_kinds:
+        raise ValueError(f"kinds={kinds!r}: use a comma-separated subset of {REJECTION_KINDS}")
     rng = random.Random(seed)
     rows = []
     for p in _sample(n, split, max_operand, ops, rng):
-        right = int(p.answer)
-        k = rng.randint(1, 9)
-        wrong = right - k if rng.random() < 0.5 and right >= k else right + k
+        kind = rng.choice(chosen_kinds)
         rows.append(
             {
                 "prompt": p.prompt,
                 "chosen": p.answer,
-                "rejected": str(wrong),
+                "rejected": _reject(p, kind, rng),
+                "kind": kind,
                 "data_source": "preference",
             }
         )
     return rows
 
 
-def arithmetic_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
-    """1.0 when the response's first whitespace-separated token equals metadata["answer"], else 0.
-
-    Text after that token is ignored (" 82 because 37+45=82" scores 1.0). Special tokens are the
-    caller's to strip: "82</s>" scores 0.0. `prompt` is unused; rule rewards share one signature.
-    """
-    if "answer" not in metadata:
-        raise ValueError("arithmetic_reward needs metadata['answer']; add an 'answer' column")
-    tokens = response.split(maxsplit=1)
-    return 1.0 if tokens and tokens[0] == _answer_text(metadata["answer"]) else 0.0
+def _reject(p: Problem, kind: str, rng: random.Random) -> str:
+    right = int(p.answer)
+    if kind == "operand" and str(p.a) != p.answer and str(p.b) != p.answer:
+        return str(rng.choice((p.a, p.b)))
+    if kind == "format":
+        return rng.choice(_FORMATS).format(p.answer, p.answer)
+    k = rng.randint(1, 9)  # near, and the fallback when an operand equals the answer
+    return str(right - k if rng.random() < 0.5 and right >= k else right + k)
 
 
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": arithmetic,
     "preference": preference,
 }
-
-
-def _answer_text(answer: object) -> str:
-    if isinstance(answer, float) and answer.is_integer():
-        return str(int(answer))
-    return str(answer).strip()
 
 
 def _sample(n: int, split: str, max_operand: int, ops: str, rng: random.Random) -> list[Problem]:

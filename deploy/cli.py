@@ -4,6 +4,8 @@
   that fits a linear model; prints the result (``--json`` for one JSON line).
 - ``hybridflow role NAMES --connect ADDR --nproc N`` — start, by hand, a process group hosting the
   comma-separated roles and join a controller that was started separately.
+- ``hybridflow model init|import-gguf|check`` — model folders (``deploy/model_cli.py``).
+- ``hybridflow sft`` / ``hybridflow rm`` — supervised training jobs (``deploy/train_cli.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
+
+from deploy.model_cli import add_model_commands, run_model_command
+from deploy.train_cli import add_train_commands, run_train_command
 
 console = Console(stderr=True)
 
@@ -168,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
     role.add_argument("--socket-dir", help="directory for local ipc sockets (default /tmp)")
     role.set_defaults(fn=cmd_role)
+
+    add_model_commands(sub)
+    sub.choices["model"].set_defaults(fn=run_model_command)
+    add_train_commands(sub)
+    for job in ("sft", "rm"):
+        sub.choices[job].set_defaults(fn=run_train_command)
     return parser
 
 

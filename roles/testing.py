@@ -104,3 +104,23 @@ class Faulty(Role):
     @endpoint(ONE_TO_ALL)
     def unsendable(self) -> Any:
         return object()
+
+
+# -- rule rewards for tests: each shows one behaviour of the reward role ----------------------
+
+
+def length_reward(prompt: str, response: str, metadata: dict[str, Any]) -> dict[str, float]:
+    """score = len(response); extra columns: the prompt's length and metadata['bonus']."""
+    return {"score": float(len(response)), "prompt_len": len(prompt), "bonus": metadata["bonus"]}
+
+
+def failing_reward(prompt: str, response: str, metadata: dict[str, Any]) -> float:
+    """Raises on a response containing 'boom', scores 1.0 otherwise."""
+    if "boom" in response:
+        raise ZeroDivisionError("boom in the response")
+    return 1.0
+
+
+def text_reward(prompt: str, response: str, metadata: dict[str, Any]) -> str:
+    """Returns a string: not a score."""
+    return response

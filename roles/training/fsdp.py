@@ -58,6 +58,16 @@ class EngineError(ValueError):
     """A model or batch this engine cannot run, with what to change."""
 
 
+def check_tp(config: Any, tp: int) -> None:
+    """Tensor parallel splits heads and MLP features: ``tp`` must divide each count."""
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, field)
+        if value % tp:
+            raise EngineError(
+                f"tp={tp} does not divide the model's {field}={value}; pick a tp that divides it"
+            )
+
+
 def load_module(cfg: EngineConfig, head: Head) -> torch.nn.Module:
     """The model, in fp32 on CPU, identical on every rank (seeded before any head is created)."""
     torch.manual_seed(cfg.seed)
@@ -123,7 +133,7 @@ class FSDPEngine(TrainingEngine):
         )
 
         if self.tp > 1:
-            self._check_tp_divides()
+            check_tp(self.model_config, self.tp)
             styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
             plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
             for layer in self._layers():
@@ -132,16 +142,6 @@ class FSDPEngine(TrainingEngine):
             for layer in self._layers():
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(self.module, mesh=mesh["dp"])
-
-    def _check_tp_divides(self) -> None:
-        config = self.model_config
-        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            value = getattr(config, field)
-            if value % self.tp:
-                raise EngineError(
-                    f"tp={self.tp} does not divide the model's {field}={value}; "
-                    f"pick a tp that divides it"
-                )
 
     def _dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["dp"].get_group() if self.mesh is not None and self.dp > 1 else None

@@ -1,4 +1,4 @@
-"""Built-in arithmetic tasks: deterministic, disjoint splits, right answers, a fair rule reward."""
+"""Built-in arithmetic tasks: deterministic, disjoint splits, right answers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from controller.tasks import (
     SPLITS,
     TASKS,
     arithmetic,
-    arithmetic_reward,
     preference,
     problems,
 )
@@ -84,9 +83,9 @@ def test_max_operand_bounds_the_operands() -> None:
 
 
 def test_preference_rejected_is_near_non_negative_and_wrong_in_the_units_digit() -> None:
-    rows = preference(3000, "train", seed=2, ops="+-*")
+    rows = preference(3000, "train", seed=2, ops="+-*", kinds="near")
     for row in rows:
-        assert set(row) == {"prompt", "chosen", "rejected", "data_source"}
+        assert set(row) == {"prompt", "chosen", "rejected", "kind", "data_source"}
         assert row["chosen"] == str(evaluate(row["prompt"]))
         rejected = int(row["rejected"])
         assert rejected >= 0
@@ -96,35 +95,19 @@ def test_preference_rejected_is_near_non_negative_and_wrong_in_the_units_digit()
     assert signs == {True, False}
 
 
-@pytest.mark.parametrize(
-    ("response", "reward"),
-    [
-        ("82", 1.0),
-        (" 82\n", 1.0),
-        ("82 because 37+45=82", 1.0),
-        ("82\nmore text", 1.0),
-        ("82</s>", 0.0),  # special tokens are the caller's to strip
-        ("83", 0.0),
-        ("820", 0.0),
-        ("8 2", 0.0),
-        ("", 0.0),
-        ("   ", 0.0),
-        ("the answer is 82", 0.0),
-    ],
-)
-def test_arithmetic_reward_compares_the_first_token(response: str, reward: float) -> None:
-    assert arithmetic_reward("37+45=", response, {"answer": "82"}) == reward
-
-
-def test_arithmetic_reward_accepts_numeric_answers() -> None:
-    assert arithmetic_reward("37+45=", "82", {"answer": 82}) == 1.0
-    assert arithmetic_reward("37+45=", "82", {"answer": 82.0}) == 1.0
-    assert arithmetic_reward("37+45=", "82", {"answer": " 82 "}) == 1.0
-
-
-def test_arithmetic_reward_without_answer_says_what_is_missing() -> None:
-    with pytest.raises(ValueError, match="metadata\\['answer'\\]"):
-        arithmetic_reward("37+45=", "82", {})
+def test_preference_mixes_operand_copies_and_bad_formats() -> None:
+    rows = preference(900, "train", seed=4)
+    kinds = {kind: [r for r in rows if r["kind"] == kind] for kind in ("near", "operand", "format")}
+    assert all(len(group) > 200 for group in kinds.values())
+    for row in rows:
+        assert row["rejected"] != row["chosen"] and row["chosen"] == str(evaluate(row["prompt"]))
+    for row in kinds["operand"]:
+        operands = re.split(r"[-+*=]", row["prompt"])[:2]
+        assert row["rejected"] in operands or row["chosen"] in operands  # fallback: a near miss
+    for row in kinds["format"]:
+        assert row["chosen"] in row["rejected"] and not row["rejected"].isdigit()
+    with pytest.raises(ValueError, match="kinds='near,typo'"):
+        preference(5, "train", kinds="near,typo")
 
 
 @pytest.mark.parametrize(

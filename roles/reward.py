@@ -1,0 +1,192 @@
+"""The reward role: rule-based functions or a learned reward (or cost) model, one score per row.
+
+* **Rule-based**: ``{"function": "package.module:function"}``. The function is called per row as
+  ``fn(prompt, response, metadata)`` and returns a float or a dict with a ``score`` (other numeric
+  keys come back as extra columns ``reward/<key>``). A function that raises fails the call with
+  its name and the row — the role stays up and the next call works.
+* **Model-based**: an ``EngineConfig`` (``{"model": PATH, ...}``): an LM backbone with a scalar
+  head, read on the last real token of each row. A cost model (Safe-RLHF) is the same role under
+  another name. With an ``optim`` section the model trains on preference pairs by Bradley-Terry.
+
+Rows arrive as text (non-tensor columns ``prompt`` and ``response``, plus anything else as the
+row's metadata) or as tokens (``input_ids``, ``attention_mask``, ``response_mask``), which are
+decoded with the model's tokenizer (``tokenizer: PATH`` for rule functions fed with tokens).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from roles.base import Role, RoleContext
+from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
+from roles.engine_role import EngineRole, tensor
+from roles.losses import aggregate, bradley_terry_loss
+from roles.models import load_tokenizer
+from roles.text import decode_rows, encode_rows, last_token_index
+from transport.batch import TensorBatch
+
+RuleFn = Callable[[str, str, dict[str, Any]], Any]
+
+
+class RewardError(ValueError):
+    """A reward function failed or returned something that is not a score."""
+
+
+def load_function(path: str) -> RuleFn:
+    """``package.module:function`` → the callable, with errors that say what is wrong."""
+    module_name, sep, attr = path.partition(":")
+    if not (sep and module_name and attr):
+        raise RewardError(f"reward function {path!r} must look like package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(
+            f"cannot import {module_name!r} for reward function {path!r}: {exc}"
+        ) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"{module_name} has no function {attr!r} (reward function {path!r})")
+    return fn
+
+
+def text_rows(batch: TensorBatch, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """(prompts, responses) of a batch: its text columns, or its tokens decoded."""
+    if "prompt" in batch.non_tensors and "response" in batch.non_tensors:
+        return list(batch.non_tensors["prompt"]), list(batch.non_tensors["response"])
+    if tokenizer is None:
+        raise RewardError(
+            "the batch has no 'prompt'/'response' text columns and this reward role has no "
+            "tokenizer to decode its tokens; set the role's 'tokenizer' to a model folder"
+        )
+    return decode_rows(tokenizer, batch)
+
+
+def _metadata(batch: TensorBatch, row: int) -> dict[str, Any]:
+    skip = {"prompt", "response"}
+    meta = {k: v[row] for k, v in batch.non_tensors.items() if k not in skip}
+    nested = meta.pop("metadata", None)
+    return {**meta, **nested} if isinstance(nested, dict) else meta
+
+
+class RuleReward(Role):
+    """Scores rows with a Python function named by import path."""
+
+    def __init__(self, ctx: RoleContext, function: str, tokenizer: str | None = None) -> None:
+        super().__init__(ctx)
+        self.path = function
+        self.fn = load_function(function)
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+
+    @endpoint(DP_SPLIT)
+    def compute_reward(self, batch: TensorBatch) -> TensorBatch:
+        """``scores`` ``[B]`` (float32) plus ``reward/<key>`` for extra numeric dict keys."""
+        prompts, responses = text_rows(batch, self.tokenizer)
+        scores, extras = [], []
+        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            result = self._call(row, prompt, response, _metadata(batch, row))
+            scores.append(result.pop("score"))
+            extras.append(result)
+        columns = {"scores": torch.tensor(scores, dtype=torch.float32)}
+        for key in sorted(set().union(*extras)) if extras else []:
+            values = [float(extra.get(key, math.nan)) for extra in extras]
+            columns[f"reward/{key}"] = torch.tensor(values, dtype=torch.float32)
+        return TensorBatch.from_dict(columns)
+
+    def _call(self, row: int, prompt: str, response: str, meta: dict[str, Any]) -> dict[str, Any]:
+        where = (
+            f"row {row} of this rank's shard (prompt={prompt[:80]!r}, response={response[:80]!r})"
+        )
+        try:
+            result = self.fn(prompt, response, meta)
+        except Exception as exc:  # the user's code: report it with the row, keep serving
+            raise RewardError(
+                f"reward function {self.path} raised {type(exc).__name__}: {exc} on {where}"
+            ) from exc
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardError(
+                    f"reward function {self.path} returned a dict without 'score' on {where}"
+                )
+            result = dict(result)
+        else:
+            result = {"score": result}
+        if isinstance(result["score"], bool) or not isinstance(result["score"], int | float):
+            raise RewardError(
+                f"reward function {self.path} returned score {result['score']!r} "
+                f"(a {type(result['score']).__name__}), not a number, on {where}"
+            )
+        return result
+
+
+class ModelReward(EngineRole):
+    """A reward (or cost) model: a scalar head on the last real token of each row."""
+
+    head = "token"
+
+    def __init__(self, ctx: RoleContext, **config: Any) -> None:
+        super().__init__(ctx, **config)
+        self.tokenizer = load_tokenizer(self.engine.cfg.model)
+        if self.engine.cfg.optim is not None and self.engine.cfg.micro_batch_size % 2:
+            raise ValueError(
+                f"micro_batch_size={self.engine.cfg.micro_batch_size} must be even when the "
+                "reward model trains: each micro-batch holds whole (chosen, rejected) pairs"
+            )
+
+    def _tokens(self, batch: TensorBatch) -> TensorBatch:
+        if "input_ids" in batch.tensors:
+            return batch
+        prompts, responses = text_rows(batch, self.tokenizer)
+        limit = int(self.engine.model_config.max_position_embeddings)
+        return encode_rows(self.tokenizer, prompts, responses, limit)[0]
+
+    @endpoint(DP_SPLIT)
+    def compute_reward(self, batch: TensorBatch) -> TensorBatch:
+        """``scores`` ``[B]``: the head's output on each row's last real token."""
+        return TensorBatch.from_dict({"scores": self.engine.infer(self._tokens(batch), last_score)})
+
+    def _pairs(self, batch: TensorBatch) -> TensorBatch:
+        """Text pairs (``prompt``, ``chosen``, ``rejected``) → token rows chosen0, rejected0, ..."""
+        prompts = batch["prompt"]
+        chosen, rejected = batch["chosen"], batch["rejected"]
+        assert isinstance(prompts, list) and isinstance(chosen, list) and isinstance(rejected, list)
+        twice = [p for p in prompts for _ in range(2)]
+        answers = [r for pair in zip(chosen, rejected, strict=True) for r in pair]
+        limit = int(self.engine.model_config.max_position_embeddings)
+        rows = encode_rows(self.tokenizer, twice, answers, limit)[0]
+        is_chosen = (torch.arange(len(rows)) % 2 == 0).long()[:, None]
+        return rows.union(TensorBatch.from_dict({"pair": is_chosen}))
+
+    @endpoint(DP_REDUCED)
+    def train_pairs(self, batch: TensorBatch) -> dict[str, float]:
+        """One optimizer step of the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), averaged
+        over all pairs of the batch; also reports the pairwise accuracy."""
+
+        def loss_fn(
+            scores: torch.Tensor, micro: TensorBatch, pairs: float, _: float
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            both = last_score(scores, micro).view(-1, 2)
+            per_pair = bradley_terry_loss(both[:, 0], both[:, 1])[:, None]
+            ones = torch.ones_like(per_pair)
+            accuracy = (both[:, 0] > both[:, 1]).float()[:, None]
+            return aggregate(per_pair, ones, "token-mean", pairs, pairs), {
+                "accuracy": aggregate(accuracy, ones, "token-mean", pairs, pairs)
+            }
+
+        return self.engine.train_step(self._pairs(batch), loss_fn, count_key="pair")
+
+    @endpoint(DP_SPLIT)
+    def score_pairs(self, batch: TensorBatch) -> TensorBatch:
+        """``chosen`` and ``rejected`` scores ``[N]`` for text pairs (held-out ranking)."""
+        scores = self.engine.infer(self._pairs(batch), last_score).view(-1, 2)
+        return TensorBatch.from_dict({"chosen": scores[:, 0], "rejected": scores[:, 1]})
+
+
+def last_score(scores: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
+    """Per-position head outputs ``[B, T]`` → the output at each row's last real token ``[B]``."""
+    index = last_token_index(tensor(micro, "attention_mask"))
+    return scores.float().gather(1, index[:, None]).squeeze(1)

@@ -1,0 +1,29 @@
+"""Built-in rule rewards, named in a reward role's config by import path.
+
+A rule reward is ``fn(prompt, response, metadata) -> float | dict`` (see ``roles/reward.py``).
+``roles.rules:arithmetic_reward`` scores the built-in arithmetic task (``controller/tasks.py``),
+whose rows carry the exact answer as ``metadata["answer"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def arithmetic_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the response's first whitespace-separated token equals metadata["answer"], else 0.
+
+    Text after that token is ignored (" 82 because 37+45=82" scores 1.0). Special tokens are the
+    caller's to strip: "82</s>" scores 0.0. `prompt` is unused; rule rewards share one signature.
+    """
+    if "answer" not in metadata:
+        raise ValueError("arithmetic_reward needs metadata['answer']; add an 'answer' column")
+    tokens = response.split(maxsplit=1)
+    return 1.0 if tokens and tokens[0] == _answer_text(metadata["answer"]) else 0.0
+
+
+def _answer_text(answer: object) -> str:
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer).strip()

@@ -1,0 +1,38 @@
+"""The built-in arithmetic rule reward: the first token must be the exact answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from roles.rules import arithmetic_reward
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        ("82", 1.0),
+        (" 82\n", 1.0),
+        ("82 because 37+45=82", 1.0),
+        ("82\nmore text", 1.0),
+        ("82</s>", 0.0),  # special tokens are the caller's to strip
+        ("83", 0.0),
+        ("820", 0.0),
+        ("8 2", 0.0),
+        ("", 0.0),
+        ("   ", 0.0),
+        ("the answer is 82", 0.0),
+    ],
+)
+def test_arithmetic_reward_compares_the_first_token(response: str, reward: float) -> None:
+    assert arithmetic_reward("37+45=", response, {"answer": "82"}) == reward
+
+
+def test_arithmetic_reward_accepts_numeric_answers() -> None:
+    assert arithmetic_reward("37+45=", "82", {"answer": 82}) == 1.0
+    assert arithmetic_reward("37+45=", "82", {"answer": 82.0}) == 1.0
+    assert arithmetic_reward("37+45=", "82", {"answer": " 82 "}) == 1.0
+
+
+def test_arithmetic_reward_without_answer_says_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="metadata\\['answer'\\]"):
+        arithmetic_reward("37+45=", "82", {})
