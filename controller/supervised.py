@@ -118,7 +118,7 @@ async def reward_model(
         assert isinstance(chosen, torch.Tensor) and isinstance(rejected, torch.Tensor)
         margin = chosen - rejected
         found = {"accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean())}
-        for kind in sorted({row.get("kind") for row in val} - {None}):
+        for kind in sorted({str(row["kind"]) for row in val if "kind" in row}):
             rows = torch.tensor([row.get("kind") == kind for row in val])
             found[f"accuracy/{kind}"] = float((margin[rows] > 0).float().mean())
         return found
