@@ -14,7 +14,7 @@ import torch
 
 from roles.base import RoleContext
 from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
-from roles.engine_role import EngineRole, tensor
+from roles.engine_role import TOKENS, EngineRole, require, tensor
 from roles.logprob import token_entropy, token_log_probs
 from roles.losses import PolicyLossConfig, aggregate, policy_loss
 from roles.models import load_tokenizer
@@ -36,6 +36,7 @@ class Reference(EngineRole):
         self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
     ) -> TensorBatch:
         """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
+        require(batch, "input_ids", "attention_mask")
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
             mask = tensor(micro, "attention_mask")
@@ -63,6 +64,8 @@ class Actor(Reference):
         ``attention_mask``, ``response_mask``, ``old_log_probs``, ``advantages`` (and
         ``ref_log_probs`` when ``loss.kl_coef`` > 0)."""
         cfg = PolicyLossConfig.model_validate(loss or {})
+        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.kl_coef else [])
+        require(batch, *TOKENS, *needed)
 
         def loss_fn(
             logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
-from roles.engine_role import EngineRole, tensor
+from roles.engine_role import TOKENS, EngineRole, require, tensor
 from roles.logprob import aligned
 from roles.losses import ValueLossConfig, aggregate, value_loss
 from transport.batch import TensorBatch
@@ -29,6 +29,7 @@ class Critic(EngineRole):
     @endpoint(DP_SPLIT)
     def compute_values(self, batch: TensorBatch) -> TensorBatch:
         """``values`` ``[B, T]`` for the rows of a token batch."""
+        require(batch, "input_ids", "attention_mask")
         return TensorBatch.from_dict({"values": self.engine.infer(batch, values_of)})
 
     @endpoint(DP_REDUCED)
@@ -38,6 +39,7 @@ class Critic(EngineRole):
         """One optimizer step of the clipped value loss. Needs ``input_ids``,
         ``attention_mask``, ``response_mask``, ``values`` (the old ones) and ``returns``."""
         cfg = ValueLossConfig.model_validate(loss or {})
+        require(batch, *TOKENS, "values", "returns")
 
         def loss_fn(
             scores: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float

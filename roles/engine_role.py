@@ -20,6 +20,18 @@ from roles.training.engine import Head, TrainingEngine
 from roles.training.fsdp import FSDPEngine
 from transport.batch import TensorBatch
 
+TOKENS = ("input_ids", "attention_mask", "response_mask")
+
+
+def require(batch: TensorBatch, *names: str) -> TensorBatch:
+    """Fail before any collective when a column is missing, so every rank fails alike."""
+    missing = [n for n in names if n not in batch.tensors]
+    if missing:
+        raise KeyError(
+            f"the batch lacks tensor column(s) {missing} (it has {sorted(batch.tensors)})"
+        )
+    return batch
+
 
 def tensor(batch: TensorBatch, name: str) -> torch.Tensor:
     """A tensor column, or an error naming the column the caller forgot."""

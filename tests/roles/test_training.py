@@ -22,6 +22,7 @@ from roles.logprob import token_log_probs
 from roles.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
+from transport.errors import RemoteError
 
 LAYOUTS = {"one": (1, 1), "dp": (2, 1), "tp": (1, 2), "dp_tp": (2, 2)}
 POLICY_LOSS = {"clip_ratio_low": 0.2, "dual_clip": 3.0, "entropy_coef": 0.01, "kl_coef": 0.1}
@@ -60,7 +61,7 @@ def placement(model: Path, dtype: str) -> list[Any]:
             dp * tp,
             tp=tp,
             **{
-                f"actor_{name}": ("roles.actor:Actor", config),
+                f"actor_{name}": ("roles.testing_actor:ProbedActor", config),
                 f"critic_{name}": ("roles.critic:Critic", config),
             },
         )
@@ -81,6 +82,7 @@ async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[st
     )
     out["values"] = (await critic.call("compute_values", batch))["values"]
     await actor.call("save", str(ckpt / "actor"))
+    out["draw"] = await actor.call("draw")
     out["policy"] = await actor.call("update_policy", batch, loss=POLICY_LOSS)
     out["after"] = (await actor.call("compute_log_prob", batch))["log_probs"]
     out["critic"] = await critic.call(
@@ -93,10 +95,22 @@ async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[st
     out["uneven"] = await actor.call("update_policy", uneven, loss=POLICY_LOSS)
     # back to the checkpoint: the same step again must give the same weights, bit for bit
     assert await actor.call("load", str(ckpt / "actor")) == 0
+    out["draw_again"] = await actor.call("draw")  # the random stream is restored too
     out["policy_again"] = await actor.call("update_policy", batch, loss=POLICY_LOSS)
     out["after_again"] = (await actor.call("compute_log_prob", batch))["log_probs"]
     out["layout"] = await actor.call("param_layout")
     await actor.call("export", str(ckpt / "export"))
+    # bad calls fail on every rank alike, before any collective, and leave the engine usable
+    with pytest.raises(RemoteError, match=r"lacks tensor column\(s\) \['advantages'\]"):
+        await actor.call(
+            "update_policy",
+            batch.select(["input_ids", "attention_mask", "response_mask", "old_log_probs"]),
+            loss={},
+        )
+    if name.startswith("dp"):
+        with pytest.raises(RemoteError, match="a data-parallel rank got no rows"):
+            await actor.call("compute_log_prob", batch[:1])
+    out["after_errors"] = (await actor.call("compute_log_prob", batch))["log_probs"]
     return out
 
 
@@ -139,7 +153,9 @@ def test_update_changes_the_policy_and_checkpoint_replays_it_exactly(
     for result in fp32.values():
         assert (result["after"] - result["log_probs"]).abs().max() > 1e-3  # it learned
         assert torch.equal(result["after_again"], result["after"])  # load -> identical step
+        assert torch.equal(result["after_errors"], result["after"])  # bad calls changed nothing
         assert result["policy_again"] == result["policy"]
+        assert result["draw_again"] == result["draw"]
         assert result["policy"]["grad_norm"] > 0 and result["policy"]["kl"] > 0
 
 

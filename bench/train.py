@@ -1,0 +1,303 @@
+"""Training benchmark: one optimizer step of the actor, against a plain PyTorch loop.
+
+Run ``python -m bench.train`` (a few minutes on a 2-core box) or ``python -m bench.train --quick``
+(tiny model only, under a minute). Each step is supervised next-token training on the same 64
+rows of the built-in arithmetic SFT data (``arithmetic(64, "sft")``): token-mean loss on the
+response tokens, 4 micro-batches of 16 with gradient accumulation, grad clip 1.0, AdamW. Three
+ways, for the "tiny" (~1M) and "small" (~18M) models of ``init_model``, in fp32 and bf16:
+
+1. **plain** — the peer and the machine's limit: a single-process loop in this process
+   (``AutoModelForCausalLM.from_pretrained``, one intra-op thread like a role rank). Its rows are
+   tokenized once, before timing, by ``roles.text.encode_rows`` with the model's tokenizer and
+   each micro-batch is trimmed to its longest row, exactly as the engine does, so both sides
+   compute on identical tensors. bf16 is ``torch.autocast("cpu", dtype=torch.bfloat16)`` around
+   the forward, as in the engine.
+2. **hf1** — ``Actor.sft_step`` on a 1-rank group of a local session: the controller → role call,
+   tokenization on the rank and the ``fsdp`` engine's step; ``overhead`` = hf1 / plain.
+3. **dp2** — the same global batch split over a 2-rank group (FSDP2 over gloo); on 2 cores this
+   is all the machine has. ``dp2_speedup`` = hf1 / dp2.
+
+All roles live in one session (a 1-rank and a 2-rank group, one colocated actor per model and
+dtype), started before any timing. The three runners take turns step by step, so drift of the
+machine hits all alike: 2 warm-up steps each, then N timed ones (10 tiny, 5 small; 3 with
+``--quick``); the medians are reported. The first-step losses of the three must agree (fp32 to
+1e-4, bf16 to 2e-2), or the run aborts: a speed comparison of different work means nothing.
+``tokenize_ms`` is what ``encode_rows`` costs for the 64 rows, part of hf1's time, not plain's.
+
+Output: progress on stderr, a table on stdout, and as the last stdout line one JSON object
+(``plain_ms_tiny_fp32``, ``hf1_ms_tiny_fp32``, ``dp2_ms_tiny_fp32``, ``overhead_tiny_fp32``,
+``dp2_speedup_tiny_fp32``, ... per model and dtype). Run it on an otherwise idle machine:
+``other_cpu_pct`` is what processes outside this benchmark used meanwhile (% of one core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from bench.transport import BUSY_WARN_PCT, OtherLoad
+from controller.client import RoleClient
+from controller.placement import GroupSpec, RoleSpec
+from controller.server import Controller
+from controller.supervised import text_batch
+from controller.tasks import arithmetic
+from deploy.cli import run_async
+from deploy.session import local_session
+from roles.models import ModelSize, count_parameters, init_model, load_tokenizer
+from roles.text import encode_rows
+from transport.batch import TensorBatch
+
+BATCH, MICRO, WARMUP, LR, CLIP = 64, 16, 2, 1e-4, 1.0
+DTYPES = ("fp32", "bf16")
+LOSS_TOL = {"fp32": 1e-4, "bf16": 2e-2}
+RUNNERS = ("plain", "hf1", "dp2")
+
+err = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 120)
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: tuple[ModelSize, ...]
+    steps: dict[str, int]  # timed steps per model size
+
+    @classmethod
+    def pick(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(("tiny",), {"tiny": 3})
+        return cls(("tiny", "small"), {"tiny": 10, "small": 5})
+
+
+class Runner(Protocol):
+    async def step(self) -> float:
+        """One optimizer step; returns its loss."""
+        ...
+
+
+class PlainLoop:
+    """The peer: the textbook loop on pre-tokenized, pre-trimmed micro-batches."""
+
+    def __init__(self, model_dir: Path, dtype: str, rows: list[dict[str, Any]]) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.bf16 = dtype == "bf16"
+        tokenizer = load_tokenizer(model_dir)
+        limit = int(self.model.config.max_position_embeddings)
+        batch, _ = encode_rows(
+            tokenizer, [r["prompt"] for r in rows], [r["response"] for r in rows], limit
+        )
+        self.micro = [_trimmed(batch[i : i + MICRO]) for i in range(0, BATCH, MICRO)]
+        self.tokens = float(sum(m[2].sum() for m in self.micro))
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+    async def step(self) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, attention, target in self.micro:
+            with self._autocast():
+                logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            loss = -(picked * target[:, 1:]).sum() / self.tokens
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.optimizer.step()
+        return total
+
+
+def _trimmed(micro: TensorBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, response_mask) without the columns no row uses."""
+    ids, attention, target = (micro[k] for k in ("input_ids", "attention_mask", "response_mask"))
+    assert isinstance(ids, torch.Tensor) and isinstance(attention, torch.Tensor)
+    assert isinstance(target, torch.Tensor)
+    width = int(attention.any(0).nonzero().max()) + 1
+    return ids[:, :width], attention[:, :width], target[:, :width].float()
+
+
+class ActorSteps:
+    """hybridflow: ``sft_step`` on one actor role, the text batch sent from the controller."""
+
+    def __init__(self, controller: Controller, role: str, rows: list[dict[str, Any]]) -> None:
+        self.actor = RoleClient(controller, role)
+        self.batch = text_batch(rows, ("prompt", "response"))
+
+    async def step(self) -> float:
+        metrics = await self.actor.call("sft_step", self.batch)
+        return float(metrics["loss"])
+
+
+def role_name(runner: str, size: str, dtype: str) -> str:
+    return f"actor_{runner}_{size}_{dtype}"
+
+
+def placement(models: dict[str, Path], plan: Plan) -> list[GroupSpec]:
+    def roles(runner: str) -> dict[str, RoleSpec]:
+        return {
+            role_name(runner, size, dtype): RoleSpec(
+                cls="roles.actor:Actor",
+                config={
+                    "model": str(models[size]),
+                    "dtype": dtype,
+                    "micro_batch_size": MICRO,
+                    "optim": {"lr": LR, "grad_clip": CLIP},
+                },
+            )
+            for size in plan.sizes
+            for dtype in DTYPES
+        }
+
+    return [
+        GroupSpec(name="one", roles=roles("hf1"), nproc=1),
+        GroupSpec(name="dp2", roles=roles("dp2"), nproc=2),
+    ]
+
+
+async def take_turns(runners: dict[str, Runner], steps: int) -> dict[str, tuple[float, float]]:
+    """Step by step in turn; per runner (median ms of the timed steps, first loss)."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    first: dict[str, float] = {}
+    gc.collect()
+    for i in range(WARMUP + steps):
+        for name, runner in runners.items():
+            t0 = time.perf_counter()
+            loss = await runner.step()
+            elapsed = (time.perf_counter() - t0) * 1e3
+            first.setdefault(name, loss)
+            if i >= WARMUP:
+                times[name].append(elapsed)
+    return {name: (statistics.median(times[name]), first[name]) for name in runners}
+
+
+def check_losses(key: str, dtype: str, results: dict[str, tuple[float, float]]) -> None:
+    reference = results["plain"][1]
+    for name, (_, loss) in results.items():
+        if abs(loss - reference) > LOSS_TOL[dtype] * max(1.0, abs(reference)):
+            raise RuntimeError(
+                f"{key}: {name}'s first loss {loss:.6f} differs from plain's {reference:.6f}; "
+                "the runners do not compute the same step, so their times are not comparable"
+            )
+
+
+def tokenize_ms(model_dir: Path, rows: list[dict[str, Any]]) -> float:
+    tokenizer = load_tokenizer(model_dir)
+    prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
+    samples = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        encode_rows(tokenizer, prompts, responses, 1 << 20)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+async def measure(plan: Plan, models: dict[str, Path]) -> dict[str, Any]:
+    rows = arithmetic(BATCH, "sft")
+    report: dict[str, Any] = {"tokenize_ms": round(tokenize_ms(models[plan.sizes[0]], rows), 2)}
+    started = time.perf_counter()
+    async with local_session(placement(models, plan)) as controller:
+        err.print(f"  session of 3 ranks ready in {time.perf_counter() - started:.1f} s")
+        for size in plan.sizes:
+            for dtype in DTYPES:
+                key = f"{size}_{dtype}"
+                plain = PlainLoop(models[size], dtype, rows)
+                report[f"params_{size}"] = count_parameters(plain.model)
+                runners: dict[str, Runner] = {"plain": plain}
+                for name in RUNNERS[1:]:
+                    runners[name] = ActorSteps(controller, role_name(name, size, dtype), rows)
+                results = await take_turns(runners, plan.steps[size])
+                check_losses(key, dtype, results)
+                for name, (ms, _) in results.items():
+                    report[f"{name}_ms_{key}"] = round(ms, 2)
+                report[f"loss_{key}"] = round(results["plain"][1], 5)
+                report[f"overhead_{key}"] = round(results["hf1"][0] / results["plain"][0], 3)
+                report[f"dp2_speedup_{key}"] = round(results["hf1"][0] / results["dp2"][0], 3)
+                err.print(
+                    f"  {key}: plain {results['plain'][0]:.1f} ms, hf1 {results['hf1'][0]:.1f} "
+                    f"ms, dp2 {results['dp2'][0]:.1f} ms (first losses agree)"
+                )
+                del plain, runners
+    return report
+
+
+def print_table(report: dict[str, Any], plan: Plan, quick: bool) -> None:
+    table = Table(
+        title=f"hybridflow actor training step ({'quick' if quick else 'full'} run; batch "
+        f"{BATCH}, micro-batch {MICRO}; median ms/step)"
+    )
+    for column in ("model", "dtype", "plain", "hybridflow 1 rank", "vs plain", "dp=2", "speed-up"):
+        table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
+    for size in plan.sizes:
+        for dtype in DTYPES:
+            key = f"{size}_{dtype}"
+            table.add_row(
+                f"{size} ({report[f'params_{size}'] / 1e6:.1f}M, {plan.steps[size]} steps)",
+                dtype,
+                f"{report[f'plain_ms_{key}']:.1f}",
+                f"{report[f'hf1_ms_{key}']:.1f}",
+                f"{report[f'overhead_{key}']:.2f}x",
+                f"{report[f'dp2_ms_{key}']:.1f}",
+                f"{report[f'dp2_speedup_{key}']:.2f}x",
+            )
+    other = report["other_cpu_pct"]
+    table.caption = (
+        f"tokenizing the 64 rows: {report['tokenize_ms']} ms (in hybridflow's time, not plain's); "
+        f"other processes' CPU: {'n/a' if other is None else f'{other:.0f}% of a core'}"
+    )
+    out.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.train", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps; under a minute")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    plan = Plan.pick(args.quick)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hf-bench-train-") as tmp:
+        models: dict[str, Path] = {s: init_model(Path(tmp) / s, s) for s in plan.sizes}
+        load = OtherLoad()
+        report = run_async(lambda: measure(plan, models))
+        other = load.pct()
+    report.update(
+        quick=args.quick,
+        steps=plan.steps,
+        batch=BATCH,
+        micro_batch=MICRO,
+        other_cpu_pct=None if other is None else round(other),
+        wall_s=round(time.perf_counter() - started, 1),
+    )
+    if other is not None and other > BUSY_WARN_PCT:
+        err.print(f"[yellow]warning: other processes used {other:.0f}% of a core meanwhile[/]")
+    print_table(report, plan, args.quick)
+    sys.stdout.flush()
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        err.print("[yellow]interrupted; every process was stopped[/]")
+        sys.exit(130)
