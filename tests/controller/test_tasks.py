@@ -96,7 +96,7 @@ def test_preference_rejected_is_near_non_negative_and_wrong_in_the_units_digit()
 
 
 def test_preference_mixes_operand_copies_and_bad_formats() -> None:
-    rows = preference(900, "train", seed=4)
+    rows = preference(900, "train", seed=4, kinds="near,operand,format")
     kinds = {kind: [r for r in rows if r["kind"] == kind] for kind in ("near", "operand", "format")}
     assert all(len(group) > 200 for group in kinds.values())
     for row in rows:
@@ -106,6 +106,7 @@ def test_preference_mixes_operand_copies_and_bad_formats() -> None:
         assert row["rejected"] in operands or row["chosen"] in operands  # fallback: a near miss
     for row in kinds["format"]:
         assert row["chosen"] in row["rejected"] and not row["rejected"].isdigit()
+    assert {r["kind"] for r in preference(100, "train")} == {"operand", "format"}  # the default
     with pytest.raises(ValueError, match="kinds='near,typo'"):
         preference(5, "train", kinds="near,typo")
 

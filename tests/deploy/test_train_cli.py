@@ -70,15 +70,16 @@ def test_sft_on_two_ranks_lowers_held_out_loss_and_exports(tiny: Path, tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_reward_model_ranks_chosen_over_rejected_on_80_percent_of_held_out_pairs(
+def test_reward_model_on_two_ranks_ranks_chosen_over_rejected_on_80_percent_of_held_out_pairs(
     tiny: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
     argv = ["rm", "--model", str(tiny), "--out", str(tmp_path / "rm"), "--run-dir", str(run_dir)]
-    assert job([*argv, "--steps", "250", "--eval-every", "250"]) == 0
+    assert job([*argv, "--steps", "150", "--eval-every", "150", "--nproc", "2"]) == 0
     result = summary(run_dir)
     assert result["before"]["accuracy"] < 0.65
     assert result["after"]["accuracy"] >= 0.80, result["after"]
+    assert {"accuracy/operand", "accuracy/format"} <= set(result["after"])
 
 
 def bad(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
