@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from controller.client import RoleClient
+from controller.tasks import preference
 from deploy.session import local_session
 from roles.logprob import token_log_probs
 from roles.models import init_model
@@ -24,6 +25,7 @@ from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
 
+ROWS = [{**row, "response": row["chosen"]} for row in preference(7, "train", seed=0)]
 LAYOUTS = {"one": (1, 1), "dp": (2, 1), "tp": (1, 2), "dp_tp": (2, 2)}
 POLICY_LOSS = {"clip_ratio_low": 0.2, "dual_clip": 3.0, "entropy_coef": 0.01, "kl_coef": 0.1}
 
@@ -63,6 +65,7 @@ def placement(model: Path, dtype: str) -> list[Any]:
             **{
                 f"actor_{name}": ("roles.testing_actor:ProbedActor", config),
                 f"critic_{name}": ("roles.critic:Critic", config),
+                f"rm_{name}": ("roles.reward:ModelReward", config),
             },
         )
         for name, (dp, tp) in LAYOUTS.items()
@@ -111,6 +114,14 @@ async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[st
         with pytest.raises(RemoteError, match="a data-parallel rank got no rows"):
             await actor.call("compute_log_prob", batch[:1])
     out["after_errors"] = (await actor.call("compute_log_prob", batch))["log_probs"]
+    # text endpoints: SFT on (prompt, response), reward-model pairs (7 rows: uneven over dp)
+    rows = TensorBatch.from_dict(non_tensors={k: [r[k] for r in ROWS] for k in ROWS[0]})
+    out["sft"] = await actor.call("sft_step", rows)
+    out["sft_eval"] = await actor.call("sft_eval", rows)
+    rm = RoleClient(c, f"rm_{name}")
+    out["rm_train"] = await rm.call("train_pairs", rows)
+    scored = await rm.call("score_pairs", rows)
+    out["rm_chosen"], out["rm_rejected"] = scored["chosen"], scored["rejected"]
     return out
 
 
@@ -140,9 +151,10 @@ def close(a: torch.Tensor, b: torch.Tensor, atol: float, what: str = "") -> None
 @pytest.mark.parametrize("name", ["dp", "tp", "dp_tp"])
 def test_fp32_engine_methods_match_one_rank(fp32: dict[str, dict[str, Any]], name: str) -> None:
     one, other = fp32["one"], fp32[name]
-    for key in ("log_probs", "entropy", "values", "after", "values_after", "after_again"):
+    tensors = ("log_probs", "entropy", "values", "after", "values_after", "after_again")
+    for key in (*tensors, "rm_chosen", "rm_rejected"):
         close(other[key], one[key], 1e-5, key)
-    for metrics in ("policy", "critic", "uneven", "policy_again"):
+    for metrics in ("policy", "critic", "uneven", "policy_again", "sft", "sft_eval", "rm_train"):
         for key, value in one[metrics].items():
             assert other[metrics][key] == pytest.approx(value, abs=1e-5), (metrics, key)
 
