@@ -78,8 +78,10 @@ async def sft(
     cfg: LoopConfig,
     log: Log,
     response_only: bool = True,
+    pack: bool = False,
 ) -> dict[str, Any]:
-    """Next-token training of the actor on (prompt, response) rows; reports held-out loss."""
+    """Next-token training of the actor on (prompt, response) rows; reports held-out loss.
+    ``pack`` packs training rows into context-long rows (the loss is the same, padding goes)."""
     columns = ("prompt", "response")
     held_out = text_batch(val, columns)
 

@@ -36,6 +36,7 @@ def add_train_commands(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="train on prompt tokens too (default: only the response)",
     )
+    sft.add_argument("--pack", action="store_true", help="pack rows into context-long rows")
     rm = subparsers.add_parser("rm", help="train a reward model on preference pairs")
     _common(rm, "builtin:preference?n=4000&split=train", "builtin:preference?n=512&split=test")
 
@@ -148,7 +149,7 @@ def _train(
             ready = time.perf_counter() - start
             role = RoleClient(controller, JOBS[args.command][1])
             if args.command == "sft":
-                result = await sft(role, train, val, loop, log, not args.full_sequence)
+                result = await sft(role, train, val, loop, log, not args.full_sequence, args.pack)
             else:
                 result = await reward_model(role, train, val, loop, log)
             await role.call("export", str(Path(args.out).resolve()))

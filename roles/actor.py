@@ -85,25 +85,32 @@ class Actor(Reference):
 
         return self.engine.train_step(batch, loss_fn)
 
-    def _sft_batch(self, batch: TensorBatch, response_only: bool) -> tuple[TensorBatch, int]:
+    def _sft_batch(
+        self, batch: TensorBatch, response_only: bool, pack: bool
+    ) -> tuple[TensorBatch, int]:
         prompts, responses = batch["prompt"], batch["response"]
         assert isinstance(prompts, list) and isinstance(responses, list)
         limit = int(self.engine.model_config.max_position_embeddings)
-        return encode_rows(self.tokenizer, prompts, responses, limit, response_only)
+        return encode_rows(self.tokenizer, prompts, responses, limit, response_only, pack)
 
     @endpoint(DP_REDUCED)
-    def sft_step(self, batch: TensorBatch, response_only: bool = True) -> dict[str, float]:
+    def sft_step(
+        self, batch: TensorBatch, response_only: bool = True, pack: bool = False
+    ) -> dict[str, float]:
         """One optimizer step of token-mean next-token loss on text rows (``prompt``,
-        ``response``); with ``response_only`` the prompt tokens are not trained on."""
-        tokens_batch, cut = self._sft_batch(batch, response_only)
+        ``response``); with ``response_only`` the prompt tokens are not trained on; ``pack``
+        packs each rank's rows into as few context-long rows as fit."""
+        tokens_batch, cut = self._sft_batch(batch, response_only, pack)
         metrics = self.engine.train_step(tokens_batch, _nll)
         metrics["truncated"] = self.sum_over_dp({"cut": torch.tensor(float(cut))})["cut"]
         return metrics
 
     @endpoint(DP_REDUCED)
-    def sft_eval(self, batch: TensorBatch, response_only: bool = True) -> dict[str, float]:
+    def sft_eval(
+        self, batch: TensorBatch, response_only: bool = True, pack: bool = False
+    ) -> dict[str, float]:
         """Token-mean next-token loss on text rows, no update (held-out loss)."""
-        tokens_batch, _ = self._sft_batch(batch, response_only)
+        tokens_batch, _ = self._sft_batch(batch, response_only, pack)
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
             nll = -token_log_probs(logits, tensor(micro, "input_ids")) * tensor(

@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import Placement
 from roles.base import RoleContext
 from roles.losses import count
 from roles.models import check_model_dir, load_causal_lm, load_tokenizer
+from roles.text import block_causal_mask, segment_positions
 from roles.training.config import EngineConfig
 from roles.training.engine import Head, LossFn, ParamLayout, Read, TrainingEngine
 from transport.batch import TensorBatch
@@ -169,12 +170,16 @@ class FSDPEngine(TrainingEngine):
     def _forward(self, micro: TensorBatch) -> torch.Tensor:
         ids, mask = micro["input_ids"], micro["attention_mask"]
         assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        segments = micro.tensors.get("segment_ids")
+        if segments is not None:  # packed rows: positions restart, no attention across sequences
+            attention: torch.Tensor | None = block_causal_mask(segments)
+            positions = segment_positions(segments)
+        else:
+            attention = None if bool(mask.all()) else mask
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         with self._autocast():
             out = self.module(
-                input_ids=ids,
-                attention_mask=None if bool(mask.all()) else mask,
-                position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
-                use_cache=False,
+                input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
             )
         logits = out.logits
         return logits.squeeze(-1) if self.head == "token" else logits
