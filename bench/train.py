@@ -1,33 +1,27 @@
 """Training benchmark: one optimizer step of the actor, against a plain PyTorch loop.
 
-Run ``python -m bench.train`` (a few minutes on a 2-core box) or ``python -m bench.train --quick``
-(tiny model only, under a minute). Each step is supervised next-token training on the same 64
-rows of the built-in arithmetic SFT data (``arithmetic(64, "sft")``): token-mean loss on the
-response tokens, 4 micro-batches of 16 with gradient accumulation, grad clip 1.0, AdamW. Three
-ways, for the "tiny" (~1M) and "small" (~18M) models of ``init_model``, in fp32 and bf16:
+Run ``python -m bench.train`` (about a minute on a 2-core box) or ``python -m bench.train --quick``
+(tiny model only, well under a minute). A step is supervised next-token training on the same 64
+rows of ``arithmetic(64, "sft")``: token-mean loss on the response tokens, 4 micro-batches of 16
+with gradient accumulation, grad clip 1.0, AdamW. It is timed three ways, for the "tiny" (~1M) and
+"small" (~18M) models of ``init_model``, in fp32 and bf16:
 
-1. **plain** — the peer and the machine's limit: a single-process loop in this process
-   (``AutoModelForCausalLM.from_pretrained``, one intra-op thread like a role rank). Its rows are
-   tokenized once, before timing, by ``roles.text.encode_rows`` with the model's tokenizer and
-   each micro-batch is trimmed to its longest row, exactly as the engine does, so both sides
-   compute on identical tensors. bf16 is ``torch.autocast("cpu", dtype=torch.bfloat16)`` around
-   the forward, as in the engine.
+1. **plain** — the peer and the machine's limit: a loop in this process on one intra-op thread,
+   like a role rank. Its rows are tokenized once, untimed, by ``roles.text.encode_rows`` and each
+   micro-batch is trimmed to its longest row as the engine does, so both compute on identical
+   tensors; bf16 is ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward.
 2. **hf1** — ``Actor.sft_step`` on a 1-rank group of a local session: the controller → role call,
-   tokenization on the rank and the ``fsdp`` engine's step; ``overhead`` = hf1 / plain.
-3. **dp2** — the same global batch split over a 2-rank group (FSDP2 over gloo); on 2 cores this
-   is all the machine has. ``dp2_speedup`` = hf1 / dp2.
+   tokenization on the rank (``tokenize_ms``) and the ``fsdp`` engine; ``overhead`` = hf1 / plain.
+3. **dp2** — the same global batch over a 2-rank group (FSDP2 on gloo), all 2 cores can give;
+   ``dp2_speedup`` = hf1 / dp2.
 
-All roles live in one session (a 1-rank and a 2-rank group, one colocated actor per model and
-dtype), started before any timing. The three runners take turns step by step, so drift of the
-machine hits all alike: 2 warm-up steps each, then N timed ones (10 tiny, 5 small; 3 with
-``--quick``); the medians are reported. The first-step losses of the three must agree (fp32 to
-1e-4, bf16 to 2e-2), or the run aborts: a speed comparison of different work means nothing.
-``tokenize_ms`` is what ``encode_rows`` costs for the 64 rows, part of hf1's time, not plain's.
-
-Output: progress on stderr, a table on stdout, and as the last stdout line one JSON object
-(``plain_ms_tiny_fp32``, ``hf1_ms_tiny_fp32``, ``dp2_ms_tiny_fp32``, ``overhead_tiny_fp32``,
-``dp2_speedup_tiny_fp32``, ... per model and dtype). Run it on an otherwise idle machine:
-``other_cpu_pct`` is what processes outside this benchmark used meanwhile (% of one core).
+One session holds a 1-rank and a 2-rank group (an actor per model and dtype on each), started
+before any timing. The runners take turns step by step, so machine drift hits all alike: 2
+warm-up steps, then N timed (10 tiny, 5 small; 3 with ``--quick``), medians reported. Their
+first-step losses must agree (fp32 1e-4, bf16 2e-2) or the run aborts: timing different work
+means nothing. Output: progress on stderr, a table, and as the last line a JSON object
+(``plain_ms_tiny_fp32``, ``hf1_ms_…``, ``dp2_ms_…``, ``overhead_…``, ``dp2_speedup_…``). Trust
+it only from an idle machine: ``other_cpu_pct`` is other processes' CPU meanwhile (% of a core).
 """
 
 from __future__ import annotations
@@ -66,7 +60,6 @@ from transport.batch import TensorBatch
 BATCH, MICRO, WARMUP, LR, CLIP = 64, 16, 2, 1e-4, 1.0
 DTYPES = ("fp32", "bf16")
 LOSS_TOL = {"fp32": 1e-4, "bf16": 2e-2}
-RUNNERS = ("plain", "hf1", "dp2")
 
 err = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 120)
@@ -85,9 +78,7 @@ class Plan:
 
 
 class Runner(Protocol):
-    async def step(self) -> float:
-        """One optimizer step; returns its loss."""
-        ...
+    async def step(self) -> float: ...  # one optimizer step; returns its loss
 
 
 class PlainLoop:
@@ -150,29 +141,24 @@ def role_name(runner: str, size: str, dtype: str) -> str:
 
 
 def placement(models: dict[str, Path], plan: Plan) -> list[GroupSpec]:
-    def roles(runner: str) -> dict[str, RoleSpec]:
-        return {
-            role_name(runner, size, dtype): RoleSpec(
-                cls="roles.actor:Actor",
-                config={
-                    "model": str(models[size]),
-                    "dtype": dtype,
-                    "micro_batch_size": MICRO,
-                    "optim": {"lr": LR, "grad_clip": CLIP},
-                },
-            )
-            for size in plan.sizes
-            for dtype in DTYPES
-        }
+    """A 1-rank and a 2-rank group, each with one actor per model and dtype."""
 
+    def actor(size: str, dtype: str) -> RoleSpec:
+        optim = {"lr": LR, "grad_clip": CLIP}
+        config = {"model": str(models[size]), "dtype": dtype, "micro_batch_size": MICRO}
+        return RoleSpec(cls="roles.actor:Actor", config={**config, "optim": optim})
+
+    cases = [(size, dtype) for size in plan.sizes for dtype in DTYPES]
     return [
-        GroupSpec(name="one", roles=roles("hf1"), nproc=1),
-        GroupSpec(name="dp2", roles=roles("dp2"), nproc=2),
+        GroupSpec(name=name, roles={role_name(name, *c): actor(*c) for c in cases}, nproc=nproc)
+        for name, nproc in (("hf1", 1), ("dp2", 2))
     ]
 
 
-async def take_turns(runners: dict[str, Runner], steps: int) -> dict[str, tuple[float, float]]:
-    """Step by step in turn; per runner (median ms of the timed steps, first loss)."""
+async def take_turns(
+    runners: dict[str, Runner], steps: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Step by step in turn; per runner the median ms of the timed steps, and the first loss."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     first: dict[str, float] = {}
     gc.collect()
@@ -184,56 +170,62 @@ async def take_turns(runners: dict[str, Runner], steps: int) -> dict[str, tuple[
             first.setdefault(name, loss)
             if i >= WARMUP:
                 times[name].append(elapsed)
-    return {name: (statistics.median(times[name]), first[name]) for name in runners}
+    return {name: statistics.median(t) for name, t in times.items()}, first
 
 
-def check_losses(key: str, dtype: str, results: dict[str, tuple[float, float]]) -> None:
-    reference = results["plain"][1]
-    for name, (_, loss) in results.items():
-        if abs(loss - reference) > LOSS_TOL[dtype] * max(1.0, abs(reference)):
+def check_losses(key: str, dtype: str, first: dict[str, float]) -> None:
+    for name, loss in first.items():
+        if abs(loss - first["plain"]) > LOSS_TOL[dtype] * max(1.0, abs(first["plain"])):
             raise RuntimeError(
-                f"{key}: {name}'s first loss {loss:.6f} differs from plain's {reference:.6f}; "
+                f"{key}: {name}'s first loss {loss:.6f} differs from plain's {first['plain']:.6f}; "
                 "the runners do not compute the same step, so their times are not comparable"
             )
 
 
 def tokenize_ms(model_dir: Path, rows: list[dict[str, Any]]) -> float:
     tokenizer = load_tokenizer(model_dir)
-    prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
     samples = []
     for _ in range(20):
         t0 = time.perf_counter()
-        encode_rows(tokenizer, prompts, responses, 1 << 20)
+        encode_rows(tokenizer, [r["prompt"] for r in rows], [r["response"] for r in rows], 1 << 20)
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
 
 
+async def measure_case(
+    controller: Controller, model_dir: Path, size: str, dtype: str, steps: int
+) -> dict[str, Any]:
+    """plain, hf1 and dp2 for one model and dtype, taking turns."""
+    key, rows = f"{size}_{dtype}", arithmetic(BATCH, "sft")
+    plain = PlainLoop(model_dir, dtype, rows)
+    runners: dict[str, Runner] = {"plain": plain}
+    for name in ("hf1", "dp2"):
+        runners[name] = ActorSteps(controller, role_name(name, size, dtype), rows)
+    ms, first = await take_turns(runners, steps)
+    check_losses(key, dtype, first)
+    err.print(
+        f"  {key}: plain {ms['plain']:.1f} ms, hf1 {ms['hf1']:.1f} ms, dp2 {ms['dp2']:.1f} ms "
+        "(first losses agree)"
+    )
+    return {
+        f"params_{size}": count_parameters(plain.model),
+        **{f"{name}_ms_{key}": round(value, 2) for name, value in ms.items()},
+        f"loss_{key}": round(first["plain"], 5),
+        f"overhead_{key}": round(ms["hf1"] / ms["plain"], 3),
+        f"dp2_speedup_{key}": round(ms["hf1"] / ms["dp2"], 3),
+    }
+
+
 async def measure(plan: Plan, models: dict[str, Path]) -> dict[str, Any]:
-    rows = arithmetic(BATCH, "sft")
-    report: dict[str, Any] = {"tokenize_ms": round(tokenize_ms(models[plan.sizes[0]], rows), 2)}
+    tokenize = tokenize_ms(models[plan.sizes[0]], arithmetic(BATCH, "sft"))
+    report: dict[str, Any] = {"tokenize_ms": round(tokenize, 2)}
     started = time.perf_counter()
     async with local_session(placement(models, plan)) as controller:
         err.print(f"  session of 3 ranks ready in {time.perf_counter() - started:.1f} s")
         for size in plan.sizes:
             for dtype in DTYPES:
-                key = f"{size}_{dtype}"
-                plain = PlainLoop(models[size], dtype, rows)
-                report[f"params_{size}"] = count_parameters(plain.model)
-                runners: dict[str, Runner] = {"plain": plain}
-                for name in RUNNERS[1:]:
-                    runners[name] = ActorSteps(controller, role_name(name, size, dtype), rows)
-                results = await take_turns(runners, plan.steps[size])
-                check_losses(key, dtype, results)
-                for name, (ms, _) in results.items():
-                    report[f"{name}_ms_{key}"] = round(ms, 2)
-                report[f"loss_{key}"] = round(results["plain"][1], 5)
-                report[f"overhead_{key}"] = round(results["hf1"][0] / results["plain"][0], 3)
-                report[f"dp2_speedup_{key}"] = round(results["hf1"][0] / results["dp2"][0], 3)
-                err.print(
-                    f"  {key}: plain {results['plain'][0]:.1f} ms, hf1 {results['hf1'][0]:.1f} "
-                    f"ms, dp2 {results['dp2'][0]:.1f} ms (first losses agree)"
-                )
-                del plain, runners
+                steps = plan.steps[size]
+                report.update(await measure_case(controller, models[size], size, dtype, steps))
     return report
 
 
