@@ -14,8 +14,10 @@ with gradient accumulation, grad clip 1.0, AdamW. It is timed three ways, for th
    tokenization on the rank (``tokenize_ms``) and the ``fsdp`` engine; ``overhead`` = hf1 / plain.
 3. **dp2** — the same global batch over a 2-rank group (FSDP2 on gloo), all 2 cores can give;
    ``dp2_speedup`` = hf1 / dp2.
+4. **rep2** — the same over 2 ranks with ``dp_mode: replicate`` (whole weights on each rank, one
+   bucketed gradient all-reduce per step); ``rep2_speedup`` = hf1 / rep2.
 
-One session holds a 1-rank and a 2-rank group (an actor per model and dtype on each), started
+One session holds a 1-rank and two 2-rank groups (an actor per model and dtype on each), started
 before any timing. The runners take turns step by step, so machine drift hits all alike: 2
 warm-up steps, then N timed (10 tiny, 5 small; 3 with ``--quick``), medians reported. Their
 first-step losses must agree (fp32 1e-4, bf16 2e-2) or the run aborts: timing different work
@@ -136,6 +138,10 @@ class ActorSteps:
         return float(metrics["loss"])
 
 
+# name, ranks, dp_mode
+GROUPS = (("hf1", 1, "fsdp"), ("dp2", 2, "fsdp"), ("rep2", 2, "replicate"))
+
+
 def role_name(runner: str, size: str, dtype: str) -> str:
     return f"actor_{runner}_{size}_{dtype}"
 
@@ -143,15 +149,18 @@ def role_name(runner: str, size: str, dtype: str) -> str:
 def placement(models: dict[str, Path], plan: Plan) -> list[GroupSpec]:
     """A 1-rank and a 2-rank group, each with one actor per model and dtype."""
 
-    def actor(size: str, dtype: str) -> RoleSpec:
+    def actor(size: str, dtype: str, mode: str) -> RoleSpec:
         optim = {"lr": LR, "grad_clip": CLIP}
         config = {"model": str(models[size]), "dtype": dtype, "micro_batch_size": MICRO}
+        config["dp_mode"] = mode
         return RoleSpec(cls="roles.actor:Actor", config={**config, "optim": optim})
 
     cases = [(size, dtype) for size in plan.sizes for dtype in DTYPES]
     return [
-        GroupSpec(name=name, roles={role_name(name, *c): actor(*c) for c in cases}, nproc=nproc)
-        for name, nproc in (("hf1", 1), ("dp2", 2))
+        GroupSpec(
+            name=name, roles={role_name(name, *c): actor(*c, mode) for c in cases}, nproc=nproc
+        )
+        for name, nproc, mode in GROUPS
     ]
 
 
@@ -199,13 +208,13 @@ async def measure_case(
     key, rows = f"{size}_{dtype}", arithmetic(BATCH, "sft")
     plain = PlainLoop(model_dir, dtype, rows)
     runners: dict[str, Runner] = {"plain": plain}
-    for name in ("hf1", "dp2"):
+    for name, _, _ in GROUPS:
         runners[name] = ActorSteps(controller, role_name(name, size, dtype), rows)
     ms, first = await take_turns(runners, steps)
     check_losses(key, dtype, first)
     err.print(
-        f"  {key}: plain {ms['plain']:.1f} ms, hf1 {ms['hf1']:.1f} ms, dp2 {ms['dp2']:.1f} ms "
-        "(first losses agree)"
+        f"  {key}: plain {ms['plain']:.1f} ms, hf1 {ms['hf1']:.1f} ms, dp2 {ms['dp2']:.1f} ms, "
+        f"rep2 {ms['rep2']:.1f} ms (first losses agree)"
     )
     return {
         f"params_{size}": count_parameters(plain.model),
@@ -213,6 +222,7 @@ async def measure_case(
         f"loss_{key}": round(first["plain"], 5),
         f"overhead_{key}": round(ms["hf1"] / ms["plain"], 3),
         f"dp2_speedup_{key}": round(ms["hf1"] / ms["dp2"], 3),
+        f"rep2_speedup_{key}": round(ms["hf1"] / ms["rep2"], 3),
     }
 
 
@@ -221,7 +231,7 @@ async def measure(plan: Plan, models: dict[str, Path]) -> dict[str, Any]:
     report: dict[str, Any] = {"tokenize_ms": round(tokenize, 2)}
     started = time.perf_counter()
     async with local_session(placement(models, plan)) as controller:
-        err.print(f"  session of 3 ranks ready in {time.perf_counter() - started:.1f} s")
+        err.print(f"  session of 5 ranks ready in {time.perf_counter() - started:.1f} s")
         for size in plan.sizes:
             for dtype in DTYPES:
                 steps = plan.steps[size]
@@ -234,7 +244,8 @@ def print_table(report: dict[str, Any], plan: Plan, quick: bool) -> None:
         title=f"hybridflow actor training step ({'quick' if quick else 'full'} run; batch "
         f"{BATCH}, micro-batch {MICRO}; median ms/step)"
     )
-    for column in ("model", "dtype", "plain", "hybridflow 1 rank", "vs plain", "dp=2", "speed-up"):
+    columns = ("model", "dtype", "plain", "hybridflow 1 rank", "vs plain", "dp=2 fsdp", "speed-up")
+    for column in (*columns, "dp=2 replicate", "speed-up "):
         table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
     for size in plan.sizes:
         for dtype in DTYPES:
@@ -247,6 +258,8 @@ def print_table(report: dict[str, Any], plan: Plan, quick: bool) -> None:
                 f"{report[f'overhead_{key}']:.2f}x",
                 f"{report[f'dp2_ms_{key}']:.1f}",
                 f"{report[f'dp2_speedup_{key}']:.2f}x",
+                f"{report[f'rep2_ms_{key}']:.1f}",
+                f"{report[f'rep2_speedup_{key}']:.2f}x",
             )
     other = report["other_cpu_pct"]
     table.caption = (

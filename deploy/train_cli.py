@@ -57,6 +57,12 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--nproc", type=int, default=1, help="ranks in the training group")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument(
+        "--dp-mode",
+        choices=("fsdp", "replicate"),
+        default="fsdp",
+        help="replicate: whole weights per rank, one gradient all-reduce (faster for small models)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
@@ -77,6 +83,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]], list[
             "model": str(args.model),
             "dtype": args.dtype,
             "micro_batch_size": args.micro_batch_size,
+            "dp_mode": args.dp_mode,
             "seed": args.seed,
             "optim": {
                 "lr": args.lr,

@@ -70,6 +70,12 @@ class EngineConfig(BaseModel):
         "fp32", description="bf16: autocast the forward/backward, keep fp32 master weights"
     )
     micro_batch_size: int = Field(8, ge=1, description="rows per forward/backward on one rank")
+    dp_mode: Literal["fsdp", "replicate"] = Field(
+        "fsdp",
+        description="fsdp: shard weights, gradients and optimizer state over dp (FSDP2); "
+        "replicate: every dp rank holds the whole model and gradients are all-reduced once "
+        "per step - less traffic for models that fit on one device",
+    )
     seed: int = 0
     optim: OptimConfig | None = Field(
         default_factory=OptimConfig, description="null for frozen weights (reference, reward)"

@@ -139,7 +139,7 @@ class FSDPEngine(TrainingEngine):
             plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
             for layer in self._layers():
                 parallelize_module(layer, mesh["tp"], plan)
-        if self.dp > 1:
+        if self.dp > 1 and self.cfg.dp_mode == "fsdp":
             for layer in self._layers():
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(self.module, mesh=mesh["dp"])
@@ -211,15 +211,19 @@ class FSDPEngine(TrainingEngine):
         micro_batches = list(self._micro_batches(batch))
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
+        sharded = self.dp > 1 and self.cfg.dp_mode == "fsdp"
         for i, (micro, real) in enumerate(micro_batches):
-            if self.dp > 1:  # reduce-scatter gradients once, after the last micro-batch
+            if sharded:  # reduce-scatter gradients once, after the last micro-batch
                 self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)  # type: ignore[operator]
             micro = trim(micro)
             loss, metrics = loss_fn(self._forward(micro), micro, tokens, seqs)
-            (loss * (self.dp if real else 0.0)).backward()
+            # FSDP averages gradients over dp, the replicate all-reduce sums them
+            (loss * ((self.dp if sharded else 1.0) if real else 0.0)).backward()
             if real:
                 for name, value in {"loss": loss, **metrics}.items():
                     totals[name] = totals.get(name, 0.0) + value.detach().float()
+        if self.dp > 1 and not sharded:
+            self._all_reduce_gradients()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -246,14 +250,35 @@ class FSDPEngine(TrainingEngine):
             dist.all_reduce(stacked, group=group)
         return {n: float(v) for n, v in zip(names, stacked, strict=True)}
 
+    def _all_reduce_gradients(self, bucket: int = 1 << 24) -> None:
+        """Replicate mode: sum each rank's gradients over dp, in flat buckets of ``bucket``
+        elements (one collective per bucket instead of one per parameter)."""
+        grads = [
+            _local_and_copies(p.grad, 1)[0] for p in self.module.parameters() if p.grad is not None
+        ]
+        group = self._dp_group()
+        start = 0
+        while start < len(grads):
+            stop, size = start, 0
+            while stop < len(grads) and (stop == start or size + grads[stop].numel() <= bucket):
+                size += grads[stop].numel()
+                stop += 1
+            flat = torch.cat([g.reshape(-1) for g in grads[start:stop]])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in grads[start:stop]:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            start = stop
+
     def _clip_gradients(self) -> float:
-        """Global L2 norm of the gradients (fp64 sum of squares, one all-reduce); scale them
-        down to ``grad_clip`` when above it, as ``torch.nn.utils.clip_grad_norm_`` does."""
+        """Global L2 norm of the gradients (per-tensor norms summed in fp64, one all-reduce);
+        scale them down to ``grad_clip`` when above it, as ``clip_grad_norm_`` does."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64)
         for grad in grads:
             local, copies = _local_and_copies(grad, self.world)
-            square += local.double().pow(2).sum() / copies
+            square += torch.linalg.vector_norm(local).double() ** 2 / copies
         if self.world > 1:
             dist.all_reduce(square)
         norm = float(square.sqrt())
@@ -327,7 +352,7 @@ class FSDPEngine(TrainingEngine):
         return self.scheduler.state_dict() if self.scheduler else None
 
     def _describe(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "head": self.head}
+        return {"dp": self.dp, "tp": self.tp, "dp_mode": self.cfg.dp_mode, "head": self.head}
 
     def export(self, path: str | Path) -> None:
         """The full weights as a plain Hugging Face folder (safetensors + config + tokenizer),

@@ -26,7 +26,14 @@ from transport.batch import TensorBatch
 from transport.errors import RemoteError
 
 ROWS = [{**row, "response": row["chosen"]} for row in preference(7, "train", seed=0)]
-LAYOUTS = {"one": (1, 1), "dp": (2, 1), "tp": (1, 2), "dp_tp": (2, 2)}
+# name: (dp, tp, dp_mode)
+LAYOUTS = {
+    "one": (1, 1, "fsdp"),
+    "dp": (2, 1, "fsdp"),
+    "tp": (1, 2, "fsdp"),
+    "dp_tp": (2, 2, "fsdp"),
+    "dp_replicate": (2, 1, "replicate"),
+}
 POLICY_LOSS = {"clip_ratio_low": 0.2, "dual_clip": 3.0, "entropy_coef": 0.01, "kl_coef": 0.1}
 
 
@@ -56,19 +63,27 @@ def token_batch(rows: int, seed: int, vocab: int = 250) -> TensorBatch:
 
 
 def placement(model: Path, dtype: str) -> list[Any]:
-    config = {"model": str(model), "dtype": dtype, "micro_batch_size": 2, "optim": {"lr": 1e-4}}
+    def config(mode: str) -> dict[str, Any]:
+        return {
+            "model": str(model),
+            "dtype": dtype,
+            "dp_mode": mode,
+            "micro_batch_size": 2,
+            "optim": {"lr": 1e-4},
+        }
+
     return [
         group(
             name,
             dp * tp,
             tp=tp,
             **{
-                f"actor_{name}": ("roles.testing_actor:ProbedActor", config),
-                f"critic_{name}": ("roles.critic:Critic", config),
-                f"rm_{name}": ("roles.reward:ModelReward", config),
+                f"actor_{name}": ("roles.testing_actor:ProbedActor", config(mode)),
+                f"critic_{name}": ("roles.critic:Critic", config(mode)),
+                f"rm_{name}": ("roles.reward:ModelReward", config(mode)),
             },
         )
-        for name, (dp, tp) in LAYOUTS.items()
+        for name, (dp, tp, mode) in LAYOUTS.items()
     ]
 
 
@@ -148,7 +163,7 @@ def close(a: torch.Tensor, b: torch.Tensor, atol: float, what: str = "") -> None
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["dp", "tp", "dp_tp"])
+@pytest.mark.parametrize("name", ["dp", "tp", "dp_tp", "dp_replicate"])
 def test_fp32_engine_methods_match_one_rank(fp32: dict[str, dict[str, Any]], name: str) -> None:
     one, other = fp32["one"], fp32[name]
     tensors = ("log_probs", "entropy", "values", "after", "values_after", "after_again")
@@ -187,6 +202,7 @@ def test_param_layout_names_the_sharded_dims(fp32: dict[str, dict[str, Any]]) ->
     assert fp32["tp"]["layout"][o]["dp_dim"] is None
     assert fp32["dp_tp"]["layout"][o] == {"shape": [128, 128], "tp_dim": 1, "dp_dim": 0}
     assert fp32["dp_tp"]["layout"][q] == {"shape": [128, 128], "tp_dim": 0, "dp_dim": 0}
+    assert fp32["dp_replicate"]["layout"][o] == {"shape": [128, 128], "tp_dim": None, "dp_dim": None}
 
 
 def test_export_is_a_plain_hf_model_with_the_trained_weights(
@@ -204,6 +220,6 @@ def test_export_is_a_plain_hf_model_with_the_trained_weights(
 @pytest.mark.timeout(300)
 def test_bf16_autocast_matches_one_rank_within_1e_2(tiny: Path, tmp_path: Path) -> None:
     bf16 = scenario(tiny, "bf16", tmp_path)
-    for name in ("dp", "tp"):
+    for name in ("dp", "tp", "dp_tp", "dp_replicate"):
         for key in ("log_probs", "values", "after"):
             close(bf16[name][key], bf16["one"][key], 1e-2)
