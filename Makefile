@@ -30,3 +30,4 @@ test: lint
 bench: $(BIN)/hybridflow
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.transport
+	$(BIN)/python -m bench.train
