@@ -202,7 +202,11 @@ def test_param_layout_names_the_sharded_dims(fp32: dict[str, dict[str, Any]]) ->
     assert fp32["tp"]["layout"][o]["dp_dim"] is None
     assert fp32["dp_tp"]["layout"][o] == {"shape": [128, 128], "tp_dim": 1, "dp_dim": 0}
     assert fp32["dp_tp"]["layout"][q] == {"shape": [128, 128], "tp_dim": 0, "dp_dim": 0}
-    assert fp32["dp_replicate"]["layout"][o] == {"shape": [128, 128], "tp_dim": None, "dp_dim": None}
+    assert fp32["dp_replicate"]["layout"][o] == {
+        "shape": [128, 128],
+        "tp_dim": None,
+        "dp_dim": None,
+    }
 
 
 def test_export_is_a_plain_hf_model_with_the_trained_weights(
