@@ -8,13 +8,15 @@ the group's data-parallel ranks. Checkpoints and export come from ``EngineRole``
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from roles.base import RoleContext
-from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
+from roles.endpoint import DP_REDUCED, DP_SPLIT, ONE_TO_ALL, endpoint
 from roles.engine_role import TOKENS, EngineRole, require, tensor
+from roles.generation.serve import make_engine, serve
 from roles.logprob import token_entropy, token_log_probs
 from roles.losses import PolicyLossConfig, aggregate, policy_loss
 from roles.models import load_tokenizer
@@ -55,6 +57,25 @@ class Actor(Reference):
     """The policy: log-probs, PPO updates, supervised fine-tuning, checkpoints and export."""
 
     frozen = False
+
+    @endpoint(DP_SPLIT)
+    def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
+        """Colocated generation on the actor's own weights (the simple hybrid engine): at one
+        rank, replicate mode or pure tp nothing is copied; under FSDP every layer is gathered
+        first and freed after (``meta["gather_s"]`` says how long that took)."""
+        start = time.perf_counter()
+        with self.engine.full_weights() as module:
+            gathered = time.perf_counter() - start
+            engine = make_engine(self.engine.cfg.generator, module, self.tokenizer)
+            with self.engine.autocast():
+                out = serve(engine, self.tokenizer, batch, sampling or {}, self.engine.step)
+        out.meta["gather_s"] = gathered
+        return out
+
+    @endpoint(ONE_TO_ALL)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights (from rank 0), e.g. for a rollout group's ``load_weights``."""
+        return self.engine.full_state()
 
     @endpoint(DP_REDUCED)
     def update_policy(

@@ -77,6 +77,9 @@ class EngineConfig(BaseModel):
         "per step - less traffic for models that fit on one device",
     )
     seed: int = 0
+    generator: Literal["native", "hf"] = Field(
+        "native", description="generation engine of the actor's colocated generate"
+    )
     optim: OptimConfig | None = Field(
         default_factory=OptimConfig, description="null for frozen weights (reference, reward)"
     )

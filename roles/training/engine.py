@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +67,14 @@ class TrainingEngine(ABC):
     ) -> dict[str, float]: ...
 
     @abstractmethod
+    def full_weights(self) -> AbstractContextManager[torch.nn.Module]:
+        """The model with whole (dp-unsharded) weights while the block runs."""
+
+    @abstractmethod
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The compute-dtype context of this engine's forward passes."""
+
+    @abstractmethod
     def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         """Sum per-rank values over the data-parallel ranks (same keys on every rank)."""
 
@@ -77,6 +86,10 @@ class TrainingEngine(ABC):
 
     @abstractmethod
     def export(self, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every weight whole on rank 0 (empty elsewhere); all ranks must call it."""
 
     @abstractmethod
     def param_layout(self) -> dict[str, ParamLayout]: ...

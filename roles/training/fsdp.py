@@ -23,7 +23,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,29 @@ def check_tp(config: Any, tp: int) -> None:
             raise EngineError(
                 f"tp={tp} does not divide the model's {field}={value}; pick a tp that divides it"
             )
+
+
+def decoder_layers(module: torch.nn.Module) -> torch.nn.ModuleList:
+    base = getattr(module, str(module.base_model_prefix))
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise EngineError(f"{type(module).__name__} has no decoder layers to split")
+    return layers
+
+
+def tensor_parallel(module: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split every decoder layer's projections over ``tp_mesh`` by ``TP_PLAN`` (in place)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    check_tp(module.config, tp_mesh.size())
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
+    for layer in decoder_layers(module):
+        parallelize_module(layer, tp_mesh, plan)
 
 
 def load_module(cfg: EngineConfig, head: Head) -> torch.nn.Module:
@@ -118,29 +141,13 @@ class FSDPEngine(TrainingEngine):
 
     # -- parallelism ---------------------------------------------------------------------------
 
-    def _layers(self) -> torch.nn.ModuleList:
-        base = getattr(self.module, str(self.module.base_model_prefix))
-        layers = getattr(base, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList):
-            raise EngineError(f"{type(self.module).__name__} has no decoder layers to shard")
-        return layers
-
     def _parallelize(self, mesh: DeviceMesh) -> None:
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
 
         if self.tp > 1:
-            check_tp(self.model_config, self.tp)
-            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-            plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
-            for layer in self._layers():
-                parallelize_module(layer, mesh["tp"], plan)
+            tensor_parallel(self.module, mesh["tp"])
         if self.dp > 1 and self.cfg.dp_mode == "fsdp":
-            for layer in self._layers():
+            for layer in decoder_layers(self.module):
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(self.module, mesh=mesh["dp"])
 
@@ -177,14 +184,31 @@ class FSDPEngine(TrainingEngine):
         else:
             attention = None if bool(mask.all()) else mask
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        with self._autocast():
+        with self.autocast():
             out = self.module(
                 input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
             )
         logits = out.logits
         return logits.squeeze(-1) if self.head == "token" else logits
 
-    def _autocast(self) -> AbstractContextManager[Any]:
+    @contextmanager
+    def full_weights(self) -> Iterator[torch.nn.Module]:
+        """The model with whole (dp-unsharded) weights for the duration of the block: FSDP
+        all-gathers every layer and frees the copies after; replicate mode and one rank hold
+        them already. Tensor-parallel splits stay (the native generation engine runs tp)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = self.dp > 1 and self.cfg.dp_mode == "fsdp"
+        modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)] if sharded else []
+        for module in modules:
+            module.unshard()
+        try:
+            yield self.module
+        finally:
+            for module in modules:
+                module.reshard()
+
+    def autocast(self) -> AbstractContextManager[Any]:
         if self.cfg.dtype == "bf16":
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return nullcontext()
@@ -358,24 +382,32 @@ class FSDPEngine(TrainingEngine):
         """The full weights as a plain Hugging Face folder (safetensors + config + tokenizer),
         gathered to rank 0 and written aside, then renamed into place."""
         from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=self.world > 1)
-        full = get_model_state_dict(self.module, options=options)
+        full = self.full_state()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
             final = Path(path)
             aside = final.with_name(final.name + ".partial")
             shutil.rmtree(aside, ignore_errors=True)
             aside.mkdir(parents=True)
-            if getattr(self.model_config, "tie_word_embeddings", False):
-                full.pop("lm_head.weight", None)
-            tensors = {k: v.detach().contiguous() for k, v in full.items()}  # type: ignore[union-attr]
-            save_file(tensors, str(aside / "model.safetensors"), metadata={"format": "pt"})
+            save_file(full, str(aside / "model.safetensors"), metadata={"format": "pt"})
             self.model_config.save_pretrained(aside)
             load_tokenizer(self.cfg.model).save_pretrained(aside)
             _replace_dir(aside, final)
         self._barrier()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every weight whole, on rank 0 (an empty dict elsewhere); a collective. A tied output
+        embedding is left out, as ``save_pretrained`` does."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.world > 1)
+        full = get_model_state_dict(self.module, options=options)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        if getattr(self.model_config, "tie_word_embeddings", False):
+            full.pop("lm_head.weight", None)
+        return {k: v.detach().contiguous() for k, v in full.items()}  # type: ignore[union-attr]
 
     def param_layout(self) -> dict[str, ParamLayout]:
         layout = {}

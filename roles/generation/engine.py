@@ -1,0 +1,123 @@
+"""The generation-engine interface, its sampling settings and its one output contract.
+
+An engine turns prompts (token ids) into samples. Whatever the engine, a sample reports:
+
+* the prompt and response token ids,
+* the log-probability of each response token under the temperature-scaled, *unfiltered*
+  distribution (``roles/logprob.py``'s definition — top-k/top-p change what is sampled, not what
+  is reported; greedy decoding reports temperature-1 log-probs),
+* why it ended: ``stop`` (a stop token, which is kept as the last response token) or ``length``.
+
+``samples_to_batch`` lays samples out as the training engines read them: each row is prompt then
+response, right-padded, with ``attention_mask``, ``response_mask`` and ``log_probs`` aligned with
+``input_ids`` — so ``compute_log_prob`` on the same batch must give the same numbers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from transport.batch import TensorBatch
+
+#: ``processor(samples, step, logits) -> logits``: ``samples`` are the sample indices of the rows
+#: of ``logits`` ``[rows, V]``, ``step`` the index of the token being chosen. It shapes what is
+#: sampled (e.g. forced lengths in benchmarks), never the reported log-probs.
+LogitsProcessor = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+class SamplingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1: off")
+    top_k: int = Field(0, ge=0, description="0: off")
+    max_new_tokens: int = Field(64, ge=1)
+    n: int = Field(1, ge=1, description="samples per prompt")
+    stop_token_ids: list[int] | None = Field(
+        None, description="tokens that end a sample (kept in it); default: the model's eos"
+    )
+    seed: int = Field(0, description="request i, sample j draws from seed (seed, i, j)")
+
+    @model_validator(mode="after")
+    def _greedy_is_single(self) -> SamplingConfig:
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(
+                f"n={self.n} greedy samples of one prompt are identical; use temperature > 0"
+            )
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Sample:
+    request: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str = ""
+
+
+class GenerationError(ValueError):
+    """Prompts or settings an engine cannot serve, with what to change."""
+
+
+class GenerationEngine(ABC):
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        processor: LogitsProcessor | None = None,
+    ) -> list[Sample]:
+        """``len(prompts) * sampling.n`` samples, request-major (prompt i's samples together)."""
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], sampling: SamplingConfig, context: int) -> None:
+    if not prompts:
+        raise GenerationError("no prompts to generate from (an empty prompt list)")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise GenerationError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(prompt) + sampling.max_new_tokens > context:
+            raise GenerationError(
+                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                f"{sampling.max_new_tokens} it exceeds the model's context of {context}; "
+                "shorten the prompt or lower max_new_tokens"
+            )
+
+
+def sample_seed(seed: int, request: int, index: int) -> int:
+    """One generator seed per (request, sample): reproducible whatever the batch holds."""
+    return (seed * 1_000_003 + request) * 1_009 + index
+
+
+def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> TensorBatch:
+    width = max(len(s.prompt) + len(s.tokens) for s in samples)
+    rows = len(samples)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    response = torch.zeros((rows, width), dtype=torch.long)
+    log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt), len(s.tokens)
+        ids[i, : p + r] = torch.tensor(s.prompt + s.tokens, dtype=torch.long)
+        attention[i, : p + r] = 1
+        response[i, p : p + r] = 1
+        log_probs[i, p : p + r] = torch.tensor(s.log_probs, dtype=torch.float32)
+    return TensorBatch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "response_mask": response,
+            "log_probs": log_probs,
+        },
+        {"finish": [s.finish for s in samples], "request": [s.request for s in samples]},
+    )

@@ -1,0 +1,57 @@
+"""What the rollout role and the actor share to serve ``generate``: prompts in, samples out.
+
+A generation call carries a batch of prompts — text in a ``prompt`` column (tokenized here as
+``<s>`` + text) or token ids in a ``prompt_ids`` column — plus any other per-row columns (answers,
+data sources, seeds), and sampling settings. It returns one row per sample in the training layout
+(``roles/generation/engine.py``), the request's other columns repeated for each of its samples,
+the decoded ``response`` text, and the weight version in ``meta``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from roles.generation.engine import GenerationEngine, SamplingConfig, samples_to_batch
+from transport.batch import TensorBatch
+
+EngineName = Literal["native", "hf"]
+
+
+def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngine:
+    if name == "hf":
+        from roles.generation.hf import HFEngine
+
+        return HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    from roles.generation.native import NativeEngine
+
+    return NativeEngine(model, tokenizer.eos_token_id)
+
+
+def prompt_ids(batch: TensorBatch, tokenizer: Any) -> list[list[int]]:
+    if "prompt_ids" in batch.non_tensors:
+        return [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
+    if "prompt" not in batch.non_tensors:
+        raise KeyError("a generation batch needs a 'prompt' (text) or 'prompt_ids' column")
+    bos = tokenizer.bos_token_id
+    return [[bos, *tokenizer.encode(p, add_special_tokens=False)] for p in batch["prompt"]]
+
+
+def serve(
+    engine: GenerationEngine,
+    tokenizer: Any,
+    batch: TensorBatch,
+    sampling: dict[str, Any] | SamplingConfig,
+    version: int,
+) -> TensorBatch:
+    settings = SamplingConfig.model_validate(sampling)
+    samples = engine.generate(prompt_ids(batch, tokenizer), settings)
+    out = samples_to_batch(samples, tokenizer.pad_token_id)
+    requests = [s.request for s in samples]
+    for name, column in batch.non_tensors.items():
+        if name not in out.non_tensors:
+            out.non_tensors[name] = [column[r] for r in requests]
+    out.non_tensors["response"] = [
+        tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples
+    ]
+    out.meta["weight_version"] = version
+    return out

@@ -1,0 +1,99 @@
+"""The rollout role: a process group that generates, with weights it receives from the actor.
+
+``generate(prompts, sampling)`` is dp-split (each dp rank serves its share of the prompts; tp
+ranks of one dp rank run one tensor-parallel engine together). ``load_weights(state, version)``
+takes a full state dict — here sent from the actor through the controller, plain and correct; the
+reshard module makes this efficient later — and every generation reports the version it used.
+
+Config: ``{"model": PATH, "engine": "native" | "hf", "dtype": "fp32" | "bf16"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from roles.base import Role, RoleContext
+from roles.endpoint import DP_SPLIT, ONE_TO_ALL, endpoint
+from roles.generation.serve import EngineName, make_engine, serve
+from roles.models import load_causal_lm, load_tokenizer
+from transport.batch import TensorBatch
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="model folder the weights start from")
+    engine: EngineName = "native"
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="weights' dtype while generating")
+
+
+class Rollout(Role):
+    def __init__(self, ctx: RoleContext, **config: Any) -> None:
+        super().__init__(ctx)
+        self.cfg = RolloutConfig.model_validate(config)
+        dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+        self.model = load_causal_lm(self.cfg.model, dtype=dtype).eval()
+        self.tokenizer = load_tokenizer(self.cfg.model)
+        layout = ctx.layout
+        if layout.tp > 1:
+            if self.cfg.engine != "native":
+                raise ValueError(f"engine={self.cfg.engine!r} runs at tp=1 only; use 'native'")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from roles.training.fsdp import tensor_parallel
+
+            mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+            tensor_parallel(self.model, mesh["tp"])
+        self.engine = make_engine(self.cfg.engine, self.model, self.tokenizer)
+        self.version = 0
+
+    @endpoint(DP_SPLIT)
+    def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
+        """Samples for the prompts of ``batch`` (see ``roles/generation/serve.py``)."""
+        return serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
+
+    @endpoint(ONE_TO_ALL)
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Replace every weight with ``state`` (full tensors, names as the actor's export);
+        tp ranks keep their slice. Returns the new version."""
+        load_full_state(self.model, state)
+        self.version = version
+        return version
+
+    @endpoint(ONE_TO_ALL)
+    def weight_version(self) -> int:
+        return self.version
+
+
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a model whose parameters may be tp-split DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from roles.training.fsdp import split_dim
+
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state) - _tied(model))
+    if missing:
+        raise KeyError(f"the new weights lack {missing[:5]} ({len(missing)} in all)")
+    with torch.no_grad():
+        for name, param in params.items():
+            full = state.get(name)
+            if full is None:
+                continue  # tied to the input embeddings
+            if isinstance(param, DTensor):
+                local, where = full, param.device_mesh.get_coordinate()
+                assert where is not None, "this rank holds no part of the parameter"
+                for mesh_dim, placement in enumerate(param.placements):
+                    dim = split_dim(placement)
+                    if dim is not None:
+                        local = local.chunk(param.device_mesh.size(mesh_dim), dim)[where[mesh_dim]]
+                param.to_local().copy_(local)
+            else:
+                param.copy_(full)
+
+
+def _tied(model: torch.nn.Module) -> set[str]:
+    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
