@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from roles.base import RoleContext
-from roles.endpoint import DP_REDUCED, DP_SPLIT, ONE_TO_ALL, endpoint
+from roles.endpoint import DP_RAGGED, DP_REDUCED, DP_SPLIT, ONE_TO_ALL, endpoint
 from roles.engine_role import TOKENS, EngineRole, require, tensor
 from roles.generation.serve import make_engine, serve
 from roles.logprob import token_entropy, token_log_probs
@@ -58,7 +58,7 @@ class Actor(Reference):
 
     frozen = False
 
-    @endpoint(DP_SPLIT)
+    @endpoint(DP_RAGGED)
     def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
         """Colocated generation on the actor's own weights (the simple hybrid engine): at one
         rank, replicate mode or pure tp nothing is copied; under FSDP every layer is gathered

@@ -79,12 +79,37 @@ def _dp_gather(results: list[Any], layout: Layout) -> Any:
     return picked
 
 
+def _dp_gather_ragged(results: list[Any], layout: Layout) -> Any:
+    """Like ``_dp_gather`` for batches whose ``[B, T, ...]`` columns differ in width between dp
+    ranks (generated sequences): each is right-padded to the widest, with the value
+    ``meta["pad_values"][column]`` (default 0)."""
+    picked = [results[layout.rank_of(dp, layout.pp - 1, 0)] for dp in range(layout.dp)]
+    if not picked or not all(isinstance(r, TensorBatch) for r in picked):
+        return picked
+    pad_values = picked[0].meta.get("pad_values", {})
+    for name in picked[0].tensors:
+        columns = [b.tensors[name] for b in picked]
+        if columns[0].dim() < 2:
+            continue
+        width = max(c.shape[1] for c in columns)
+        for batch, column in zip(picked, columns, strict=True):
+            if column.shape[1] < width:
+                fill = column.new_full(
+                    (column.shape[0], width, *column.shape[2:]), pad_values.get(name, 0)
+                )
+                fill[:, : column.shape[1]] = column
+                batch.tensors[name] = fill
+    return TensorBatch.concat(picked)
+
+
 ONE_TO_ALL = TransferProtocol("one-to-all", _broadcast, _first)
 DP_SPLIT = TransferProtocol("dp-split", _dp_scatter, _dp_gather)
 RANK_ZERO = TransferProtocol("rank-zero", _rank_zero_only, _first)
 #: dp-split in, rank 0's result out: for calls whose ranks already reduced their result over the
 #: group (a training step's metrics), so the controller gets one value, not one per dp rank.
 DP_REDUCED = TransferProtocol("dp-split/reduced", _dp_scatter, _first)
+#: dp-split in, rows concatenated out after right-padding ``[B, T]`` columns to a common width.
+DP_RAGGED = TransferProtocol("dp-split/ragged", _dp_scatter, _dp_gather_ragged)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from roles.base import Role, RoleContext
-from roles.endpoint import DP_SPLIT, ONE_TO_ALL, endpoint
+from roles.endpoint import DP_RAGGED, ONE_TO_ALL, endpoint
 from roles.generation.serve import EngineName, make_engine, serve
 from roles.models import load_causal_lm, load_tokenizer
 from transport.batch import TensorBatch
@@ -50,7 +50,7 @@ class Rollout(Role):
         self.engine = make_engine(self.cfg.engine, self.model, self.tokenizer)
         self.version = 0
 
-    @endpoint(DP_SPLIT)
+    @endpoint(DP_RAGGED)
     def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
         """Samples for the prompts of ``batch`` (see ``roles/generation/serve.py``)."""
         return serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)

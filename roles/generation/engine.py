@@ -120,4 +120,5 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> TensorBatch:
             "log_probs": log_probs,
         },
         {"finish": [s.finish for s in samples], "request": [s.request for s in samples]},
+        {"pad_values": {"input_ids": pad_id}},
     )

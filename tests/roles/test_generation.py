@@ -1,0 +1,153 @@
+"""Generation engines in one process: native == HF, the shared log-prob definition, sampling.
+
+The model is the tiny Llama after a little SFT on arithmetic, so greedy answers are non-trivial
+and end with ``</s>``; prompts have mixed lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from controller.tasks import arithmetic
+from roles.generation.engine import GenerationError, SamplingConfig, samples_to_batch
+from roles.generation.hf import HFEngine
+from roles.generation.native import NativeEngine, filtered_probs
+from roles.logprob import token_log_probs
+from roles.models import init_model, load_causal_lm, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, list[list[int]]]:
+    path = init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+    model, tokenizer = load_causal_lm(path).eval(), load_tokenizer(path)
+    rows = arithmetic(64, "sft", seed=3)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(30):  # enough to make answers end in </s>
+        row = rows[step % len(rows)]
+        text = [tokenizer.bos_token_id, *tokenizer.encode(row["prompt"] + row["response"])]
+        ids = torch.tensor([[*text, tokenizer.eos_token_id]])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optim.step()
+        optim.zero_grad()
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(p)]
+        for p in ["1+2=", "34+56=", "7+80=", "99+99=", "0+0="]
+    ]
+    prompts.append([tokenizer.bos_token_id, *tokenizer.encode("a longer prompt: 12+13=")])
+    return model, tokenizer, prompts
+
+
+def engines(model: Any, tokenizer: Any) -> tuple[NativeEngine, HFEngine]:
+    return NativeEngine(model, tokenizer.eos_token_id), HFEngine(
+        model, tokenizer.pad_token_id, tokenizer.eos_token_id
+    )
+
+
+def test_greedy_native_equals_hf_token_for_token(setup: Any) -> None:
+    model, tokenizer, prompts = setup
+    native, hf = engines(model, tokenizer)
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    ours, theirs = native.generate(prompts, greedy), hf.generate(prompts, greedy)
+    assert [s.tokens for s in ours] == [s.tokens for s in theirs]
+    assert [s.finish for s in ours] == [s.finish for s in theirs]
+    assert "stop" in {s.finish for s in ours}
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0
+        )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_generation_log_probs_are_the_training_log_probs(setup: Any, temperature: float) -> None:
+    model, tokenizer, prompts = setup
+    native, _ = engines(model, tokenizer)
+    n = 1 if temperature == 0 else 3
+    sampling = SamplingConfig(temperature=temperature, top_p=0.9, n=n, max_new_tokens=10, seed=4)
+    batch = samples_to_batch(native.generate(prompts, sampling), tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = (
+        token_log_probs(logits, batch["input_ids"], temperature or 1.0) * batch["response_mask"]
+    )
+    torch.testing.assert_close(batch["log_probs"], expected, atol=1e-5, rtol=0)
+
+
+def test_a_seed_reproduces_samples_whatever_else_is_in_the_batch(setup: Any) -> None:
+    model, tokenizer, prompts = setup
+    native, _ = engines(model, tokenizer)
+    sampling = SamplingConfig(temperature=1.0, n=4, max_new_tokens=10, seed=11)
+    first = native.generate(prompts, sampling)
+    again = native.generate(prompts, sampling)
+    alone = native.generate(prompts[:2], sampling)
+    assert [s.tokens for s in first] == [s.tokens for s in again]
+    assert [s.tokens for s in first[:8]] == [s.tokens for s in alone]
+    assert len({tuple(s.tokens) for s in first}) > len(prompts)  # samples of a prompt differ
+    other = native.generate(prompts, sampling.model_copy(update={"seed": 12}))
+    assert [s.tokens for s in other] != [s.tokens for s in first]
+
+
+def test_stop_tokens_and_max_new_tokens_are_honoured(setup: Any) -> None:
+    model, tokenizer, prompts = setup
+    native, hf = engines(model, tokenizer)
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    for engine in (native, hf):
+        stopped = engine.generate(
+            prompts, SamplingConfig(temperature=0, max_new_tokens=9, stop_token_ids=digits)
+        )
+        assert all(s.finish == "stop" and s.tokens[-1] in digits for s in stopped)
+        assert all(not set(s.tokens[:-1]) & set(digits) for s in stopped)
+        short = engine.generate(
+            prompts, SamplingConfig(temperature=1, max_new_tokens=2, stop_token_ids=[-1])
+        )
+        assert all(len(s.tokens) == 2 and s.finish == "length" for s in short)
+
+
+def test_top_k_one_is_greedy_and_filters_by_hand() -> None:
+    probs = filtered_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), top_k=2, top_p=1.0)
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+    nucleus = filtered_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), top_k=0, top_p=0.8)
+    torch.testing.assert_close(nucleus, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))  # 0.5 + 0.3 >= 0.8
+    wider = filtered_probs(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), top_k=0, top_p=0.81)
+    torch.testing.assert_close(wider, torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+
+
+def test_bad_requests_get_clear_errors(setup: Any) -> None:
+    model, tokenizer, prompts = setup
+    native, hf = engines(model, tokenizer)
+    for engine in (native, hf):
+        with pytest.raises(GenerationError, match="empty prompt list"):
+            engine.generate([], SamplingConfig())
+        with pytest.raises(GenerationError, match="prompt 1 is empty"):
+            engine.generate([prompts[0], []], SamplingConfig())
+        with pytest.raises(GenerationError, match="exceeds the model's context of 512"):
+            engine.generate([[5] * 500], SamplingConfig(max_new_tokens=20))
+    for bad, field in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"n": 3, "temperature": 0}, "greedy"),
+        ({"top_k": -2}, "top_k"),
+        ({"beams": 2}, "beams"),
+    ]:
+        with pytest.raises(ValidationError, match=field):
+            SamplingConfig.model_validate(bad)
+
+
+def test_finished_rows_leave_the_batch(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tokenizer, prompts = setup
+    native, _ = engines(model, tokenizer)
+    widths: list[int] = []
+    decode = native._decode
+
+    def spy(caches: Any, lengths: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        widths.append(len(tokens))
+        return decode(caches, lengths, tokens)
+
+    monkeypatch.setattr(native, "_decode", spy)
+    samples = native.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=30))
+    assert any(s.finish == "stop" for s in samples)
+    assert widths[0] <= len(prompts) and widths[-1] < len(prompts)  # the batch shrank
