@@ -3,9 +3,9 @@ model's own modules (embeddings, attention projections, MLP, norms, rotary table
 
 Where the time goes in generation on a CPU, and what this engine does about it:
 
-* **prefill without padding** — every distinct prompt is packed into one sequence with a
-  block-causal mask (one forward pass for the whole batch, no pad tokens), and a prompt sampled
-  ``n`` times is prefilled once;
+* **prefill without padding** — every distinct prompt is packed into one sequence (one pass
+  through the projections and MLPs for the whole batch, no pad tokens; attention runs per
+  prompt), and a prompt sampled ``n`` times is prefilled once;
 * **finished samples leave the batch** — the caches are compacted whenever a quarter of the rows
   have finished, so the remaining steps only compute live rows;
 * **no per-step framework overhead** — one preallocated cache per layer, attention over the
@@ -20,12 +20,12 @@ the row-parallel projections all-reduce, so every rank samples the same tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from roles.generation.engine import (
     GenerationEngine,
@@ -35,7 +35,7 @@ from roles.generation.engine import (
     check_prompts,
     sample_seed,
 )
-from roles.text import block_causal_mask, segment_positions
+from roles.text import segment_positions
 
 COMPACT_FRACTION = 0.25  # compact the caches once this share of the rows has finished
 
@@ -59,6 +59,7 @@ class NativeEngine(GenerationEngine):
         processor: LogitsProcessor | None = None,
     ) -> list[Sample]:
         check_prompts(prompts, sampling, self.context)
+        self._fuse()
         samples = [
             Sample(request=i, prompt=list(p))
             for i, p in enumerate(prompts)
@@ -105,23 +106,47 @@ class NativeEngine(GenerationEngine):
 
     # -- the model, step by step ---------------------------------------------------------------
 
+    def _fuse(self) -> None:
+        """Per call (weights change between calls): each layer's q/k/v and gate/up weights
+        concatenated into one matrix each — fewer, larger matrix products per step. Under tensor
+        parallel these are this rank's column slices; the row-parallel o/down projections stay
+        modules, whose hooks all-reduce."""
+        self.fused = []
+        for layer in self.base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            biases = [p.bias for p in projections]
+            self.fused.append(
+                Fused(
+                    qkv=torch.cat([_local(p.weight) for p in projections]),
+                    qkv_bias=torch.cat([_local(b) for b in biases])
+                    if biases[0] is not None
+                    else None,
+                    split=[_local(p.weight).shape[0] for p in projections],
+                    gate_up=torch.cat([_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight)]),
+                    norms=(rms(layer.input_layernorm), rms(layer.post_attention_layernorm)),
+                )
+            )
+
     def _attention_block(
-        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, heads, S, head_dim]`` of this rank's heads, rotary applied."""
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
+        fused = self.fused[index]
+        h = fused.norms[0](x)
+        q, k, v = F.linear(h, fused.qkv, fused.qkv_bias).split(fused.split, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
-        q = attn.q_proj(h).view(shape).transpose(1, 2)
-        k = attn.k_proj(h).view(shape).transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        heads = q.shape[1]
+        both = apply_rotary(torch.cat([q, k], dim=1), cos, sin)  # one rotation for q and k
+        return both[:, :heads], both[:, heads:], v
 
-    def _finish_layer(self, layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, index: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        layer, fused = self.base.layers[index], self.fused[index]
         out = attended.transpose(1, 2).reshape(*x.shape[:-1], -1)
         x = x + layer.self_attn.o_proj(out)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        gate, up = F.linear(fused.norms[1](x), fused.gate_up).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(self.base.norm(x))
@@ -134,23 +159,33 @@ class NativeEngine(GenerationEngine):
         room for ``max_new`` more tokens), the lengths, and each sample's next-token logits."""
         ids = torch.tensor([t for p in prompts for t in p])[None]
         segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p])[None]
-        mask = block_causal_mask(segments)
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, segment_positions(segments))
         lengths = torch.tensor([len(p) for p in prompts])
         starts = torch.cumsum(lengths, 0) - lengths
+        spans = list(zip(starts.tolist(), (starts + lengths).tolist(), strict=True))
         width = int(lengths.max()) + max_new
         caches = []
-        for layer in self.base.layers:
-            q, k, v = self._attention_block(layer, x, cos, sin)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        for index in range(len(self.base.layers)):
+            q, k, v = self._attention_block(index, x, cos, sin)
+            # causal attention within each prompt: the projections ran packed, attention runs
+            # per prompt (a dense block-diagonal mask would cost (sum of lengths)^2)
+            attended = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
+                    )
+                    for a, b in spans
+                ],
+                dim=2,
+            )
             caches.append(
                 (
                     self._scatter(k, starts, lengths, n, width),
                     self._scatter(v, starts, lengths, n, width),
                 )
             )
-            x = self._finish_layer(layer, x, attended)
+            x = self._finish_layer(index, x, attended)
         last = self._logits(x[0, starts + lengths - 1])
         return caches, lengths.repeat_interleave(n), last.repeat_interleave(n, dim=0)
 
@@ -173,17 +208,15 @@ class NativeEngine(GenerationEngine):
         """One token per live row at position ``lengths``; returns the next logits ``[B, V]``."""
         batch = torch.arange(len(tokens))
         span = int(lengths.max()) + 1
-        visible = (torch.arange(span)[None, :] <= lengths[:, None])[:, None, None, :]
+        hidden = (torch.arange(span)[None, :] > lengths[:, None])[:, None, None, :]
         x = self.base.embed_tokens(tokens[:, None])
         cos, sin = self.base.rotary_emb(x, lengths[:, None])
-        for layer, (k_cache, v_cache) in zip(self.base.layers, caches, strict=True):
-            q, k, v = self._attention_block(layer, x, cos, sin)
+        for index, (k_cache, v_cache) in enumerate(caches):
+            q, k, v = self._attention_block(index, x, cos, sin)
             k_cache[batch, :, lengths] = k[:, :, 0]
             v_cache[batch, :, lengths] = v[:, :, 0]
-            attended = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=visible, enable_gqa=True
-            )
-            x = self._finish_layer(layer, x, attended)
+            attended = decode_attention(q, k_cache[:, :, :span], v_cache[:, :, :span], hidden)
+            x = self._finish_layer(index, x, attended)
         return self._logits(x[:, 0])
 
     # -- sampling ------------------------------------------------------------------------------
@@ -209,6 +242,50 @@ class NativeEngine(GenerationEngine):
             target = uniforms[rows, step][:, None] * cdf[:, -1:]
             tokens = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probs.shape[-1] - 1)
         return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclass
+class Fused:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    split: list[int]
+    gate_up: torch.Tensor
+    norms: tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def rms(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A model's RMSNorm module as one fused op (same formula: x / rms(x) * weight)."""
+    weight = _local(norm.weight)
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    return lambda x: F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding in the Llama (half-split) layout, for ``[B, H, S, D]``."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one new token per row: q ``[B, H, 1, D]`` over k, v ``[B, KV, S, D]`` with
+    ``hidden`` ``[B, 1, 1, S]`` marking keys beyond each row's length. Grouped-query heads share
+    their key/value head without copies; for a single query this beats SDPA's CPU kernel."""
+    rows, heads, _, dim = q.shape
+    groups = heads // k.shape[1]
+    grouped = q.view(rows, k.shape[1], groups, dim)
+    scores = grouped @ k.transpose(-1, -2) * dim**-0.5
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return (weights @ v).view(rows, heads, 1, dim)
 
 
 def filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""Generation benchmark: hybridflow's ``native`` engine against transformers' ``generate``.
+
+Run ``python -m bench.generate`` (a few minutes) or ``python -m bench.generate --quick`` (< 60 s).
+Both engines get the same work, in one process on one intra-op thread (like a role rank):
+
+* 64 prompts of mixed length (arithmetic problems behind a random-length preamble, 5 to 60
+  tokens), greedy decoding, in the same dtype;
+* response lengths forced uniform in [max/4, max] by the same logits processor in both engines
+  (``</s>`` is banned until a sample's drawn length, then forced), so neither wins by stopping
+  early — but an engine that stops computing finished rows is rewarded, as it should be;
+* the ~1M ("tiny") and ~18M ("small") models of ``roles.models.init_model``, fp32 and bf16
+  weights as separate rows.
+
+Reported: new response tokens per second (median of the timed repeats after one warm-up), and
+the ratio native / HF. The runs must produce the same number of tokens, or the run aborts. The
+last line is a JSON object: ``native_tok_s_1m``, ``hf_tok_s_1m``, ``native_tok_s_20m``,
+``hf_tok_s_20m`` and the same with ``_bf16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from roles.generation.engine import GenerationEngine, SamplingConfig
+from roles.generation.hf import HFEngine
+from roles.generation.native import NativeEngine
+from roles.models import init_model, load_causal_lm, load_tokenizer
+
+BATCH = 64
+SIZES = {"1m": "tiny", "20m": "small"}
+out, err = Console(), Console(stderr=True)
+
+
+def make_prompts(tokenizer: Any, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = "the of a to in is for on that with as was at by an be this from".split()
+    prompts = []
+    for _ in range(BATCH):
+        preamble = " ".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
+        text = f"{preamble} {rng.randint(0, 99)}+{rng.randint(0, 99)}=".strip()
+        prompts.append([tokenizer.bos_token_id, *tokenizer.encode(text)])
+    return prompts
+
+
+class ForcedLengths:
+    """The logits processor both engines get: sample i ends after exactly ``lengths[i]`` tokens."""
+
+    def __init__(self, eos: int, max_new: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.eos = eos
+        self.lengths = torch.randint(max(1, max_new // 4), max_new + 1, (BATCH,), generator=gen)
+
+    def __call__(self, rows: torch.Tensor, step: int, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        ending = self.lengths[rows] == step + 1
+        logits[~ending, self.eos] = float("-inf")
+        forced = torch.full_like(logits[ending], float("-inf"))
+        forced[:, self.eos] = 0.0
+        logits[ending] = forced
+        return logits
+
+
+def tokens_per_second(
+    engine: GenerationEngine,
+    prompts: list[list[int]],
+    processor: ForcedLengths,
+    max_new: int,
+    repeats: int,
+) -> tuple[float, int]:
+    sampling = SamplingConfig(temperature=0, max_new_tokens=max_new)
+    rates, produced = [], 0
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        samples = engine.generate(prompts, sampling, processor)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(s.tokens) for s in samples)
+        if i:  # the first run warms up
+            rates.append(produced / elapsed)
+    return statistics.median(rates), produced
+
+
+def measure(model_dir: Path, dtype: torch.dtype, max_new: int, repeats: int) -> dict[str, float]:
+    model = load_causal_lm(model_dir, dtype=dtype).eval()
+    tokenizer = load_tokenizer(model_dir)
+    prompts = make_prompts(tokenizer)
+    processor = ForcedLengths(tokenizer.eos_token_id, max_new)
+    engines: dict[str, GenerationEngine] = {
+        "native": NativeEngine(model, tokenizer.eos_token_id),
+        "hf": HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id),
+    }
+    found, counts = {}, {}
+    for name, engine in engines.items():
+        found[name], counts[name] = tokens_per_second(engine, prompts, processor, max_new, repeats)
+    if len(set(counts.values())) != 1 or counts["native"] != int(processor.lengths.sum()):
+        raise RuntimeError(f"the engines produced different token counts: {counts}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 60 s)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    max_new = {"1m": 64 if args.quick else 128, "20m": 24 if args.quick else 64}
+    repeats = 1 if args.quick else 3
+    report: dict[str, Any] = {"batch": BATCH, "max_new_tokens": max_new, "quick": args.quick}
+    table = Table(title=f"generation, batch {BATCH}, greedy, forced lengths in [max/4, max]")
+    for column in ("model", "dtype", "max new", "native tok/s", "HF tok/s", "native / HF"):
+        table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, size in SIZES.items():
+            model_dir = init_model(Path(tmp) / size, size)  # type: ignore[arg-type]
+            for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+                rates = measure(model_dir, dtype, max_new[key], repeats)
+                ratio = rates["native"] / rates["hf"]
+                err.print(
+                    f"  {key}{suffix}: native {rates['native']:.0f} tok/s, hf {rates['hf']:.0f}"
+                )
+                report[f"native_tok_s_{key}{suffix}"] = round(rates["native"], 1)
+                report[f"hf_tok_s_{key}{suffix}"] = round(rates["hf"], 1)
+                report[f"ratio_{key}{suffix}"] = round(ratio, 3)
+                table.add_row(
+                    key,
+                    suffix[1:] or "fp32",
+                    str(max_new[key]),
+                    f"{rates['native']:.0f}",
+                    f"{rates['hf']:.0f}",
+                    f"{ratio:.2f}x",
+                )
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    out.print(table)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
