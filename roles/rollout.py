@@ -16,9 +16,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from roles.base import Role, RoleContext
-from roles.endpoint import DP_RAGGED, ONE_TO_ALL, endpoint
-from roles.generation.serve import EngineName, make_engine, serve
+from roles.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, endpoint
+from roles.generation.serve import EngineName, make_engine, prompt_ids, serve
 from roles.models import load_causal_lm, load_tokenizer
+from roles.text import pad_rows
 from transport.batch import TensorBatch
 
 
@@ -54,6 +55,19 @@ class Rollout(Role):
     def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
         """Samples for the prompts of ``batch`` (see ``roles/generation/serve.py``)."""
         return serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
+
+    @endpoint(DP_SPLIT)
+    @torch.no_grad()
+    def prompt_logits(self, batch: TensorBatch) -> TensorBatch:
+        """``logits`` ``[B, V]`` (float32) of the next token after each prompt: what the first
+        generated token is drawn from (a check that tp ranks agree with one rank)."""
+        prompts = prompt_ids(batch, self.tokenizer)
+        rows = pad_rows(prompts, [[0] * len(p) for p in prompts], self.tokenizer.pad_token_id)
+        ids, mask = rows["input_ids"], rows["attention_mask"]
+        assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        last = mask.sum(-1) - 1
+        return TensorBatch.from_dict({"logits": logits[torch.arange(len(ids)), last]})
 
     @endpoint(ONE_TO_ALL)
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:

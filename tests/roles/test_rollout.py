@@ -48,6 +48,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             r1, r2 = RoleClient(c, "rollout"), RoleClient(c, "rollout_tp")
             for name, role in (("actor", actor), ("fsdp", fsdp), ("r1", r1), ("r2", r2)):
                 out[f"{name}_before"] = await role.call("generate", prompts(), GREEDY)
+            for name, role in (("r1", r1), ("r2", r2)):
+                out[f"{name}_logits"] = (await role.call("prompt_logits", prompts()))["logits"]
             sampled = await actor.call("generate", prompts(), {"n": 2, "max_new_tokens": 8})
             out["sampled"] = sampled
             out["scored"] = await actor.call("compute_log_prob", sampled)
@@ -94,7 +96,9 @@ def test_every_generator_agrees_on_the_initial_weights(results: dict[str, Any]) 
     assert results["fsdp_before"].meta["gather_s"] > 0 and ref.meta["gather_s"] < 0.01
 
 
-def test_tp2_log_probs_within_1e_4_of_tp1(results: dict[str, Any]) -> None:
+def test_tp2_logits_and_log_probs_within_1e_4_of_tp1(results: dict[str, Any]) -> None:
+    assert results["r1_logits"].shape == (len(PROMPTS), 320)
+    torch.testing.assert_close(results["r2_logits"], results["r1_logits"], atol=1e-4, rtol=0)
     torch.testing.assert_close(
         results["r2_before"]["log_probs"], results["r1_before"]["log_probs"], atol=1e-4, rtol=0
     )
