@@ -31,3 +31,4 @@ bench: $(BIN)/hybridflow
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.transport
 	$(BIN)/python -m bench.train
+	$(BIN)/python -m bench.generate

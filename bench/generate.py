@@ -3,7 +3,7 @@
 Run ``python -m bench.generate`` (a few minutes) or ``python -m bench.generate --quick`` (< 60 s).
 Both engines get the same work, in one process on one intra-op thread (like a role rank):
 
-* 64 prompts of mixed length (arithmetic problems behind a random-length preamble, 5 to 60
+* 64 prompts of mixed length (arithmetic problems behind a random-length preamble, 5 to 51
   tokens), greedy decoding, in the same dtype;
 * response lengths forced uniform in [max/4, max] by the same logits processor in both engines
   (``</s>`` is banned until a sample's drawn length, then forced), so neither wins by stopping
