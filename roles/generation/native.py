@@ -160,11 +160,14 @@ class NativeEngine(GenerationEngine):
         ids = torch.tensor([t for p in prompts for t in p])[None]
         segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p])[None]
         x = self.base.embed_tokens(ids)
-        cos, sin = self.base.rotary_emb(x, segment_positions(segments))
         lengths = torch.tensor([len(p) for p in prompts])
         starts = torch.cumsum(lengths, 0) - lengths
         spans = list(zip(starts.tolist(), (starts + lengths).tolist(), strict=True))
         width = int(lengths.max()) + max_new
+        # rotary tables for every position this call can reach, looked up per step
+        self.cos, self.sin = (t[0] for t in self.base.rotary_emb(x, torch.arange(width)[None]))
+        positions = segment_positions(segments)[0]
+        cos, sin = self.cos[positions][None], self.sin[positions][None]
         caches = []
         for index in range(len(self.base.layers)):
             q, k, v = self._attention_block(index, x, cos, sin)
@@ -210,7 +213,7 @@ class NativeEngine(GenerationEngine):
         span = int(lengths.max()) + 1
         hidden = (torch.arange(span)[None, :] > lengths[:, None])[:, None, None, :]
         x = self.base.embed_tokens(tokens[:, None])
-        cos, sin = self.base.rotary_emb(x, lengths[:, None])
+        cos, sin = self.cos[lengths][:, None], self.sin[lengths][:, None]
         for index, (k_cache, v_cache) in enumerate(caches):
             q, k, v = self._attention_block(index, x, cos, sin)
             k_cache[batch, :, lengths] = k[:, :, 0]

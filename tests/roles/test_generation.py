@@ -151,3 +151,12 @@ def test_finished_rows_leave_the_batch(setup: Any, monkeypatch: pytest.MonkeyPat
     samples = native.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=30))
     assert any(s.finish == "stop" for s in samples)
     assert widths[0] <= len(prompts) and widths[-1] < len(prompts)  # the batch shrank
+
+
+def test_both_engines_return_n_samples_per_prompt_request_major(setup: Any) -> None:
+    model, tokenizer, prompts = setup
+    for engine in engines(model, tokenizer):
+        samples = engine.generate(prompts, SamplingConfig(temperature=1.0, n=3, max_new_tokens=4))
+        assert [s.request for s in samples] == [i for i in range(len(prompts)) for _ in range(3)]
+        assert all(s.prompt == prompts[s.request] for s in samples)
+        assert all(1 <= len(s.tokens) == len(s.log_probs) <= 4 for s in samples)
