@@ -9,6 +9,7 @@ whose endpoints are marked with ``@endpoint``. The controller names the class by
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,21 +50,26 @@ class Role:
         self.ctx = ctx
 
 
-def load_class(path: str) -> type:
-    """``package.module:Class`` → the class, with errors that say what is wrong."""
+def import_path(path: str, what: str, kind: str, check: Callable[[Any], bool]) -> Any:
+    """``package.module:name`` → the object, or a ValueError saying what is wrong; ``what``
+    names the setting (``role class``), ``kind`` the object (``class``), ``check`` accepts it."""
     module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"role class {path!r} must look like package.module:Class")
+    if not (sep and module_name and attr):
+        raise ValueError(f"{what} {path!r} must look like package.module:{kind}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(
-            f"cannot import module {module_name!r} for role class {path!r}: {exc}"
-        ) from exc
-    cls = getattr(module, attr, None)
-    if not isinstance(cls, type):
-        raise ValueError(f"{module_name} has no class {attr!r} (role class {path!r})")
-    return cls
+        raise ValueError(f"cannot import {module_name!r} for {what} {path!r}: {exc}") from exc
+    found = getattr(module, attr, None)
+    if not check(found):
+        raise ValueError(f"{module_name} has no {kind} {attr!r} ({what} {path!r})")
+    return found
+
+
+def load_class(path: str) -> type:
+    """``package.module:Class`` → the class, with errors that say what is wrong."""
+    found: type = import_path(path, "role class", "Class", lambda c: isinstance(c, type))
+    return found
 
 
 class GroupRole:

@@ -15,14 +15,13 @@ decoded with the model's tokenizer (``tokenizer: PATH`` for rule functions fed w
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from roles.base import Role, RoleContext
+from roles.base import Role, RoleContext, import_path
 from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from roles.engine_role import EngineRole, tensor
 from roles.losses import aggregate, bradley_terry_loss
@@ -39,19 +38,11 @@ class RewardError(ValueError):
 
 def load_function(path: str) -> RuleFn:
     """``package.module:function`` → the callable, with errors that say what is wrong."""
-    module_name, sep, attr = path.partition(":")
-    if not (sep and module_name and attr):
-        raise RewardError(f"reward function {path!r} must look like package.module:function")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(
-            f"cannot import {module_name!r} for reward function {path!r}: {exc}"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"{module_name} has no function {attr!r} (reward function {path!r})")
-    return fn
+        found: RuleFn = import_path(path, "reward function", "function", callable)
+    except ValueError as exc:
+        raise RewardError(str(exc)) from exc
+    return found
 
 
 def text_rows(batch: TensorBatch, tokenizer: Any) -> tuple[list[str], list[str]]:
