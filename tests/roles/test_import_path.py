@@ -28,5 +28,5 @@ def test_bad_role_class(path: str, message: str) -> None:
 
 
 def test_bad_reward_function_is_a_reward_error() -> None:
-    with pytest.raises(RewardError, match="roles.testing has no function 'nothing'"):
+    with pytest.raises(RewardError, match=r"roles\.testing has no function 'nothing'"):
         load_function("roles.testing:nothing")
