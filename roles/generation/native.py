@@ -82,10 +82,9 @@ class NativeEngine(GenerationEngine):
         live = torch.ones(len(samples), dtype=torch.bool)
         for step in range(sampling.max_new_tokens):
             tokens, log_probs = self._choose(logits, rows, step, uniforms, sampling, processor)
-            for row, token, logp in zip(
-                rows.tolist(), tokens.tolist(), log_probs.tolist(), strict=True
-            ):
-                if live[row]:
+            columns = (rows.tolist(), tokens.tolist(), log_probs.tolist(), live[rows].tolist())
+            for row, token, logp, alive in zip(*columns, strict=True):
+                if alive:  # rows that finished stay until the next compaction; skip them
                     samples[row].tokens.append(token)
                     samples[row].log_probs.append(logp)
             ended = torch.isin(tokens, stops) & live[rows]
