@@ -41,7 +41,11 @@ class SamplingConfig(BaseModel):
     stop_token_ids: list[int] | None = Field(
         None, description="tokens that end a sample (kept in it); default: the model's eos"
     )
-    seed: int = Field(0, description="request i, sample j draws from seed (seed, i, j)")
+    seed: int = Field(
+        0,
+        description="sample j of request i draws from (seed, i, j); i is the request's own "
+        "seed when the batch has a 'seed' column, else its index in the call",
+    )
 
     @model_validator(mode="after")
     def _greedy_is_single(self) -> SamplingConfig:
@@ -76,8 +80,11 @@ class GenerationEngine(ABC):
         prompts: Sequence[Sequence[int]],
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
+        request_seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
-        """``len(prompts) * sampling.n`` samples, request-major (prompt i's samples together)."""
+        """``len(prompts) * sampling.n`` samples, request-major (prompt i's samples together).
+        ``request_seeds`` (one per prompt) replace the prompt's index in the seed of its
+        samples, so a request samples the same wherever it lands (which dp rank, which batch)."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], sampling: SamplingConfig, context: int) -> None:

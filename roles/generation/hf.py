@@ -47,8 +47,10 @@ class HFEngine(GenerationEngine):
         prompts: Sequence[Sequence[int]],
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
+        request_seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         check_prompts(prompts, sampling, self.context)
+        del request_seeds  # generate draws every row from one global generator
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)

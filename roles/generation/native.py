@@ -57,6 +57,7 @@ class NativeEngine(GenerationEngine):
         prompts: Sequence[Sequence[int]],
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
+        request_seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         check_prompts(prompts, sampling, self.context)
         self._fuse()
@@ -70,7 +71,11 @@ class NativeEngine(GenerationEngine):
                 torch.rand(
                     sampling.max_new_tokens,
                     generator=torch.Generator().manual_seed(
-                        sample_seed(sampling.seed, s.request, j % sampling.n)
+                        sample_seed(
+                            sampling.seed,
+                            request_seeds[s.request] if request_seeds else s.request,
+                            j % sampling.n,
+                        )
                     ),
                 )
                 for j, s in enumerate(samples)

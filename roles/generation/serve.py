@@ -2,7 +2,8 @@
 
 A generation call carries a batch of prompts — text in a ``prompt`` column (tokenized here as
 ``<s>`` + text) or token ids in a ``prompt_ids`` column — plus any other per-row columns (answers,
-data sources, seeds), and sampling settings. It returns one row per sample in the training layout
+data sources), and sampling settings. A ``seed`` column gives each request its own seed, so it
+samples the same on whichever dp rank it lands. It returns one row per sample in the training layout
 (``roles/generation/engine.py``), the request's other columns repeated for each of its samples,
 the decoded ``response`` text, and the weight version in ``meta``.
 """
@@ -44,7 +45,12 @@ def serve(
     version: int,
 ) -> TensorBatch:
     settings = SamplingConfig.model_validate(sampling)
-    samples = engine.generate(prompt_ids(batch, tokenizer), settings)
+    seeds = batch.non_tensors.get("seed")
+    samples = engine.generate(
+        prompt_ids(batch, tokenizer),
+        settings,
+        request_seeds=[int(x) for x in seeds] if seeds else None,
+    )
     out = samples_to_batch(samples, tokenizer.pad_token_id)
     requests = [s.request for s in samples]
     for name, column in batch.non_tensors.items():

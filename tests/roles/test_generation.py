@@ -160,3 +160,14 @@ def test_both_engines_return_n_samples_per_prompt_request_major(setup: Any) -> N
         assert [s.request for s in samples] == [i for i in range(len(prompts)) for _ in range(3)]
         assert all(s.prompt == prompts[s.request] for s in samples)
         assert all(1 <= len(s.tokens) == len(s.log_probs) <= 4 for s in samples)
+
+
+def test_request_seeds_make_samples_independent_of_position(setup: Any) -> None:
+    model, tokenizer, prompts = setup
+    native, _ = engines(model, tokenizer)
+    sampling = SamplingConfig(temperature=1.0, n=2, max_new_tokens=8, seed=5)
+    whole = native.generate(prompts, sampling, request_seeds=list(range(100, 106)))
+    tail = native.generate(prompts[3:], sampling, request_seeds=list(range(103, 106)))
+    assert [s.tokens for s in whole[6:]] == [s.tokens for s in tail]
+    by_index = native.generate(prompts[3:], sampling)  # seeds from positions 0..2 differ
+    assert [s.tokens for s in by_index] != [s.tokens for s in tail]

@@ -48,6 +48,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             r1, r2 = RoleClient(c, "rollout"), RoleClient(c, "rollout_tp")
             for name, role in (("actor", actor), ("fsdp", fsdp), ("r1", r1), ("r2", r2)):
                 out[f"{name}_before"] = await role.call("generate", prompts(), GREEDY)
+            seeded = prompts()
+            seeded.non_tensors["seed"] = [7 * i for i in range(len(PROMPTS))]
+            for name, role in (("actor", actor), ("fsdp", fsdp)):  # 1 rank vs 2 dp ranks
+                out[f"{name}_seeded"] = await role.call("generate", seeded, {"n": 2, "seed": 3})
             for name, role in (("r1", r1), ("r2", r2)):
                 out[f"{name}_logits"] = (await role.call("prompt_logits", prompts()))["logits"]
             sampled = await actor.call("generate", prompts(), {"n": 2, "max_new_tokens": 8})
@@ -94,6 +98,13 @@ def test_every_generator_agrees_on_the_initial_weights(results: dict[str, Any]) 
     assert ref.non_tensors["answer"] == list(range(len(PROMPTS)))  # request columns ride along
     assert ref.meta["weight_version"] == 0
     assert results["fsdp_before"].meta["gather_s"] > 0 and ref.meta["gather_s"] < 0.01
+
+
+def test_seeded_requests_sample_alike_on_one_rank_and_on_two_dp_ranks(
+    results: dict[str, Any],
+) -> None:
+    assert same_tokens(results["fsdp_seeded"], results["actor_seeded"])
+    assert not same_tokens(results["actor_seeded"], results["actor_before"])  # really sampled
 
 
 def test_tp2_logits_and_log_probs_within_1e_4_of_tp1(results: dict[str, Any]) -> None:
