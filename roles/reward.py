@@ -103,7 +103,12 @@ class RuleReward(Role):
                 raise RewardError(
                     f"reward function {self.path} returned a dict without 'score' on {where}"
                 )
-            result = dict(result)
+            # extra numbers become columns; anything else is the function's business
+            result = {
+                k: v
+                for k, v in result.items()
+                if k == "score" or (isinstance(v, int | float) and not isinstance(v, bool))
+            }
         else:
             result = {"score": result}
         if isinstance(result["score"], bool) or not isinstance(result["score"], int | float):

@@ -109,9 +109,15 @@ class Faulty(Role):
 # -- rule rewards for tests: each shows one behaviour of the reward role ----------------------
 
 
-def length_reward(prompt: str, response: str, metadata: dict[str, Any]) -> dict[str, float]:
-    """score = len(response); extra columns: the prompt's length and metadata['bonus']."""
-    return {"score": float(len(response)), "prompt_len": len(prompt), "bonus": metadata["bonus"]}
+def length_reward(prompt: str, response: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    """score = len(response); extra columns: the prompt's length and metadata['bonus'] (the
+    ``note`` is not a number, so it is no column)."""
+    return {
+        "score": float(len(response)),
+        "prompt_len": len(prompt),
+        "bonus": metadata["bonus"],
+        "note": "text",
+    }
 
 
 def failing_reward(prompt: str, response: str, metadata: dict[str, Any]) -> float:

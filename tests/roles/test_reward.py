@@ -50,6 +50,7 @@ def test_rule_rewards_score_rows_split_over_ranks(tiny: Path) -> None:
             assert scored["scores"].tolist() == [1.0, 2.0, 2.0, 4.0]
             assert scored["reward/prompt_len"].tolist() == [4.0, 5.0, 4.0, 4.0]
             assert scored["reward/bonus"].tolist() == [1.0, 2.0, 3.0, 4.0]
+            assert "reward/note" not in scored.tensors
             # token rows are decoded with the role's tokenizer; metadata rides along
             tokens, _ = encode_rows(load_tokenizer(tiny), PROMPTS, RESPONSES, 64)
             tokens.non_tensors["bonus"] = [0, 0, 0, 0]
