@@ -86,7 +86,9 @@ async def sft(
     held_out = text_batch(val, columns)
 
     async def step(batch: TensorBatch) -> dict[str, float]:
-        result: dict[str, float] = await actor.call("sft_step", batch, response_only=response_only)
+        result: dict[str, float] = await actor.call(
+            "sft_step", batch, response_only=response_only, pack=pack
+        )
         return result
 
     async def evaluate() -> dict[str, float]:

@@ -1,0 +1,56 @@
+"""The supervised loop's own logic, with a fake role client that records its calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from controller.supervised import LoopConfig, batches, reward_model, sft
+from tests.conftest import run
+from transport.batch import TensorBatch
+
+
+class FakeRole:
+    """Answers like the actor / reward-model roles and records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, dict[str, Any]]] = []
+
+    async def call(self, method: str, batch: TensorBatch, **kwargs: Any) -> Any:
+        self.calls.append((method, len(batch), kwargs))
+        if method == "score_pairs":
+            chosen = torch.tensor([1.0, 0.0, 2.0, 3.0])[: len(batch)]
+            return TensorBatch.from_dict({"chosen": chosen, "rejected": torch.ones(len(batch))})
+        return {"loss": 1.0 / len(self.calls)}
+
+
+ROWS = [
+    {"prompt": f"{i}+1=", "response": str(i + 1), "chosen": "a", "rejected": "b"} for i in range(5)
+]
+
+
+def test_batches_reshuffle_per_epoch_and_never_span_two() -> None:
+    drawn = list(batches(ROWS, LoopConfig(steps=4, batch_size=2, seed=1)))
+    assert [len(b) for b in drawn] == [2, 2, 2, 2]
+    first_epoch = [r["prompt"] for b in drawn[:2] for r in b]
+    assert len(set(first_epoch)) == 4  # no repeats inside an epoch
+
+
+def test_sft_forwards_its_options_and_evaluates_before_every_n_and_after() -> None:
+    role, records = FakeRole(), []
+    cfg = LoopConfig(steps=3, batch_size=2, eval_every=2)
+    result = run(lambda: sft(role, ROWS, ROWS[:2], cfg, records.append, False, True))  # type: ignore[arg-type]
+    steps = [c for c in role.calls if c[0] == "sft_step"]
+    assert [c[2] for c in steps] == [{"response_only": False, "pack": True}] * 3
+    assert [c[0] for c in role.calls].count("sft_eval") == 3  # before, step 2, step 3
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and "val/loss" in records[2]
+    assert result["steps"] == 3 and result["before"]["loss"] == 1.0
+
+
+def test_reward_model_reports_accuracy_and_margin_per_kind() -> None:
+    rows = [{**r, "kind": k} for r, k in zip(ROWS[:4], ["a", "a", "b", "b"], strict=True)]
+    result = run(lambda: reward_model(FakeRole(), ROWS, rows, LoopConfig(steps=1), lambda r: None))  # type: ignore[arg-type]
+    after = result["after"]
+    assert after["accuracy"] == 0.5 and after["accuracy/a"] == 0.0 and after["accuracy/b"] == 1.0
+    assert after["margin"] == (0.0 - 1.0 + 1.0 + 2.0) / 4
