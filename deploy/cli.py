@@ -6,6 +6,8 @@
   comma-separated roles and join a controller that was started separately.
 - ``hybridflow model init|import-gguf|check`` — model folders (``deploy/model_cli.py``).
 - ``hybridflow sft`` / ``hybridflow rm`` — supervised training jobs (``deploy/train_cli.py``).
+- ``hybridflow run EXPERIMENT.yaml`` / ``hybridflow report RUN_DIR`` — experiments: SFT and RL
+  stages, checkpoints, resume, plots (``deploy/run_cli.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from deploy.model_cli import add_model_commands, run_model_command
+from deploy.run_cli import add_run_commands, report_command, run_experiment_command
 from deploy.train_cli import add_train_commands, run_train_command
 
 console = Console(stderr=True)
@@ -179,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_commands(sub)
     for job in ("sft", "rm"):
         sub.choices[job].set_defaults(fn=run_train_command)
+    add_run_commands(sub)
+    sub.choices["run"].set_defaults(fn=run_experiment_command)
+    sub.choices["report"].set_defaults(fn=report_command)
     return parser
 
 

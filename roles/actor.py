@@ -116,13 +116,25 @@ class Actor(Reference):
 
     @endpoint(DP_REDUCED)
     def sft_step(
-        self, batch: TensorBatch, response_only: bool = True, pack: bool = False
+        self,
+        batch: TensorBatch,
+        response_only: bool = True,
+        pack: bool = False,
+        scale: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step of token-mean next-token loss on text rows (``prompt``,
         ``response``); with ``response_only`` the prompt tokens are not trained on; ``pack``
-        packs each rank's rows into as few context-long rows as fit."""
+        packs each rank's rows into as few context-long rows as fit. ``scale`` multiplies the
+        loss (a pretraining term's coefficient, e.g. Safe-RLHF's ptx)."""
         tokens_batch, cut = self._sft_batch(batch, response_only, pack)
-        metrics = self.engine.train_step(tokens_batch, _nll)
+
+        def loss_fn(
+            logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss, metrics = _nll(logits, micro, tokens, seqs)
+            return loss * scale, metrics
+
+        metrics = self.engine.train_step(tokens_batch, _nll if scale == 1.0 else loss_fn)
         metrics["truncated"] = self.sum_over_dp({"cut": torch.tensor(float(cut))})["cut"]
         return metrics
 

@@ -15,7 +15,7 @@ import torch
 
 from roles.base import Role, RoleContext
 from roles.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
-from roles.training.config import EngineConfig
+from roles.training.config import EngineConfig, OptimConfig
 from roles.training.engine import Head, TrainingEngine
 from roles.training.fsdp import FSDPEngine
 from transport.batch import TensorBatch
@@ -60,6 +60,15 @@ class EngineRole(Role):
         """Sharded checkpoint (model, optimizer, schedule, RNG), written atomically."""
         self.engine.save(path)
         return str(Path(path))
+
+    @endpoint(ONE_TO_ALL)
+    def configure_optim(self, optim: dict[str, Any]) -> int:
+        """A fresh optimizer and schedule (an ``OptimConfig`` as a dict), e.g. at the start of a
+        training stage; returns the optimizer steps taken so far."""
+        if self.frozen:
+            raise ValueError(f"{type(self).__name__} is frozen; it has no optimizer to configure")
+        self.engine.configure_optim(OptimConfig.model_validate(optim))
+        return self.engine.step
 
     @endpoint(ONE_TO_ALL)
     def load(self, path: str) -> int:

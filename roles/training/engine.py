@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from roles.training.config import EngineConfig
+from roles.training.config import EngineConfig, OptimConfig
 from transport.batch import TensorBatch
 
 Head = Literal["lm", "token"]
@@ -65,6 +65,10 @@ class TrainingEngine(ABC):
     def train_step(
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]: ...
+
+    @abstractmethod
+    def configure_optim(self, optim: OptimConfig) -> None:
+        """Replace the optimizer and schedule (fresh moments, schedule from step 0)."""
 
     @abstractmethod
     def full_weights(self) -> AbstractContextManager[torch.nn.Module]:

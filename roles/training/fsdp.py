@@ -38,7 +38,7 @@ from roles.base import RoleContext
 from roles.losses import count
 from roles.models import check_model_dir, load_causal_lm, load_tokenizer
 from roles.text import block_causal_mask, segment_positions
-from roles.training.config import EngineConfig
+from roles.training.config import EngineConfig, OptimConfig
 from roles.training.engine import Head, LossFn, ParamLayout, Read, TrainingEngine
 from transport.batch import TensorBatch
 
@@ -126,18 +126,24 @@ class FSDPEngine(TrainingEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if cfg.optim is not None:
-            optim = cfg.optim
-            self.optimizer = torch.optim.AdamW(
-                self.module.parameters(),
-                lr=optim.lr,
-                betas=optim.betas,
-                eps=optim.eps,
-                weight_decay=optim.weight_decay,
-                foreach=False,  # mixes DTensors of different meshes (tp-split and tp-whole)
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim.lr_factor)
+            self.configure_optim(cfg.optim)
         else:
             self.module.requires_grad_(False)
+
+    def configure_optim(self, optim: OptimConfig) -> None:
+        """A fresh AdamW and schedule (e.g. when an RL stage follows an SFT stage); the weights
+        stay, the optimizer moments and the schedule's position start over."""
+        self.cfg = self.cfg.model_copy(update={"optim": optim})
+        self.module.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            foreach=False,  # mixes DTensors of different meshes (tp-split and tp-whole)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim.lr_factor)
 
     # -- parallelism ---------------------------------------------------------------------------
 

@@ -1,0 +1,524 @@
+"""RL algorithms as short async programs over the roles.
+
+One training step of each algorithm is one coroutine: generate, score, estimate advantages on the
+whole batch, learn, hand the new weights to the generator. Calls to roles in different groups
+overlap (``asyncio.gather``); colocated roles queue on their shared ranks in call order, so the
+same program runs under any placement.
+
+    ppo_step        critic + GAE (Ouyang et al. 2022; the paper's Figure 4)
+    remax_step      no critic; one extra greedy sample per prompt is the baseline (Li et al. 2023)
+    safe_rlhf_step  PPO with a cost model, a cost critic and a Lagrange multiplier (Dai et al. 2023)
+    group_step      critic-free estimators over n samples per prompt: GRPO, RLOO, REINFORCE++,
+                    REINFORCE++-baseline
+
+``docs/algorithms.md`` shows the first three side by side. Advantage estimators are in
+``controller/advantages.py``; losses run inside the roles (``roles/losses.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controller import advantages as adv
+from controller.client import RoleClient
+from transport.batch import TensorBatch
+
+TOKENS = ("input_ids", "attention_mask", "response_mask")
+Name = Literal["ppo", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf"]
+GROUPED = ("grpo", "rloo", "reinforce_pp_baseline")  # need n >= 2 samples per prompt
+WITH_CRITIC = ("ppo", "safe_rlhf")
+
+
+class KLConfig(BaseModel):
+    """KL to the reference policy: a per-token penalty in the reward (k1 = log pi - log ref;
+    fixed, or adaptive when ``target`` is set) or a term of the policy loss (``kl_type``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    coef: float = Field(0.0, ge=0, description="0: no KL and no reference role needed")
+    mode: Literal["reward", "loss"] = "reward"
+    kl_type: Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"] = Field(
+        "low_var_kl", description="estimator of the loss term (mode: loss)"
+    )
+    target: float | None = Field(None, gt=0, description="adaptive controller's target KL")
+    horizon: int = Field(10000, ge=1, description="adaptive controller's horizon, in samples")
+
+    def controller(self) -> adv.FixedKL | adv.AdaptiveKL:
+        if self.target is not None:
+            return adv.AdaptiveKL(self.coef, self.target, self.horizon)
+        return adv.FixedKL(self.coef)
+
+
+class SafeConfig(BaseModel):
+    """Safe-RLHF's Lagrangian: maximise reward subject to E[cost] <= ``cost_threshold``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cost_threshold: float = 0.0
+    lambda_init: float = Field(1.0, ge=0)
+    lambda_lr: float = Field(0.05, gt=0, description="step of lambda per unit of cost excess")
+    lambda_max: float | None = Field(None, gt=0)
+    ptx_coef: float = Field(0.0, ge=0, description="weight of a pretraining (SFT) loss step")
+
+
+class AlgorithmConfig(BaseModel):
+    """What one RL step does. The policy loss (``loss``) and value loss (``value_loss``) are
+    passed to the roles as dicts and validated there (``roles/losses.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name = "grpo"
+    prompts_per_step: int = Field(16, ge=1)
+    n: int = Field(8, ge=1, description="samples per prompt")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(32, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per pass")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten: bool = Field(True, description="whiten GAE advantages over the batch")
+    norm_std: bool = Field(True, description="GRPO: divide by the group's std")
+    kl: KLConfig = Field(default_factory=KLConfig)
+    loss: dict[str, Any] = Field(default_factory=dict, description="roles.losses.PolicyLossConfig")
+    value_loss: dict[str, Any] = Field(default_factory=dict)
+    old_log_probs: Literal["recompute", "rollout"] = Field(
+        "recompute",
+        description="rollout: take pi_old from the generator's own log-probs (saves a forward "
+        "pass; exact for fp32 on-policy, the behaviour policy when off-policy)",
+    )
+    overlap: bool = Field(
+        False,
+        description="generate the next batch while training on this one (needs a rollout "
+        "group apart from the actor; one step off-policy)",
+    )
+    safe: SafeConfig | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        if self.name in GROUPED and self.n < 2:
+            raise ValueError(
+                f"algorithm {self.name!r} compares samples of the same prompt: set n >= 2 "
+                f"(got n={self.n})"
+            )
+        if self.name == "safe_rlhf" and self.safe is None:
+            self.safe = SafeConfig()
+        if self.name == "remax" and self.kl.coef and self.kl.mode == "reward":
+            raise ValueError(
+                "remax compares with a greedy sample that has no KL term; use kl.mode: loss"
+            )
+        if self.kl.target is not None and self.kl.mode == "loss":
+            raise ValueError("kl.target (the adaptive controller) only applies to kl.mode: reward")
+        return self
+
+    @property
+    def rows(self) -> int:
+        return self.prompts_per_step * self.n
+
+    def sampling(self, seed: int, greedy: bool = False) -> dict[str, Any]:
+        if greedy:
+            return {"temperature": 0.0, "n": 1, "max_new_tokens": self.max_new_tokens}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "n": self.n,
+            "seed": seed,
+        }
+
+    def policy_loss(self, kl_coef: float) -> dict[str, Any]:
+        if self.kl.mode == "loss" and self.kl.coef:
+            return {**self.loss, "kl_coef": kl_coef, "kl_type": self.kl.kl_type}
+        return dict(self.loss)
+
+    def needed_roles(self) -> set[str]:
+        needed = {"actor", "reward"}
+        if self.name in WITH_CRITIC:
+            needed.add("critic")
+        if self.name == "safe_rlhf":
+            needed |= {"cost", "cost_critic"}
+        if self.kl.coef:
+            needed.add("reference")
+        return needed
+
+
+@dataclass
+class Roles:
+    """The role clients a step talks to; a role the algorithm does not use may be None."""
+
+    actor: RoleClient
+    reward: RoleClient
+    rollout: RoleClient | None = None
+    reference: RoleClient | None = None
+    critic: RoleClient | None = None
+    cost: RoleClient | None = None
+    cost_critic: RoleClient | None = None
+
+    @property
+    def generator(self) -> RoleClient:
+        return self.rollout or self.actor
+
+
+@dataclass
+class State:
+    """What the controller carries from step to step (and checkpoints)."""
+
+    kl: adv.FixedKL | adv.AdaptiveKL
+    version: int = 0  # optimizer steps of the actor the generator's weights reflect
+    lagrange: float = 0.0  # Safe-RLHF's lambda
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl": self.kl.state_dict(), "version": self.version, "lagrange": self.lagrange}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.kl.load_state_dict(saved["kl"])
+        self.version = int(saved["version"])
+        self.lagrange = float(saved["lagrange"])
+
+
+class Timer:
+    """Wall time of each stage of a step: ``async with timer("gen"): ...``."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into = into
+
+    def __call__(self, name: str) -> _Span:
+        return _Span(self.into, name)
+
+
+class _Span:
+    def __init__(self, into: dict[str, float], name: str) -> None:
+        self.into, self.name = into, name
+
+    async def __aenter__(self) -> None:
+        self.start = time.perf_counter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.into[self.name] = self.into.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def need(client: RoleClient | None, name: str) -> RoleClient:
+    if client is None:
+        raise ValueError(f"this algorithm needs a {name!r} role; define and place one")
+    return client
+
+
+# -- the pieces every step is made of -----------------------------------------------------------
+
+
+async def generate(
+    roles: Roles, prompts: TensorBatch, cfg: AlgorithmConfig, seed: int, greedy: bool = False
+) -> TensorBatch:
+    """n samples per prompt (one greedy sample with ``greedy``) from the generator's weights."""
+    out: TensorBatch = await roles.generator.call(
+        "generate", prompts, sampling=cfg.sampling(seed, greedy)
+    )
+    return out
+
+
+async def log_probs(role: RoleClient | None, batch: TensorBatch, temperature: float) -> Any:
+    if role is None:
+        return None
+    out = await role.call("compute_log_prob", batch.select(TOKENS, []), temperature=temperature)
+    return out["log_probs"]
+
+
+async def old_log_probs(roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig) -> torch.Tensor:
+    """pi_old: recomputed by the actor, or the generator's own (``old_log_probs: rollout``)."""
+    if cfg.old_log_probs == "rollout":
+        return batch.tensors["log_probs"]
+    found: torch.Tensor = await log_probs(roles.actor, batch, cfg.temperature)
+    return found
+
+
+async def values(role: RoleClient | None, batch: TensorBatch) -> Any:
+    if role is None:
+        return None
+    out = await role.call("compute_values", batch.select(TOKENS, []))
+    return out["values"]
+
+
+async def scores(role: RoleClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """One score per row, plus the batch means of any ``reward/<key>`` extras."""
+    text = [k for k in batch.non_tensors if k not in ("finish", "request")]
+    out: TensorBatch = await role.call("compute_reward", batch.select(TOKENS, text, []))
+    extras = {k: float(v.float().mean()) for k, v in out.tensors.items() if k.startswith("reward/")}
+    return out.tensors["scores"].float(), extras
+
+
+def kl_of(old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """Per-token k1 estimate log pi_old - log pi_ref on response tokens (None without ref)."""
+    return None if ref is None else (old - ref) * mask
+
+
+def group_ids(batch: TensorBatch) -> torch.Tensor:
+    return torch.tensor([int(u) for u in batch.non_tensors["uid"]], dtype=torch.long)
+
+
+async def learn(
+    roles: Roles,
+    batch: TensorBatch,
+    cfg: AlgorithmConfig,
+    state: State,
+    step: int,
+    critics: tuple[tuple[RoleClient, str, str], ...] = (),
+) -> dict[str, float]:
+    """``ppo_epochs`` passes of ``mini_batches`` optimizer steps each, actor and critics together.
+    ``critics``: (client, values column, returns column) — each critic trains on its own pair."""
+    actor_columns = [*TOKENS, "old_log_probs", "advantages"]
+    if cfg.kl.mode == "loss" and cfg.kl.coef:
+        actor_columns.append("ref_log_probs")
+    sums: dict[str, float] = {}
+    updates = 0
+    generator = torch.Generator().manual_seed(step)
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for mini in batch.index(order).chunk(cfg.mini_batches):
+            calls: list[Awaitable[Any]] = [
+                roles.actor.call(
+                    "update_policy",
+                    mini.select(actor_columns, []),
+                    loss=cfg.policy_loss(state.kl.value),
+                    temperature=cfg.temperature,
+                )
+            ]
+            for critic, values_key, returns_key in critics:
+                part = TensorBatch.from_dict(
+                    {
+                        **{k: mini.tensors[k] for k in TOKENS},
+                        "values": mini.tensors[values_key],
+                        "returns": mini.tensors[returns_key],
+                    }
+                )
+                calls.append(critic.call("update_critic", part, loss=cfg.value_loss))
+            results = await asyncio.gather(*calls)
+            names = ["actor"] + [c.role for c, _, _ in critics]
+            for name, result in zip(names, results, strict=True):
+                for key, value in result.items():
+                    sums[f"{name}/{key}"] = sums.get(f"{name}/{key}", 0.0) + float(value)
+            updates += 1
+    return {k: v / updates for k, v in sums.items()}
+
+
+def summarize(
+    batch: TensorBatch, score: torch.Tensor, kl: torch.Tensor | None, **extra: float
+) -> dict[str, float]:
+    mask = batch.tensors["response_mask"].float()
+    lengths = mask.sum(-1)
+    found = {
+        "reward/mean": float(score.mean()),
+        "reward/std": float(score.std()) if len(score) > 1 else 0.0,
+        "response/length": float(lengths.mean()),
+        "response/tokens": float(lengths.sum()),
+        "response/clipped": float(
+            sum(f == "length" for f in batch.non_tensors.get("finish", [])) / max(len(batch), 1)
+        ),
+    }
+    if kl is not None:
+        found["kl"] = float((kl.sum(-1)).mean())
+    found.update(extra)
+    return found
+
+
+def with_columns(batch: TensorBatch, **columns: torch.Tensor | None) -> TensorBatch:
+    kept = {k: v for k, v in columns.items() if v is not None}
+    return TensorBatch({**batch.tensors, **kept}, dict(batch.non_tensors), dict(batch.meta))
+
+
+Step = Callable[[Roles, TensorBatch, AlgorithmConfig, State, int], Awaitable[dict[str, Any]]]
+
+
+# -- the algorithms -----------------------------------------------------------------------------
+
+
+async def ppo_step(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
+) -> dict[str, Any]:
+    """PPO with a critic and GAE: the paper's Figure 4 program. ``batch``: the generated samples."""
+    t = Timer(state.timings)
+    mask = batch.tensors["response_mask"]
+    async with t("prepare"):  # the four calls overlap when the roles live in different groups
+        old, ref, value, (score, extras) = await asyncio.gather(
+            old_log_probs(roles, batch, cfg),
+            log_probs(roles.reference, batch, cfg.temperature),
+            values(roles.critic, batch),
+            scores(roles.reward, batch),
+        )
+    kl = kl_of(old, ref, mask)
+    reward_kl = state.kl.value if cfg.kl.mode == "reward" else 0.0
+    rewards = adv.token_rewards(score, mask, kl, reward_kl if kl is not None else 0.0)
+    advantages, returns = adv.gae(rewards, value, mask, cfg.gamma, cfg.lam, cfg.whiten)
+    batch = with_columns(
+        batch,
+        old_log_probs=old,
+        ref_log_probs=ref,
+        values=value,
+        advantages=advantages,
+        returns=returns,
+    )
+    async with t("update"):
+        critics = ((need(roles.critic, "critic"), "values", "returns"),)
+        metrics = await learn(roles, batch, cfg, state, step, critics)
+    if kl is not None:
+        state.kl.update(float(kl.sum(-1).mean()), len(batch))
+    return summarize(batch, score, kl, kl_coef=state.kl.value, **extras, **metrics)
+
+
+async def remax_step(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
+) -> dict[str, Any]:
+    """ReMax: PPO's program without a critic; the greedy response's reward is the baseline."""
+    t = Timer(state.timings)
+    mask = batch.tensors["response_mask"]
+    async with t("gen"):  # the one extra call ReMax makes
+        prompts = first_of_each(batch)
+        greedy = await generate(roles, prompts, cfg, step, greedy=True)
+    async with t("prepare"):
+        old, ref, (score, extras), (base, _) = await asyncio.gather(
+            old_log_probs(roles, batch, cfg),
+            log_probs(roles.reference, batch, cfg.temperature),
+            scores(roles.reward, batch),
+            scores(roles.reward, greedy),
+        )
+    kl = kl_of(old, ref, mask)
+    baseline = base[index_of(batch, greedy)]
+    advantages = adv.remax(score, baseline, mask)
+    batch = with_columns(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages)
+    async with t("update"):
+        metrics = await learn(roles, batch, cfg, state, step)
+    return summarize(batch, score, kl, baseline=float(base.mean()), **extras, **metrics)
+
+
+async def safe_rlhf_step(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
+) -> dict[str, Any]:
+    """Safe-RLHF: PPO for reward and for cost, advantages mixed by the Lagrange multiplier."""
+    assert cfg.safe is not None
+    t = Timer(state.timings)
+    mask = batch.tensors["response_mask"]
+    async with t("prepare"):
+        old, ref, value, cost_value, (score, extras), (cost, _) = await asyncio.gather(
+            old_log_probs(roles, batch, cfg),
+            log_probs(roles.reference, batch, cfg.temperature),
+            values(roles.critic, batch),
+            values(roles.cost_critic, batch),
+            scores(roles.reward, batch),
+            scores(need(roles.cost, "cost"), batch),
+        )
+    kl = kl_of(old, ref, mask)
+    reward_kl = state.kl.value if (cfg.kl.mode == "reward" and kl is not None) else 0.0
+    rewards = adv.token_rewards(score, mask, kl, reward_kl)
+    r_adv, r_ret = adv.gae(rewards, value, mask, cfg.gamma, cfg.lam, cfg.whiten)
+    c_adv, c_ret = adv.gae(adv.token_rewards(cost, mask), cost_value, mask, cfg.gamma, cfg.lam)
+    lam = state.lagrange
+    advantages = (r_adv - lam * c_adv) / (1.0 + lam)
+    batch = with_columns(
+        batch,
+        old_log_probs=old,
+        ref_log_probs=ref,
+        values=value,
+        returns=r_ret,
+        cost_values=cost_value,
+        cost_returns=c_ret,
+        advantages=advantages,
+    )
+    critics = (
+        (need(roles.critic, "critic"), "values", "returns"),
+        (need(roles.cost_critic, "cost_critic"), "cost_values", "cost_returns"),
+    )
+    async with t("update"):
+        metrics = await learn(roles, batch, cfg, state, step, critics)
+    # Gradient ascent on lambda for the constraint E[cost] <= threshold (lambda >= 0).
+    episode_cost = float(cost.mean())
+    lam = max(0.0, lam + cfg.safe.lambda_lr * (episode_cost - cfg.safe.cost_threshold))
+    state.lagrange = min(lam, cfg.safe.lambda_max) if cfg.safe.lambda_max else lam
+    if kl is not None:
+        state.kl.update(float(kl.sum(-1).mean()), len(batch))
+    return summarize(
+        batch, score, kl, cost=episode_cost, **{"lambda": state.lagrange}, **extras, **metrics
+    )
+
+
+async def group_step(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
+) -> dict[str, Any]:
+    """Critic-free: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline differ only in the
+    estimator over the n samples of each prompt (or the whole batch)."""
+    t = Timer(state.timings)
+    mask = batch.tensors["response_mask"]
+    async with t("prepare"):
+        old, ref, (score, extras) = await asyncio.gather(
+            old_log_probs(roles, batch, cfg),
+            log_probs(roles.reference, batch, cfg.temperature),
+            scores(roles.reward, batch),
+        )
+    kl = kl_of(old, ref, mask)
+    coef = state.kl.value if (cfg.kl.mode == "reward" and kl is not None) else 0.0
+    group = group_ids(batch)
+    if cfg.name == "reinforce_pp":
+        rewards = adv.token_rewards(score, mask, kl, coef)
+        advantages, _ = adv.reinforce_pp(rewards, mask, cfg.gamma)
+    elif cfg.name == "reinforce_pp_baseline":
+        advantages = adv.reinforce_pp_baseline(score, group, mask, kl, coef)
+    else:  # a sequence-level KL penalty in the score, as RLOO does
+        shaped = score - coef * kl.sum(-1) if (kl is not None and coef) else score
+        if cfg.name == "grpo":
+            advantages = adv.grpo(shaped, group, mask, cfg.norm_std)
+        else:
+            advantages = adv.rloo(shaped, group, mask)
+    batch = with_columns(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages)
+    async with t("update"):
+        metrics = await learn(roles, batch, cfg, state, step)
+    if kl is not None:
+        state.kl.update(float(kl.sum(-1).mean()), len(batch))
+    solved = score.view(-1).gt(0.5).float()
+    return summarize(batch, score, kl, **extras, **metrics, **_group_stats(solved, group))
+
+
+def _group_stats(solved: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
+    """Fractions of prompts whose samples all scored alike (no learning signal there)."""
+    _, index = torch.unique(group, return_inverse=True)
+    k = int(index.max()) + 1 if index.numel() else 0
+    hits = torch.zeros(k).index_add_(0, index, solved)
+    size = torch.zeros(k).index_add_(0, index, torch.ones_like(solved))
+    return {
+        "groups/all_solved": float((hits == size).float().mean()) if k else 0.0,
+        "groups/none_solved": float((hits == 0).float().mean()) if k else 0.0,
+    }
+
+
+def first_of_each(batch: TensorBatch) -> TensorBatch:
+    """One row per prompt (by ``uid``), text columns only: the prompts a batch was drawn from."""
+    seen: dict[Any, int] = {}
+    for i, uid in enumerate(batch.non_tensors["uid"]):
+        seen.setdefault(uid, i)
+    keep = [k for k in batch.non_tensors if k not in ("response", "finish", "request")]
+    rows = batch.select([], keep, []).index(torch.tensor(list(seen.values()), dtype=torch.long))
+    return rows
+
+
+def index_of(batch: TensorBatch, per_prompt: TensorBatch) -> torch.Tensor:
+    """For each row of ``batch``, the row of ``per_prompt`` with the same ``uid``."""
+    where = {uid: i for i, uid in enumerate(per_prompt.non_tensors["uid"])}
+    return torch.tensor([where[u] for u in batch.non_tensors["uid"]], dtype=torch.long)
+
+
+STEPS: dict[str, Step] = {
+    "ppo": ppo_step,
+    "remax": remax_step,
+    "safe_rlhf": safe_rlhf_step,
+    "grpo": group_step,
+    "rloo": group_step,
+    "reinforce_pp": group_step,
+    "reinforce_pp_baseline": group_step,
+}

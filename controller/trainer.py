@@ -1,0 +1,434 @@
+"""The trainer: stages of SFT and RL over the roles, validation, checkpoints, exact resume.
+
+A run is a list of stages (e.g. SFT then GRPO). Each stage configures the optimizers it trains
+with, then loops; every record goes to the metric sinks (JSONL, TensorBoard, the live view).
+Validation generates greedily on held-out prompts and scores them with the reward role; it runs
+at the start of the run, at each stage boundary, every ``val_every`` RL steps and at the end, so
+``summary.json`` can say what the random model, the SFT checkpoint and the RL result score.
+
+Checkpoints (``run_dir/checkpoints/step_NNNNNN``) hold every trained role's sharded state
+(weights, optimizer, schedule, RNG) and ``controller.json`` (stage, step, data position, KL
+controller, Lagrange multiplier, weight version, validations so far). They are written into
+``step_NNNNNN.partial`` and renamed, so a crash never leaves a half checkpoint; the last
+``keep_last`` are kept. Resuming reloads the newest and continues with the same data order and
+the same per-request sampling seeds, so a resumed run reproduces the straight run exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, Timer, generate, scores
+from controller.client import RoleClient
+from transport.batch import TensorBatch
+
+Rows = list[dict[str, Any]]
+Sink = Callable[[dict[str, Any]], None]
+TIMING_PREFIXES = ("time/", "perf/")
+
+
+class _Stage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = ""
+    steps: int = Field(ge=0)
+    data: str = Field(description="training rows: JSONL, Parquet or builtin:...")
+    optim: dict[str, Any] | None = Field(
+        None, description="the actor's optimizer for this stage (roles.training OptimConfig)"
+    )
+
+    def optimizer_steps(self) -> int:
+        return self.steps
+
+    def _fill_total_steps(self, optim: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A decaying schedule spans the stage's optimizer steps unless told otherwise."""
+        if optim is None or optim.get("schedule", "constant") == "constant":
+            return optim
+        return {"total_steps": max(1, self.optimizer_steps()), **optim}
+
+    def optims(self) -> dict[str, dict[str, Any]]:
+        """Role → optimizer config this stage sets at its start."""
+        found = self._fill_total_steps(self.optim)
+        return {"actor": found} if found is not None else {}
+
+
+class SFTStage(_Stage):
+    kind: Literal["sft"] = "sft"
+    batch_size: int = Field(32, ge=1)
+    val_data: str | None = Field(None, description="held-out (prompt, response) rows for loss")
+    val_every: int = Field(0, ge=0, description="steps between held-out loss checks")
+    response_only: bool = True
+    pack: bool = False
+
+
+class RLStage(_Stage):
+    kind: Literal["rl"] = "rl"
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic_optim: dict[str, Any] | None = None
+    ptx_data: str | None = Field(None, description="Safe-RLHF pretraining rows (prompt, response)")
+
+    def optimizer_steps(self) -> int:
+        return self.steps * self.algorithm.ppo_epochs * self.algorithm.mini_batches
+
+    def optims(self) -> dict[str, dict[str, Any]]:
+        found = super().optims()
+        critic = self._fill_total_steps(self.critic_optim)
+        if critic is not None:
+            found["critic"] = critic
+            if self.algorithm.name == "safe_rlhf":
+                found["cost_critic"] = critic
+        return found
+
+    @model_validator(mode="after")
+    def _ptx(self) -> RLStage:
+        safe = self.algorithm.safe
+        if safe is not None and safe.ptx_coef and not self.ptx_data:
+            raise ValueError("algorithm.safe.ptx_coef > 0 needs the stage's ptx_data (SFT rows)")
+        return self
+
+
+Stage = Annotated[SFTStage | RLStage, Field(discriminator="kind")]
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = 0
+    val_data: str | None = Field(None, description="held-out prompts scored greedily")
+    val_every: int = Field(0, ge=0, description="RL steps between validations (0: stage ends)")
+    val_max_new_tokens: int = Field(16, ge=1)
+    save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
+    keep_last: int = Field(2, ge=1)
+    export: bool = Field(True, description="export the final actor as a Hugging Face folder")
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def epoch_batches(n_rows: int, size: int, seed: int, start: int, count: int) -> list[list[int]]:
+    """Row indices of batches ``start .. start+count-1``: each epoch a fresh seeded shuffle,
+    a batch never spans epochs. A pure function of its arguments, so resuming is exact."""
+    if n_rows < size:
+        raise ValueError(f"{n_rows} rows cannot fill a batch of {size}")
+    per_epoch = n_rows // size
+    found = []
+    for b in range(start, start + count):
+        epoch, within = divmod(b, per_epoch)
+        order = list(range(n_rows))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        found.append(order[within * size : (within + 1) * size])
+    return found
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        stages: Sequence[SFTStage | RLStage],
+        roles: Roles,
+        clients: dict[str, RoleClient],
+        data: dict[str, Rows],
+        run_dir: Path,
+        trainable: Sequence[str],
+        sinks: Sequence[Sink] = (),
+    ) -> None:
+        self.cfg, self.stages, self.roles, self.clients = cfg, list(stages), roles, clients
+        self.data, self.run_dir, self.trainable = data, run_dir, list(trainable)
+        self.sinks = list(sinks)
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.global_step = 0
+        self.validations: list[dict[str, Any]] = []
+        self.stale = False  # the rollout group's weights lag the actor's
+        self.saved_step = -1
+        first_rl = next((s for s in self.stages if isinstance(s, RLStage)), None)
+        kl = (first_rl.algorithm if first_rl else AlgorithmConfig()).kl
+        self.state = State(kl=kl.controller())
+        if first_rl is not None and first_rl.algorithm.safe is not None:
+            self.state.lagrange = first_rl.algorithm.safe.lambda_init
+
+    # -- the run ------------------------------------------------------------------------------
+
+    async def run(self, resume: bool = False) -> dict[str, Any]:
+        start_stage, start_step = 0, 0
+        if resume:
+            start_stage, start_step = await self._restore()
+        else:
+            await self._validate("init")
+        for index in range(start_stage, len(self.stages)):
+            stage = self.stages[index]
+            first = start_step if index == start_stage else 0
+            if first == 0:
+                await self._configure(index)
+                if index > 0 and isinstance(stage, RLStage):
+                    await self._validate(f"before:{stage.name}")
+            if isinstance(stage, SFTStage):
+                await self._sft(index, stage, first)
+            else:
+                await self._rl(index, stage, first)
+            if self.saved_step != self.global_step:
+                await self._save(index, stage.steps)
+        final = await self._validate("final")
+        if self.cfg.export:
+            await self.roles.actor.call(
+                "export", str((self.run_dir / "export" / "actor").resolve())
+            )
+        return self._summary(final)
+
+    def _summary(self, final: dict[str, Any]) -> dict[str, Any]:
+        def score(tag_prefix: str) -> float | None:
+            for v in self.validations:
+                if str(v["tag"]).startswith(tag_prefix):
+                    return float(v["val/score"])
+            return None
+
+        return {
+            "val_acc_init": score("init"),
+            "val_acc_before": score("before:"),
+            "val_acc_after": float(final["val/score"]),
+            "steps": self.global_step,
+            "validations": self.validations,
+        }
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink(record)
+
+    # -- stages -------------------------------------------------------------------------------
+
+    async def _configure(self, index: int) -> None:
+        """The optimizers in force at stage ``index``: the newest each role was given."""
+        effective: dict[str, dict[str, Any]] = {}
+        for stage in self.stages[: index + 1]:
+            effective.update(stage.optims())
+        for role, optim in effective.items():
+            if role in self.clients:
+                await self.clients[role].call("configure_optim", optim)
+
+    async def _sft(self, index: int, stage: SFTStage, first: int) -> None:
+        rows = self.data[stage.data]
+        seed = self.cfg.seed + 7919 * index
+        for k in range(first, stage.steps):
+            (picked,) = epoch_batches(len(rows), stage.batch_size, seed, k, 1)
+            batch = _text_batch([rows[i] for i in picked], ("prompt", "response"))
+            start = time.perf_counter()
+            metrics = await self.roles.actor.call(
+                "sft_step", batch, response_only=stage.response_only, pack=stage.pack
+            )
+            self.stale = True
+            self.global_step += 1
+            record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
+            record["time/step_s"] = time.perf_counter() - start
+            if stage.val_data and stage.val_every and (k + 1) % stage.val_every == 0:
+                held_out = _text_batch(self.data[stage.val_data], ("prompt", "response"))
+                found = await self.roles.actor.call(
+                    "sft_eval", held_out, response_only=stage.response_only
+                )
+                record["val/loss"] = float(found["loss"])
+            self._emit(record)
+            await self._maybe_save(index, stage, k)
+
+    async def _rl(self, index: int, stage: RLStage, first: int) -> None:
+        cfg, rows = stage.algorithm, self.data[stage.data]
+        seed = self.cfg.seed + 7919 * index
+        program = STEPS[cfg.name]
+        pending: asyncio.Task[TensorBatch] | None = None
+
+        async def rollout(k: int) -> TensorBatch:
+            prompts = self._prompts(rows, cfg.prompts_per_step, seed, k)
+            await self._sync()
+            return await generate(self.roles, prompts, cfg, request_seed(seed, k, -1))
+
+        try:
+            for k in range(first, stage.steps):
+                self.state.timings = {}
+                timer = Timer(self.state.timings)
+                start = time.perf_counter()
+                async with timer("gen"):
+                    batch = await (pending if pending is not None else rollout(k))
+                pending = None
+                if cfg.overlap and k + 1 < stage.steps:
+                    await self._sync()
+                    pending = asyncio.create_task(rollout(k + 1))
+                metrics = await program(self.roles, batch, cfg, self.state, k)
+                updates = cfg.ppo_epochs * cfg.mini_batches
+                self.state.version += updates
+                self.stale = True
+                if cfg.safe is not None and cfg.safe.ptx_coef and stage.ptx_data:
+                    await self._ptx(stage, seed, k)
+                if not cfg.overlap:
+                    async with timer("sync"):
+                        await self._sync()
+                self.global_step += 1
+                record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
+                elapsed = time.perf_counter() - start
+                record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
+                record["time/step_s"] = elapsed
+                record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
+                record["train/weight_version"] = self.state.version
+                if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
+                    record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
+                self._emit(record)
+                await self._maybe_save(index, stage, k)
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    async def _ptx(self, stage: RLStage, seed: int, k: int) -> None:
+        assert stage.ptx_data and stage.algorithm.safe is not None
+        rows = self.data[stage.ptx_data]
+        size = min(len(rows), stage.algorithm.prompts_per_step)
+        (picked,) = epoch_batches(len(rows), size, seed + 1, k, 1)
+        batch = _text_batch([rows[i] for i in picked], ("prompt", "response"))
+        await self.roles.actor.call("sft_step", batch, scale=stage.algorithm.safe.ptx_coef)
+        self.state.version += 1
+
+    def _prompts(self, rows: Rows, size: int, seed: int, k: int) -> TensorBatch:
+        (picked,) = epoch_batches(len(rows), size, seed, k, 1)
+        chosen = [rows[i] for i in picked]
+        columns = sorted({c for row in chosen for c in row if c != "response"})
+        batch = TensorBatch.from_dict(
+            non_tensors={c: [row.get(c) for row in chosen] for c in columns}
+        )
+        batch.non_tensors["uid"] = list(range(len(chosen)))
+        batch.non_tensors["seed"] = [request_seed(seed, k, i) for i in range(len(chosen))]
+        return batch
+
+    def _record(self, stage: SFTStage | RLStage, k: int, values: dict[str, Any]) -> dict[str, Any]:
+        return {"step": self.global_step, "stage": stage.name, "stage_step": k + 1, **values}
+
+    async def _sync(self) -> None:
+        """Weights to a separate rollout group when the actor has trained since the last sync."""
+        if self.roles.rollout is None or not self.stale:
+            return
+        weights = await self.roles.actor.call("state_dict")
+        await self.roles.rollout.call("load_weights", weights, self.state.version)
+        self.stale = False
+
+    # -- validation -----------------------------------------------------------------------------
+
+    async def _validate(self, tag: str, emit: bool = True) -> dict[str, Any]:
+        """Greedy answers to the held-out prompts, scored by the reward role: the mean score
+        overall and per ``data_source`` (for a 0/1 rule reward, the accuracy)."""
+        if not self.cfg.val_data:
+            return {}
+        if self.validations and self.validations[-1]["step"] == self.global_step:
+            last = self.validations[-1]  # nothing trained since: same weights, same answers
+            self.validations.append({**last, "tag": tag})
+            return dict(last["record"])
+        rows = self.data[self.cfg.val_data]
+        prompts = TensorBatch.from_dict(
+            non_tensors={
+                c: [row.get(c) for row in rows]
+                for c in sorted({c for row in rows for c in row if c != "response"})
+            }
+        )
+        prompts.non_tensors["uid"] = list(range(len(rows)))
+        await self._sync()
+        start = time.perf_counter()
+        sampling = {"temperature": 0.0, "n": 1, "max_new_tokens": self.cfg.val_max_new_tokens}
+        answers = await self.roles.generator.call("generate", prompts, sampling=sampling)
+        score, _ = await scores(self.roles.reward, answers)
+        record: dict[str, Any] = {
+            "val/score": float(score.mean()),
+            "val/length": float(answers.tensors["response_mask"].float().sum(-1).mean()),
+            "time/val_s": time.perf_counter() - start,
+        }
+        sources = answers.non_tensors.get("data_source")
+        if sources:
+            for source in sorted({str(s) for s in sources}):
+                pick = torch.tensor([str(s) == source for s in sources])
+                record[f"val/score/{source}"] = float(score[pick].mean())
+        self.validations.append(
+            {
+                "tag": tag,
+                "step": self.global_step,
+                "val/score": record["val/score"],
+                "record": record,
+            }
+        )
+        if emit:
+            self._emit({"step": self.global_step, "stage": tag, **record})
+        return record
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    async def _maybe_save(self, index: int, stage: SFTStage | RLStage, k: int) -> None:
+        every = self.cfg.save_every
+        if every and self.global_step % every == 0 and k + 1 < stage.steps:
+            await self._save(index, k + 1)
+
+    async def _save(self, stage: int, stage_step: int) -> Path:
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        final = self.ckpt_dir / f"step_{self.global_step:06d}"
+        aside = final.with_name(final.name + ".partial")
+        shutil.rmtree(aside, ignore_errors=True)
+        aside.mkdir()
+        for role in self.trainable:  # colocated roles would queue anyway; keep the order fixed
+            await self.clients[role].call("save", str((aside / role).resolve()))
+        state = {
+            "stage": stage,
+            "stage_step": stage_step,
+            "global_step": self.global_step,
+            "algorithm": self.state.state_dict(),
+            "stale": self.stale,
+            "validations": self.validations,
+        }
+        (aside / "controller.json").write_text(json.dumps(state, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(aside, final)
+        self.saved_step = self.global_step
+        for old in checkpoints(self.ckpt_dir)[: -self.cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    async def _restore(self) -> tuple[int, int]:
+        found = checkpoints(self.ckpt_dir)
+        if not found:
+            raise FileNotFoundError(
+                f"--resume: no complete checkpoint under {self.ckpt_dir} (a run writes one at "
+                "each stage end and every trainer.save_every steps)"
+            )
+        latest = found[-1]
+        saved = json.loads((latest / "controller.json").read_text())
+        stage, stage_step = int(saved["stage"]), int(saved["stage_step"])
+        await self._configure(stage)
+        for role in self.trainable:
+            await self.clients[role].call("load", str((latest / role).resolve()))
+        self.global_step = int(saved["global_step"])
+        self.state.load_state_dict(saved["algorithm"])
+        self.validations = list(saved["validations"])
+        self.stale = True  # a rollout group starts from the initial weights
+        self.saved_step = self.global_step
+        if stage_step >= self.stages[stage].steps:
+            return stage + 1, 0
+        return stage, stage_step
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a ``.partial`` one is an interrupted write)."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith("step_") and "." not in p.name
+    )
+
+
+def _text_batch(rows: Rows, columns: Sequence[str]) -> TensorBatch:
+    return TensorBatch.from_dict(non_tensors={c: [row[c] for row in rows] for c in columns})

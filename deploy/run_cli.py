@@ -1,0 +1,176 @@
+"""``hybridflow run EXPERIMENT.yaml`` and ``hybridflow report RUN_DIR``.
+
+``run`` validates the experiment (exit 2 with the field and the fix when it cannot run), prepares
+the run directory — ``config.yaml`` (resolved), ``models/``, ``metrics.jsonl``, ``tensorboard/``,
+``checkpoints/``, ``logs/``, ``export/actor`` and ``summary.json`` — starts every role group as
+local processes, and runs the trainer with a live view. ``--resume`` continues the newest
+checkpoint of ``--run-dir`` with the config saved there. A role that dies ends the run within
+seconds with its role, rank and cause (exit 1); the last checkpoint resumes.
+
+``report`` draws PNG plots from a run's ``metrics.jsonl``: reward, KL, response length,
+validation score and where each step's time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser("run", help="run an experiment (SFT and RL stages)")
+    run.add_argument("experiment", nargs="?", type=Path, help="experiment YAML file")
+    run.add_argument("--run-dir", type=Path, help="default: runs/<name>-<time>")
+    run.add_argument("--resume", action="store_true", help="continue the run dir's checkpoint")
+    run.add_argument("--quick", action="store_true", help="apply the file's quick: overrides")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field"
+    )
+    run.add_argument("--json", action="store_true", help="print summary.json as one line")
+    report = subparsers.add_parser("report", help="PNG plots of a run's metrics")
+    report.add_argument("run_dir", type=Path)
+
+
+def run_experiment_command(args: argparse.Namespace) -> int:
+    from deploy.experiment import ExperimentError
+
+    try:
+        exp, run_dir = _load(args)
+        data, groups = _prepare(exp, run_dir)
+    except (ExperimentError, ValueError, FileNotFoundError) as exc:
+        print(f"hybridflow run: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        summary = _run(exp, run_dir, data, groups, args)
+    except Exception as exc:  # the run failed: say what, where the checkpoints are
+        from deploy.cli import console
+
+        console.print(f"[red]hybridflow run failed:[/] {type(exc).__name__}: {exc}")
+        console.print(
+            f"resume from the last checkpoint: hybridflow run --resume --run-dir {run_dir}"
+        )
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(_describe(summary, run_dir))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Path]:
+    from deploy.experiment import ExperimentError, check, load, parse
+
+    if args.resume:
+        if args.run_dir is None:
+            raise ExperimentError("--resume needs --run-dir (the run to continue)")
+        saved = args.run_dir / "config.yaml"
+        if not saved.is_file():
+            raise ExperimentError(f"--resume: {saved} does not exist; is this a run directory?")
+        exp = parse(yaml.safe_load(saved.read_text()), args.set, False, str(saved))
+        run_dir = args.run_dir
+    else:
+        if args.experiment is None:
+            raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
+        exp = load(args.experiment, args.set, args.quick)
+        run_dir = args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check(exp)
+    return exp, run_dir
+
+
+def _prepare(exp: Any, run_dir: Path) -> tuple[dict[str, Any], list[Any]]:
+    from deploy.experiment import build_groups, prepare_models, read_data
+
+    data = read_data(exp)  # before anything is written: a bad row costs nothing
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_models(exp, run_dir)
+    groups = build_groups(exp, run_dir)
+    resolved = exp.model_dump(mode="json", exclude={"quick"})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+    return data, groups
+
+
+def _run(
+    exp: Any, run_dir: Path, data: dict[str, Any], groups: list[Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    from controller.algorithms import Roles
+    from controller.client import RoleClient
+    from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
+    from controller.trainer import Trainer, checkpoints
+    from deploy.cli import console, run_async
+    from deploy.experiment import trained_roles
+    from deploy.live import LiveView
+    from deploy.session import local_session
+
+    resume_step = None
+    if args.resume:
+        found = checkpoints(run_dir / "checkpoints")
+        if found:
+            saved = json.loads((found[-1] / "controller.json").read_text())
+            resume_step = int(saved["global_step"])
+    sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
+    if exp.logging.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if exp.logging.wandb:
+        sinks.append(WandbSink(run_dir, exp.logging.project, exp.model_dump(mode="json")))
+    live = LiveView(exp, console, enabled=exp.logging.live and not args.json)
+    sinks.append(live)
+
+    async def main() -> dict[str, Any]:
+        start = time.perf_counter()
+        async with local_session(groups, run_dir=run_dir) as controller:
+            ready = time.perf_counter() - start
+            clients = {r: RoleClient(controller, r) for r in exp.roles}
+            roles = Roles(**{k: v for k, v in clients.items() if k in Roles.__dataclass_fields__})
+            trainer = Trainer(
+                exp.trainer, exp.stages, roles, clients, data, run_dir, trained_roles(exp), sinks
+            )
+            with live:
+                result = await trainer.run(resume=args.resume)
+        wall = time.perf_counter() - start
+        return {"name": exp.name, **result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
+
+    try:
+        summary: dict[str, Any] = run_async(main)
+    finally:
+        for sink in sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
+    summary["run_dir"] = str(run_dir)
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(run_dir / "summary.json")
+    return summary
+
+
+def _describe(summary: dict[str, Any], run_dir: Path) -> str:
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    return (
+        f"{summary['name']}: validation score init {fmt(summary['val_acc_init'])}, "
+        f"before RL {fmt(summary['val_acc_before'])}, after {fmt(summary['val_acc_after'])} "
+        f"in {summary['wall_s']} s ({summary['steps']} steps)\nrun: {run_dir}"
+    )
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from deploy.report import write_report
+
+    try:
+        written = write_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"hybridflow report: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for path in written:
+        print(path)
+    return 0
