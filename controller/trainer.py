@@ -78,6 +78,11 @@ class RLStage(_Stage):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     critic_optim: dict[str, Any] | None = None
     ptx_data: str | None = Field(None, description="Safe-RLHF pretraining rows (prompt, response)")
+    init_from_actor: bool = Field(
+        True,
+        description="after an earlier stage trained the actor: start the reference from its "
+        "weights and the critics from its backbone (the usual 'SFT model' start)",
+    )
 
     def optimizer_steps(self) -> int:
         return self.steps * self.algorithm.ppo_epochs * self.algorithm.mini_batches
@@ -145,10 +150,12 @@ class Trainer:
         run_dir: Path,
         trainable: Sequence[str],
         sinks: Sequence[Sink] = (),
+        stop_after: int | None = None,
     ) -> None:
         self.cfg, self.stages, self.roles, self.clients = cfg, list(stages), roles, clients
         self.data, self.run_dir, self.trainable = data, run_dir, list(trainable)
         self.sinks = list(sinks)
+        self.stop_after = stop_after  # global step to checkpoint and stop at (as if interrupted)
         self.ckpt_dir = run_dir / "checkpoints"
         self.global_step = 0
         self.validations: list[dict[str, Any]] = []
@@ -163,6 +170,12 @@ class Trainer:
     # -- the run ------------------------------------------------------------------------------
 
     async def run(self, resume: bool = False) -> dict[str, Any]:
+        try:
+            return await self._run(resume)
+        except _Stopped:
+            return {"stopped_at": self.global_step, "steps": self.global_step}
+
+    async def _run(self, resume: bool) -> dict[str, Any]:
         start_stage, start_step = 0, 0
         if resume:
             start_stage, start_step = await self._restore()
@@ -174,6 +187,8 @@ class Trainer:
             if first == 0:
                 await self._configure(index)
                 if index > 0 and isinstance(stage, RLStage):
+                    if stage.init_from_actor:
+                        await self._init_from_actor()
                     await self._validate(f"before:{stage.name}")
             if isinstance(stage, SFTStage):
                 await self._sft(index, stage, first)
@@ -198,7 +213,7 @@ class Trainer:
         return {
             "val_acc_init": score("init"),
             "val_acc_before": score("before:"),
-            "val_acc_after": float(final["val/score"]),
+            "val_acc_after": float(final["val/score"]) if final else None,
             "steps": self.global_step,
             "validations": self.validations,
         }
@@ -217,6 +232,15 @@ class Trainer:
         for role, optim in effective.items():
             if role in self.clients:
                 await self.clients[role].call("configure_optim", optim)
+
+    async def _init_from_actor(self) -> None:
+        """The reference becomes the actor as it is now; critics take its backbone."""
+        targets = [r for r in ("reference", "critic", "cost_critic") if r in self.clients]
+        if not targets or self.global_step == 0:
+            return
+        weights = await self.roles.actor.call("state_dict")
+        for role in targets:
+            await self.clients[role].call("load_state", weights, strict=role == "reference")
 
     async def _sft(self, index: int, stage: SFTStage, first: int) -> None:
         rows = self.data[stage.data]
@@ -368,8 +392,13 @@ class Trainer:
 
     async def _maybe_save(self, index: int, stage: SFTStage | RLStage, k: int) -> None:
         every = self.cfg.save_every
-        if every and self.global_step % every == 0 and k + 1 < stage.steps:
+        stop = self.global_step == self.stop_after
+        if (stop or (every and self.global_step % every == 0)) and k + 1 < stage.steps:
             await self._save(index, k + 1)
+        elif stop:
+            await self._save(index, stage.steps)
+        if stop:
+            raise _Stopped
 
     async def _save(self, stage: int, stage_step: int) -> Path:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -417,6 +446,10 @@ class Trainer:
         if stage_step >= self.stages[stage].steps:
             return stage + 1, 0
         return stage, stage_step
+
+
+class _Stopped(Exception):
+    """``stop_after`` was reached; the checkpoint is written."""
 
 
 def checkpoints(folder: Path) -> list[Path]:

@@ -44,7 +44,7 @@ ROLE_CLASSES = {
     "cost": "roles.reward:ModelReward",
 }
 RULE_CLASS = "roles.reward:RuleReward"
-TRAINED = ("actor", "critic", "cost_critic")
+CHECKPOINTED = ("actor", "reference", "critic", "cost_critic")  # the reference may be re-based
 
 
 class ExperimentError(ValueError):
@@ -285,8 +285,8 @@ def _kl_hint(stage: RLStage, missing: set[str]) -> str:
     return ""
 
 
-def trained_roles(exp: Experiment) -> list[str]:
-    return [r for r in TRAINED if r in exp.roles]
+def checkpointed_roles(exp: Experiment) -> list[str]:
+    return [r for r in CHECKPOINTED if r in exp.roles]
 
 
 def model_path(exp: Experiment, name: str, run_dir: Path) -> Path:

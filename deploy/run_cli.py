@@ -35,6 +35,12 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field"
     )
+    run.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="STEP",
+        help="checkpoint and stop after this global step (continue with --resume)",
+    )
     run.add_argument("--json", action="store_true", help="print summary.json as one line")
     report = subparsers.add_parser("report", help="PNG plots of a run's metrics")
     report.add_argument("run_dir", type=Path)
@@ -61,6 +67,11 @@ def run_experiment_command(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if args.json:
         print(json.dumps(summary))
+    elif "stopped_at" in summary:
+        print(
+            f"stopped after step {summary['stopped_at']}; continue with: "
+            f"hybridflow run --resume --run-dir {run_dir}"
+        )
     else:
         print(_describe(summary, run_dir))
     return 0
@@ -106,7 +117,7 @@ def _run(
     from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
     from controller.trainer import Trainer, checkpoints
     from deploy.cli import console, run_async
-    from deploy.experiment import trained_roles
+    from deploy.experiment import checkpointed_roles
     from deploy.live import LiveView
     from deploy.session import local_session
 
@@ -131,7 +142,15 @@ def _run(
             clients = {r: RoleClient(controller, r) for r in exp.roles}
             roles = Roles(**{k: v for k, v in clients.items() if k in Roles.__dataclass_fields__})
             trainer = Trainer(
-                exp.trainer, exp.stages, roles, clients, data, run_dir, trained_roles(exp), sinks
+                exp.trainer,
+                exp.stages,
+                roles,
+                clients,
+                data,
+                run_dir,
+                checkpointed_roles(exp),
+                sinks,
+                args.stop_after,
             )
             with live:
                 result = await trainer.run(resume=args.resume)

@@ -77,6 +77,12 @@ class EngineRole(Role):
         return self.engine.step
 
     @endpoint(ONE_TO_ALL)
+    def load_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> int:
+        """Whole weights from another role (e.g. the actor's ``state_dict`` after SFT into the
+        reference, or its backbone into a critic with ``strict=False``); the optimizer stays."""
+        return self.engine.load_full_state(state, strict)
+
+    @endpoint(ONE_TO_ALL)
     def export(self, path: str) -> str:
         """The full weights as a plain Hugging Face folder."""
         self.engine.export(path)

@@ -27,3 +27,9 @@ def _answer_text(answer: object) -> str:
     if isinstance(answer, float) and answer.is_integer():
         return str(int(answer))
     return str(answer).strip()
+
+
+def length_cost(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
+    """A cost for Safe-RLHF examples: the response's length in characters (whitespace trimmed),
+    so a cost threshold caps how long answers may be. `prompt` and `metadata` are unused."""
+    return float(len(response.strip()))

@@ -130,3 +130,8 @@ def failing_reward(prompt: str, response: str, metadata: dict[str, Any]) -> floa
 def text_reward(prompt: str, response: str, metadata: dict[str, Any]) -> str:
     """Returns a string: not a score."""
     return response
+
+
+def starts_with_one(prompt: str, response: str, metadata: dict[str, Any]) -> float:
+    """1.0 when the response starts with the digit 1: an easy target RL moves within steps."""
+    return 1.0 if response.startswith("1") else 0.0

@@ -96,4 +96,8 @@ class TrainingEngine(ABC):
         """Every weight whole on rank 0 (empty elsewhere); all ranks must call it."""
 
     @abstractmethod
+    def load_full_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> int:
+        """Whole weights into this engine's layout (``strict=False``: the shared names)."""
+
+    @abstractmethod
     def param_layout(self) -> dict[str, ParamLayout]: ...

@@ -415,6 +415,25 @@ class FSDPEngine(TrainingEngine):
             full.pop("lm_head.weight", None)
         return {k: v.detach().contiguous() for k, v in full.items()}  # type: ignore[union-attr]
 
+    def load_full_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> int:
+        """Whole weights (every rank passes the same ``state``, e.g. the actor's ``full_state``)
+        into this engine's layout. ``strict=False`` takes the names both models share (an LM's
+        backbone into a critic) and ignores the rest; returns how many tensors were loaded."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        own = set(self.module.state_dict())
+        picked = {k: v for k, v in state.items() if k in own}
+        tied = getattr(self.model_config, "tie_word_embeddings", False)
+        missing = own - set(picked) - ({"lm_head.weight"} if tied else set())
+        if not picked or (strict and (missing or len(picked) != len(state))):
+            raise EngineError(
+                f"weights do not fit this model: {len(picked)} of {len(state)} names match, "
+                f"{len(missing)} of its own are missing (e.g. {sorted(missing)[:3]})"
+            )
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.module, picked, options=options)
+        return len(picked)
+
     def param_layout(self) -> dict[str, ParamLayout]:
         layout = {}
         for name, param in self.module.named_parameters():

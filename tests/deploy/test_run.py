@@ -1,0 +1,224 @@
+"""``hybridflow run`` end to end: the quick quickstart, every algorithm's example, exact resume,
+a role killed mid-run, and plots — on real processes with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from deploy.cli import build_parser
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TIMING = ("time/", "perf/")
+
+
+def job(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.fn(args)
+    return code
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return found
+
+
+def without_timing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quickstart_quick_runs_reports_and_exports(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--run-dir", str(run_dir)]
+    assert job(argv) == 0
+    result = summary(run_dir)
+    for key in ("val_acc_init", "val_acc_before", "val_acc_after"):
+        assert 0.0 <= result[key] <= 1.0
+    rows = records(run_dir)
+    stages = [r["stage"] for r in rows]
+    assert stages[0] == "init" and "before:grpo" in stages and stages[-1] == "final"
+    rl = [r for r in rows if r["stage"] == "grpo" and "stage_step" in r]
+    assert [r["stage_step"] for r in rl] == list(range(1, len(rl) + 1)) and rl
+    assert all(r["train/response/tokens"] > 0 and r["perf/tokens_per_s"] > 0 for r in rl)
+    sft = [r for r in rows if r["stage"] == "sft" and "train/loss" in r]
+    assert sft[-1]["train/loss"] < 0.6 * sft[0]["train/loss"]  # SFT learns
+    assert (run_dir / "config.yaml").exists() and list((run_dir / "tensorboard").iterdir())
+    assert (run_dir / "export" / "actor" / "model.safetensors").exists()
+    assert job(["report", str(run_dir)]) == 0
+    plots = {p.name for p in (run_dir / "plots").iterdir()}
+    assert {"reward.png", "length.png", "time.png", "sft.png"} <= plots
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grpo_raises_reward_on_an_easy_target(tmp_path: Path) -> None:
+    """Reward 1 when the answer starts with '1': a few GRPO steps must raise it."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "roles.reward.function=roles.testing:starts_with_one",
+        "stages.0.steps=30",
+        "stages.1.steps=12",
+        "stages.1.optim={lr: 3.0e-4, warmup_steps: 2}",
+        "stages.1.algorithm.prompts_per_step=16",
+        "trainer.val_data=null",
+    ]
+    argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--run-dir", str(run_dir)]
+    assert job(argv + [x for o in overrides for x in ("--set", o)]) == 0
+    rewards = [r["train/reward/mean"] for r in records(run_dir) if r["stage"] == "grpo"]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.15, rewards
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "example, extra",
+    [
+        ("remax.yaml", []),
+        ("safe_rlhf.yaml", []),
+        ("rloo.yaml", []),
+        ("reinforce_pp.yaml", []),
+        ("reinforce_pp.yaml", ["stages.1.algorithm.name=reinforce_pp_baseline"]),
+    ],
+)
+def test_every_algorithm_example_runs(example: str, extra: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["run", str(EXAMPLES / example), "--quick", "--run-dir", str(run_dir)]
+    assert job(argv + [x for o in extra for x in ("--set", o)]) == 0
+    rows = [r for r in records(run_dir) if "train/actor/loss" in r]
+    assert len(rows) == 2
+    assert all(abs(r["train/kl"]) < 0.5 for r in rows)  # the reference starts at the SFT actor
+    if example == "safe_rlhf.yaml":
+        assert all("train/lambda" in r and "train/cost_critic/loss" in r for r in rows)
+        assert rows[0]["train/lambda"] != 0.5  # the multiplier moved
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ppo_with_a_reward_model_trained_by_hybridflow_rm(tmp_path: Path) -> None:
+    from roles.models import init_model
+
+    base = init_model(tmp_path / "tiny", "tiny", seed=0)
+    rm = tmp_path / "rm"
+    argv = ["rm", "--model", str(base), "--out", str(rm), "--steps", "4", "--eval-every", "0"]
+    assert (
+        job(
+            [
+                *argv,
+                "--run-dir",
+                str(tmp_path / "rm-run"),
+                "--val",
+                "builtin:preference?n=16&split=test",
+            ]
+        )
+        == 0
+    )
+    run_dir = tmp_path / "run"
+    argv = ["run", str(EXAMPLES / "ppo.yaml"), "--quick", "--run-dir", str(run_dir)]
+    assert job([*argv, "--set", f"roles.reward.model={rm}"]) == 0
+    rows = [r for r in records(run_dir) if "train/critic/loss" in r]
+    assert len(rows) == 2 and all("train/kl_coef" in r for r in rows)
+
+
+RESUME = [
+    "stages.0.steps=2",
+    "stages.0.optim.warmup_steps=1",
+    "stages.1.steps=3",
+    "trainer.val_every=2",
+    "trainer.val_data=builtin:arithmetic?n=16&split=test",
+    "trainer.keep_last=1",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_reproduces_the_straight_run_bitwise(tmp_path: Path) -> None:
+    """SFT 2 + GRPO 3 straight vs. stopped after step 3 (mid-GRPO) and resumed."""
+    base = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick"]
+    sets = [x for o in RESUME for x in ("--set", o)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert job([*base, *sets, "--run-dir", str(straight)]) == 0
+    assert job([*base, *sets, "--run-dir", str(split), "--stop-after", "3"]) == 0
+    assert not (split / "export").exists()
+    assert [p.name for p in (split / "checkpoints").iterdir()] == ["step_000003"]
+    assert job(["run", "--resume", "--run-dir", str(split)]) == 0
+    a = load_file(straight / "export" / "actor" / "model.safetensors")
+    b = load_file(split / "export" / "actor" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert without_timing(records(straight)) == without_timing(records(split))
+    assert summary(straight)["val_acc_after"] == summary(split)["val_acc_after"]
+
+
+def rank_pids(parent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return children + [g for c in children for g in rank_pids(c)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_role_ends_the_run_with_a_clear_error_and_resume_finishes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    sets = [
+        "stages.0.steps=4",
+        "stages.0.optim.warmup_steps=1",
+        "stages.1.steps=200",
+        "trainer.save_every=2",
+        "trainer.val_data=null",
+        "logging.tensorboard=false",
+    ]
+    cmd = [sys.executable, "-m", "deploy.cli", "run", str(EXAMPLES / "quickstart.yaml"), "--quick"]
+    cmd += [x for o in sets for x in ("--set", o)] + ["--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = run_dir / "metrics.jsonl"
+            if path.exists() and any(r.get("step", 0) >= 7 for r in records(run_dir)):
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        victims = rank_pids(proc.pid)
+        assert len(victims) >= 2  # the group's two ranks (and any helpers)
+        killed_at = time.monotonic()
+        os.kill(victims[-1], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, output
+    assert took < 20, took
+    assert "failed" in output and "rank" in output and "actor" in output, output
+    assert "--resume" in output
+    assert not rank_pids(proc.pid) and all(not _alive(p) for p in victims)
+    done = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir())
+    assert done >= 6
+    resume = ["run", "--resume", "--run-dir", str(run_dir), "--set", "stages.1.steps=10"]
+    assert job(resume) == 0
+    steps = [r["step"] for r in records(run_dir) if "stage_step" in r]
+    assert steps == list(range(1, 15))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
