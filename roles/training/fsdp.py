@@ -422,7 +422,7 @@ class FSDPEngine(TrainingEngine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         own = set(self.module.state_dict())
-        picked = {k: v for k, v in state.items() if k in own}
+        picked: dict[str, Any] = {k: v for k, v in state.items() if k in own}
         tied = getattr(self.model_config, "tie_word_embeddings", False)
         missing = own - set(picked) - ({"lm_head.weight"} if tied else set())
         if not picked or (strict and (missing or len(picked) != len(state))):
