@@ -1,0 +1,132 @@
+"""Experiment configs: overrides, and every kind of bad config failing before a process starts
+with the field named; the trainer's pure helpers (data order, seeds, checkpoint listing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controller.trainer import checkpoints, epoch_batches, request_seed
+from deploy.cli import build_parser
+from deploy.experiment import ExperimentError, build_groups, check, load, parse, set_path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def base() -> dict[str, Any]:
+    raw: dict[str, Any] = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    return raw
+
+
+def error_of(raw: dict[str, Any], *overrides: str) -> str:
+    with pytest.raises(ExperimentError) as info:
+        check(parse(raw, list(overrides)))
+    return str(info.value)
+
+
+def test_every_example_parses_and_passes_the_checks() -> None:
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        exp = load(path)
+        if path.name != "ppo.yaml":  # ppo names a reward model folder made by `hybridflow rm`
+            check(exp)
+        assert exp.stages[-1].kind == "rl", path
+
+
+def test_quick_and_set_override_in_that_order() -> None:
+    exp = parse(base(), ["stages.1.steps=3", "stages.1.algorithm.n=4"], quick=True)
+    assert exp.stages[0].steps == 40 and exp.stages[1].steps == 3
+    assert exp.stages[1].algorithm.n == 4  # type: ignore[union-attr]
+    raw: dict[str, Any] = {"a": [{"b": 1}]}
+    set_path(raw, "a.0.c.d", 2)
+    assert raw == {"a": [{"b": 1, "c": {"d": 2}}]}
+    with pytest.raises(ExperimentError, match=r"a\.3"):
+        set_path(raw, "a.3.x", 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["stages.1.algorithm.n=1"], "set n >= 2"),
+        (["stages.1.algorithm.nn=1"], "stages.1.rl.algorithm.nn: unknown field"),
+        (["stages.0.kind=dpo"], "stages.0"),
+        (["stages.1.steps=-1"], "stages.1.rl.steps"),
+        (["trainer.keep_last=0"], "trainer.keep_last"),
+        (["stages.1.algorithm.name=ppo"], "needs role(s) ['critic']"),
+        (["stages.1.algorithm.kl={coef: 0.1}"], "kl.coef > 0 needs a 'reference'"),
+        (["placement.main.roles=[actor]"], "role 'reward' is in no group"),
+        (["placement.other={roles: [reward]}"], "role 'reward' is in both"),
+        (["roles.judge={model: base}", "placement.main.roles=[actor, reward, judge]"], "cls:"),
+        (["roles.actor.model=nowhere"], "roles.actor.model: 'nowhere'"),
+        (["stages.1.algorithm.overlap=true"], "overlap"),
+        (["stages.1.optim={lr: -1}"], "stages.1.optim"),
+        (["stages.1.optim={schedule: cosine, total_steps: 5, warmup_steps: 9}"], "warmup_steps"),
+        (["stages.1.algorithm.loss={clip_ratio_low: -1}"], "stages.1.algorithm.loss"),
+        (["models.base={init: tiny, path: /x}"], "exactly one of path, init, gguf"),
+    ],
+)
+def test_a_bad_config_names_the_field(overrides: list[str], message: str) -> None:
+    assert message in error_of(base(), *overrides)
+
+
+def test_role_settings_are_checked_with_the_roles_config_classes(tmp_path: Path) -> None:
+    from deploy.experiment import prepare_models
+
+    exp = parse(base(), ["roles.actor.dtype=fp16"])
+    check(exp)
+    prepare_models(exp, tmp_path)
+    with pytest.raises(ExperimentError, match="roles.actor: dtype"):
+        build_groups(exp, tmp_path)
+    exp = parse(base(), ["roles.reward.function=roles.rules:nothing"])
+    with pytest.raises(ExperimentError, match="roles.reward"):
+        build_groups(exp, tmp_path)
+    exp = parse(base(), ["placement.main.tp=3", "placement.main.nproc=3"])
+    with pytest.raises(ExperimentError, match="roles.actor"):
+        build_groups(exp, tmp_path)
+
+
+def run_cli(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.fn(args)
+    return code
+
+
+def test_bad_input_exits_2_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": 2}\n{"answer": 3}\n')
+    run_dir = tmp_path / "run"
+    argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--run-dir", str(run_dir)]
+    assert run_cli([*argv, "--set", f"stages.1.data={bad}"]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+    assert not run_dir.exists()
+    assert run_cli([*argv, "--set", "stages.1.algorithm.n=1"]) == 2
+    assert run_cli(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert run_cli(["run", "--resume", "--run-dir", str(tmp_path / "none")]) == 2
+    assert not run_dir.exists()
+    assert run_cli(["report", str(tmp_path)]) == 2
+
+
+def test_epoch_batches_cover_each_epoch_once_and_are_pure() -> None:
+    picked = epoch_batches(10, 3, seed=1, start=0, count=6)  # 3 batches per epoch, 1 row unused
+    first, second = sum(picked[:3], []), sum(picked[3:], [])
+    assert len(set(first)) == 9 and len(set(second)) == 9 and first != second
+    assert epoch_batches(10, 3, 1, 4, 2) == picked[4:6]
+    with pytest.raises(ValueError, match="cannot fill"):
+        epoch_batches(2, 3, 0, 0, 1)
+
+
+def test_request_seeds_differ_by_step_and_index_and_are_stable() -> None:
+    seeds = {request_seed(0, s, i) for s in range(10) for i in range(10)}
+    assert len(seeds) == 100 and request_seed(3, 4, 5) == request_seed(3, 4, 5)
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_checkpoints_ignore_partial_writes(tmp_path: Path) -> None:
+    for name in ("step_000004", "step_000002", "step_000006.partial", "other"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_000002", "step_000004"]
+    assert checkpoints(tmp_path / "absent") == []
