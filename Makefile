@@ -1,5 +1,5 @@
 # Two entry points, both safe on a fresh machine: they create .venv and install what they need.
-#   make demo   the main job (for now: a 2-rank data-parallel group driven by the controller)
+#   make demo   the main job: examples/quickstart.yaml (tiny Llama, SFT then GRPO, ~10 minutes)
 #   make test   lint + type check + the whole test suite
 PY ?= python3
 VENV := .venv
@@ -17,7 +17,7 @@ $(BIN)/hybridflow: pyproject.toml
 
 .PHONY: demo test lint bench
 demo: $(BIN)/hybridflow
-	$(BIN)/hybridflow demo
+	$(BIN)/hybridflow run examples/quickstart.yaml
 
 lint: $(BIN)/hybridflow
 	$(BIN)/ruff check .
@@ -28,7 +28,10 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/hybridflow
-	$(BIN)/pip install -q -e '.[bench]'
+	# the peers (TRL, Ray); torch stays the pinned CPU wheel
+	echo torch==2.13.0 > $(VENV)/torch-pin.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[bench]'
 	$(BIN)/python -m bench.transport
 	$(BIN)/python -m bench.train
 	$(BIN)/python -m bench.generate
+	$(BIN)/python -m bench.e2e_vs_trl

@@ -48,6 +48,7 @@ class _Stage(BaseModel):
     optim: dict[str, Any] | None = Field(
         None, description="the actor's optimizer for this stage (roles.training OptimConfig)"
     )
+    shuffle: bool = Field(True, description="false: rows in file order, epoch after epoch")
 
     def optimizer_steps(self) -> int:
         return self.steps
@@ -124,7 +125,9 @@ def request_seed(seed: int, step: int, index: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def epoch_batches(n_rows: int, size: int, seed: int, start: int, count: int) -> list[list[int]]:
+def epoch_batches(
+    n_rows: int, size: int, seed: int, start: int, count: int, shuffle: bool = True
+) -> list[list[int]]:
     """Row indices of batches ``start .. start+count-1``: each epoch a fresh seeded shuffle,
     a batch never spans epochs. A pure function of its arguments, so resuming is exact."""
     if n_rows < size:
@@ -134,7 +137,8 @@ def epoch_batches(n_rows: int, size: int, seed: int, start: int, count: int) -> 
     for b in range(start, start + count):
         epoch, within = divmod(b, per_epoch)
         order = list(range(n_rows))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
         found.append(order[within * size : (within + 1) * size])
     return found
 
@@ -246,7 +250,7 @@ class Trainer:
         rows = self.data[stage.data]
         seed = self.cfg.seed + 7919 * index
         for k in range(first, stage.steps):
-            (picked,) = epoch_batches(len(rows), stage.batch_size, seed, k, 1)
+            (picked,) = epoch_batches(len(rows), stage.batch_size, seed, k, 1, stage.shuffle)
             batch = _text_batch([rows[i] for i in picked], ("prompt", "response"))
             start = time.perf_counter()
             metrics = await self.roles.actor.call(
@@ -272,7 +276,7 @@ class Trainer:
         pending: asyncio.Task[TensorBatch] | None = None
 
         async def rollout(k: int) -> TensorBatch:
-            prompts = self._prompts(rows, cfg.prompts_per_step, seed, k)
+            prompts = self._prompts(rows, cfg.prompts_per_step, seed, k, stage.shuffle)
             await self._sync()
             return await generate(self.roles, prompts, cfg, request_seed(seed, k, -1))
 
@@ -320,8 +324,8 @@ class Trainer:
         await self.roles.actor.call("sft_step", batch, scale=stage.algorithm.safe.ptx_coef)
         self.state.version += 1
 
-    def _prompts(self, rows: Rows, size: int, seed: int, k: int) -> TensorBatch:
-        (picked,) = epoch_batches(len(rows), size, seed, k, 1)
+    def _prompts(self, rows: Rows, size: int, seed: int, k: int, shuffle: bool) -> TensorBatch:
+        (picked,) = epoch_batches(len(rows), size, seed, k, 1, shuffle)
         chosen = [rows[i] for i in picked]
         columns = sorted({c for row in chosen for c in row if c != "response"})
         batch = TensorBatch.from_dict(

@@ -1,0 +1,241 @@
+"""End-to-end GRPO: hybridflow against TRL's GRPOTrainer, the same work in one run.
+
+``python -m bench.e2e_vs_trl`` (a few minutes; ``--quick`` under 3). Both start from the same SFT
+checkpoint of the ~18M "small" Llama (made here by ``hybridflow sft``) and run the same GRPO:
+the same prompts in the same order (``shuffle: false`` / ``shuffle_dataset=False``), 8 samples per
+prompt, 64 completions and one optimizer step per step, the same max new tokens, learning rate
+(constant, no warm-up), steps, clip 0.2, token-mean loss over the batch, group-std advantages,
+grad clip 1.0, beta 0 (no reference). The reward is the exact-answer rule on a task where it moves
+within the run. Both get the same cores: hybridflow ``--threads`` ranks of one thread each, TRL
+one process run twice, with ``--threads`` intra-op threads and with one, and the faster counts
+(on a loaded 2-core box, 2 threads can be slower than 1).
+
+Runs, in turn:
+
+- **trl** — TRL 1.16, ``use_cpu=True``, fp32, gradient checkpointing off (``bench/trl_side.py``);
+- **hybridflow** — on-policy fp32, semantics identical to TRL's: generation on the actor's own
+  weights, pi_old = the generator's log-probs of the same weights (TRL detaches the current
+  log-probs; in fp32 the two are equal), ranks in replicate data parallel;
+- **hybridflow_best** — bf16 autocast, same ranks; with ``--overlap`` also one rank training
+  while a second generates the next batch (one step off-policy; said in the JSON).
+
+Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
+median step after the first, tok/s = median of tokens/step time. The last line is a JSON object
+with ``hybridflow_tok_s``, ``hybridflow_best_tok_s``, ``trl_tok_s``, the ratios and the rewards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+DATA = "builtin:arithmetic?n={n}&split=train&seed=1"
+SFT_DATA = "builtin:arithmetic?n=8192&split=sft"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def hybridflow_cli(argv: list[str], threads: int = 1) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "deploy.cli", *argv, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:2])} failed:\n{done.stderr[-3000:]}")
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Path:
+    from roles.models import init_model
+
+    base = init_model(work / "base", size, seed=0)
+    out = work / "sft"
+    argv = ["sft", "--model", str(base), "--out", str(out), "--run-dir", str(work / "sft-run")]
+    argv += ["--data", SFT_DATA, "--val", "builtin:arithmetic?n=128&split=test"]
+    argv += ["--steps", str(steps), "--batch-size", "32", "--lr", "1e-3", "--warmup", "10"]
+    argv += ["--dtype", "bf16", "--nproc", "2", "--dp-mode", "replicate", "--eval-every", "0"]
+    hybridflow_cli(argv)
+    return out
+
+
+def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> dict[str, Any]:
+    actor: dict[str, Any] = {"model": "sft", "micro_batch_size": 64, "dp_mode": "replicate"}
+    algorithm: dict[str, Any] = {
+        "name": "grpo",
+        "prompts_per_step": args.prompts,
+        "n": 8,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 1.0,
+        "loss": {"dual_clip": None, "agg": "token-mean", "clip_ratio_low": 0.2},
+        "old_log_probs": "rollout",
+    }
+    roles: dict[str, Any] = {
+        "actor": actor,
+        "reward": {"function": "roles.rules:arithmetic_reward"},
+    }
+    placement: dict[str, Any] = {"main": {"roles": ["actor", "reward"], "nproc": args.threads}}
+    if best:
+        actor["dtype"] = "bf16"
+        algorithm["old_log_probs"] = "recompute"  # bf16 generation is not bitwise the trainer's
+        if args.overlap:
+            algorithm["overlap"] = True
+            roles["rollout"] = {"model": "sft", "dtype": "bf16"}
+            placement = {
+                "train": {"roles": ["actor", "reward"], "nproc": 1},
+                "gen": {"roles": ["rollout"], "nproc": 1},
+            }
+    return {
+        "name": "e2e-best" if best else "e2e",
+        "models": {"sft": {"path": str(model)}},
+        "roles": roles,
+        "placement": placement,
+        "stages": [
+            {
+                "name": "grpo",
+                "kind": "rl",
+                "steps": args.steps,
+                "data": data,
+                "shuffle": False,
+                "optim": {"lr": args.lr, "warmup_steps": 0, "schedule": "constant"},
+                "algorithm": algorithm,
+            }
+        ],
+        "trainer": {"val_data": None, "export": False},
+        "logging": {"tensorboard": False, "live": False},
+    }
+
+
+def run_hybridflow(work: Path, name: str, config: dict[str, Any]) -> dict[str, Any]:
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    run_dir = work / f"run-{name}"
+    start = time.perf_counter()
+    hybridflow_cli(["run", str(path), "--run-dir", str(run_dir)])
+    wall = time.perf_counter() - start
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [r for r in rows if "stage_step" in r]
+    times = [r["time/step_s"] for r in steps]
+    tokens = [r["train/response/tokens"] for r in steps]
+    rewards = [r["train/reward/mean"] for r in steps]
+    later = range(1, len(steps))
+    return {
+        "step_s_median": statistics.median(times[i] for i in later),
+        "tok_s": statistics.median(tokens[i] / times[i] for i in later),
+        "tokens_per_step": statistics.fmean(tokens),
+        "reward_per_step": [round(r, 4) for r in rewards],
+        "reward_first": rewards[0],
+        "reward_last": statistics.fmean(rewards[-3:]),
+        "split_s": {
+            k[5:-2]: round(statistics.median(r.get(k, 0.0) for r in steps[1:]), 4)
+            for k in ("time/gen_s", "time/prepare_s", "time/update_s", "time/sync_s")
+        },
+        "wall_s": round(wall, 1),
+    }
+
+
+def run_trl_side(
+    model: Path, rows: list[dict[str, Any]], args: argparse.Namespace, threads: int
+) -> dict[str, Any]:
+    from bench.trl_side import run_trl
+    from roles.rules import arithmetic_reward
+
+    return run_trl(
+        str(model),
+        rows,
+        arithmetic_reward,
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        n=8,
+        max_new_tokens=args.max_new_tokens,
+        lr=args.lr,
+        seed=0,
+        threads=threads,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer SFT and GRPO steps (< 3 min)")
+    ap.add_argument("--size", choices=("tiny", "small"), default="small")
+    ap.add_argument("--sft-steps", type=int)
+    ap.add_argument("--steps", type=int, help="GRPO steps per runner")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--overlap", action="store_true", help="best: overlap generation (off-policy)")
+    ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
+    args = ap.parse_args(argv)
+    args.sft_steps = args.sft_steps or (60 if args.quick else 300)
+    args.steps = args.steps or (5 if args.quick else 15)
+
+    from controller.data import PROMPT_COLUMNS, read_rows
+
+    with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        log(f"SFT checkpoint: {args.size} model, {args.sft_steps} steps ...")
+        model = sft_checkpoint(work, args.size, args.sft_steps)
+        sft_s = time.perf_counter() - start
+        data = DATA.format(n=args.steps * args.prompts)
+        rows = read_rows(data, PROMPT_COLUMNS)
+        log("hybridflow on-policy fp32 ...")
+        hf = run_hybridflow(work, "hybridflow", experiment(model, data, args, best=False))
+        log(f"  {hf['step_s_median']:.2f} s/step, {hf['tok_s']:.0f} tok/s")
+        trl_runs = {}
+        for threads in sorted({1, args.threads}, reverse=True):
+            log(f"TRL GRPOTrainer, {threads} thread(s) ...")
+            trl_runs[threads] = run_trl_side(model, rows, args, threads)
+            log(
+                f"  {trl_runs[threads]['step_s_median']:.2f} s/step, {trl_runs[threads]['tok_s']:.0f} tok/s"
+            )
+        trl_threads = max(trl_runs, key=lambda t: trl_runs[t]["tok_s"])
+        trl = trl_runs[trl_threads]
+        log("hybridflow best ...")
+        best = run_hybridflow(work, "best", experiment(model, data, args, best=True))
+        log(f"  {best['step_s_median']:.2f} s/step, {best['tok_s']:.0f} tok/s")
+
+    report = {
+        "bench": "e2e_vs_trl",
+        "model": args.size,
+        "steps": args.steps,
+        "completions_per_step": args.prompts * 8,
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "sft_s": round(sft_s, 1),
+        "hybridflow_tok_s": round(hf["tok_s"], 1),
+        "hybridflow_best_tok_s": round(best["tok_s"], 1),
+        "trl_tok_s": round(trl["tok_s"], 1),
+        "speedup": round(hf["tok_s"] / trl["tok_s"], 2),
+        "best_speedup": round(best["tok_s"] / trl["tok_s"], 2),
+        "hybridflow_step_s": round(hf["step_s_median"], 3),
+        "hybridflow_best_step_s": round(best["step_s_median"], 3),
+        "trl_step_s": round(trl["step_s_median"], 3),
+        "trl_threads": trl_threads,
+        "trl_tok_s_by_threads": {t: round(r["tok_s"], 1) for t, r in trl_runs.items()},
+        "hybridflow_reward": round(hf["reward_last"], 4),
+        "hybridflow_best_reward": round(best["reward_last"], 4),
+        "trl_reward": round(trl["reward_last"], 4),
+        "reward_first": {"hybridflow": hf["reward_first"], "trl": trl["reward_first"]},
+        "best_config": "bf16" + (", overlap (one step off-policy)" if args.overlap else ""),
+        "split_s": {"hybridflow": hf["split_s"], "best": best["split_s"]},
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
