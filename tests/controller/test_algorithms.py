@@ -1,0 +1,85 @@
+"""The algorithm programs' pure pieces: config rules, prompt bookkeeping, KL and state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from controller.advantages import AdaptiveKL, FixedKL
+from controller.algorithms import (
+    AlgorithmConfig,
+    State,
+    _group_stats,
+    first_of_each,
+    index_of,
+    kl_of,
+    summarize,
+)
+from transport.batch import TensorBatch
+
+
+def test_config_rules() -> None:
+    with pytest.raises(ValidationError, match="n >= 2"):
+        AlgorithmConfig(name="grpo", n=1)
+    with pytest.raises(ValidationError, match="kl.mode: loss"):
+        AlgorithmConfig.model_validate({"name": "remax", "n": 1, "kl": {"coef": 0.1}})
+    assert AlgorithmConfig(name="ppo", n=1).needed_roles() == {"actor", "reward", "critic"}
+    safe = AlgorithmConfig.model_validate({"name": "safe_rlhf", "n": 1, "kl": {"coef": 0.1}})
+    assert safe.safe is not None
+    assert safe.needed_roles() == {"actor", "reward", "critic", "cost", "cost_critic", "reference"}
+    loss_kl = AlgorithmConfig.model_validate({"kl": {"coef": 0.2, "mode": "loss"}})
+    assert loss_kl.policy_loss(0.2) == {"kl_coef": 0.2, "kl_type": "low_var_kl"}
+    assert AlgorithmConfig().sampling(7, greedy=True) == {
+        "temperature": 0.0,
+        "n": 1,
+        "max_new_tokens": 32,
+    }
+    assert isinstance(
+        AlgorithmConfig.model_validate({"kl": {"target": 1.0}}).kl.controller(), AdaptiveKL
+    )
+
+
+def samples() -> TensorBatch:
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1], [0, 1, 1, 0]])
+    return TensorBatch.from_dict(
+        {"response_mask": mask},
+        {
+            "uid": [5, 5, 9, 9],
+            "prompt": ["a", "a", "b", "b"],
+            "answer": ["1", "1", "2", "2"],
+            "response": ["x", "y", "z", "w"],
+            "finish": ["stop", "length", "stop", "stop"],
+            "request": [0, 0, 1, 1],
+        },
+    )
+
+
+def test_prompts_of_a_batch_and_back() -> None:
+    batch = samples()
+    prompts = first_of_each(batch)
+    assert prompts.non_tensors == {"uid": [5, 9], "prompt": ["a", "b"], "answer": ["1", "2"]}
+    assert index_of(batch, prompts).tolist() == [0, 0, 1, 1]
+
+
+def test_summary_and_group_stats_by_hand() -> None:
+    batch = samples()
+    score = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    old = torch.full((4, 4), -1.0)
+    ref = torch.full((4, 4), -1.5)
+    kl = kl_of(old, ref, batch.tensors["response_mask"])
+    assert kl is not None and kl.sum().item() == pytest.approx(0.5 * 8)
+    found = summarize(batch, score, kl)
+    assert found["reward/mean"] == 0.75
+    assert found["response/length"] == 2.0 and found["response/tokens"] == 8.0
+    assert found["response/clipped"] == 0.25
+    assert found["kl"] == pytest.approx(1.0)  # mean over rows of the summed token kl
+    groups = _group_stats(score, torch.tensor([5, 5, 9, 9]))
+    assert groups == {"groups/all_solved": 0.5, "groups/none_solved": 0.0}
+
+
+def test_state_round_trip() -> None:
+    state = State(kl=FixedKL(0.1), version=3, lagrange=0.7)
+    other = State(kl=FixedKL(0.0))
+    other.load_state_dict(state.state_dict())
+    assert (other.kl.value, other.version, other.lagrange) == (0.1, 3, 0.7)
