@@ -22,7 +22,7 @@ from transport.batch import TensorBatch
 def test_config_rules() -> None:
     with pytest.raises(ValidationError, match="n >= 2"):
         AlgorithmConfig(name="grpo", n=1)
-    with pytest.raises(ValidationError, match="kl.mode: loss"):
+    with pytest.raises(ValidationError, match=r"kl\.mode: loss"):
         AlgorithmConfig.model_validate({"name": "remax", "n": 1, "kl": {"coef": 0.1}})
     assert AlgorithmConfig(name="ppo", n=1).needed_roles() == {"actor", "reward", "critic"}
     safe = AlgorithmConfig.model_validate({"name": "safe_rlhf", "n": 1, "kl": {"coef": 0.1}})
