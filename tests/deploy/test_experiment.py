@@ -112,7 +112,8 @@ def test_bad_input_exits_2_before_anything_is_written(
 
 def test_epoch_batches_cover_each_epoch_once_and_are_pure() -> None:
     picked = epoch_batches(10, 3, seed=1, start=0, count=6)  # 3 batches per epoch, 1 row unused
-    first, second = sum(picked[:3], []), sum(picked[3:], [])
+    first = [i for batch in picked[:3] for i in batch]
+    second = [i for batch in picked[3:] for i in batch]
     assert len(set(first)) == 9 and len(set(second)) == 9 and first != second
     assert epoch_batches(10, 3, 1, 4, 2) == picked[4:6]
     with pytest.raises(ValueError, match="cannot fill"):
