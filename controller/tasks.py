@@ -84,16 +84,27 @@ def problems(split: str, max_operand: int = 99, ops: str = "+") -> tuple[Problem
 
 
 def arithmetic(
-    n: int, split: str, seed: int = 0, max_operand: int = 99, ops: str = "+"
+    n: int,
+    split: str,
+    seed: int = 0,
+    max_operand: int = 99,
+    ops: str = "+",
+    noise: float = 0.0,
 ) -> list[dict[str, Any]]:
     """n rows {prompt, response, answer, data_source} drawn from one split.
 
     Drawn without replacement when the split has at least n problems, with replacement otherwise.
+    ``noise``: the fraction of rows (each row by a seeded coin) whose ``response`` is written
+    ``"<answer>!"`` — demonstrations in a format the exact-answer reward rejects, as when part of
+    an SFT corpus follows another convention. ``answer`` stays the plain number.
     """
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise={noise} must be a fraction in [0, 1]")
+    coin = random.Random(f"noise/{seed}")
     return [
         {
             "prompt": p.prompt,
-            "response": p.answer,
+            "response": p.answer + "!" if coin.random() < noise else p.answer,
             "answer": p.answer,
             "data_source": "arithmetic",
         }

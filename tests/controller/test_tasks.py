@@ -128,3 +128,17 @@ def test_bad_options_raise_value_error(kwargs: dict[str, object], message: str) 
     for task in TASKS.values():
         with pytest.raises(ValueError, match=message):
             task(**options)
+
+
+def test_noise_marks_a_seeded_fraction_of_responses_and_keeps_answers() -> None:
+    clean = arithmetic(2000, "sft", seed=3)
+    noisy = arithmetic(2000, "sft", seed=3, noise=0.5)
+    assert [r["prompt"] for r in clean] == [r["prompt"] for r in noisy]
+    assert [r["answer"] for r in clean] == [r["answer"] for r in noisy]
+    marked = [r for r in noisy if r["response"] != r["answer"]]
+    assert all(r["response"] == r["answer"] + "!" for r in marked)
+    assert 0.45 < len(marked) / 2000 < 0.55
+    assert noisy == arithmetic(2000, "sft", seed=3, noise=0.5)
+    assert all(r["response"].endswith("!") for r in arithmetic(50, "sft", noise=1.0))
+    with pytest.raises(ValueError, match="noise"):
+        arithmetic(5, "sft", noise=1.5)
