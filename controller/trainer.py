@@ -17,6 +17,7 @@ the same per-request sampling seeds, so a resumed run reproduces the straight ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -136,11 +137,17 @@ def epoch_batches(
     found = []
     for b in range(start, start + count):
         epoch, within = divmod(b, per_epoch)
-        order = list(range(n_rows))
-        if shuffle:
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        found.append(order[within * size : (within + 1) * size])
+        order = _epoch_order(n_rows, seed, epoch, shuffle)
+        found.append(list(order[within * size : (within + 1) * size]))
     return found
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool) -> tuple[int, ...]:
+    order = list(range(n_rows))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
 
 
 class Trainer:
