@@ -24,6 +24,7 @@ loss settings, tensor-parallel sizes against the model, and every dataset row (f
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -245,6 +246,11 @@ def check(exp: Experiment) -> None:
                     "'rollout' role in a group apart from the actor's"
                 )
     _check_settings(exp)
+    if exp.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ExperimentError(
+            "logging.wandb: the wandb package is not installed; pip install wandb, or set "
+            "logging.wandb: false"
+        )
     if exp.trainer.val_data is not None and "reward" not in exp.roles:
         raise ExperimentError("trainer.val_data: validation scores answers with a 'reward' role")
     for role, cfg in exp.roles.items():
