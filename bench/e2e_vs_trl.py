@@ -39,8 +39,11 @@ from typing import Any, Literal
 
 import yaml
 
-DATA = "builtin:arithmetic?n={n}&split=train&seed=1"
-SFT_DATA = "builtin:arithmetic?n=8192&split=sft"
+# Addition with operands <= 19, answered as "21 because 9+12=21" (~20 tokens). Half the SFT rows
+# write "21!", which the exact-answer reward rejects: GRPO's reward moves as the format flips.
+TASK = "max_operand=19&style=explain"
+DATA = "builtin:arithmetic?n={n}&split=train&seed=1&" + TASK
+SFT_DATA = "builtin:arithmetic?n=8192&split=sft&noise=0.5&" + TASK
 
 
 def log(message: str) -> None:
@@ -63,7 +66,7 @@ def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Pa
     base = init_model(work / "base", size, seed=0)
     out = work / "sft"
     argv = ["sft", "--model", str(base), "--out", str(out), "--run-dir", str(work / "sft-run")]
-    argv += ["--data", SFT_DATA, "--val", "builtin:arithmetic?n=128&split=test"]
+    argv += ["--data", SFT_DATA, "--val", "builtin:arithmetic?n=64&split=test&" + TASK]
     argv += ["--steps", str(steps), "--batch-size", "32", "--lr", "1e-3", "--warmup", "10"]
     argv += ["--dtype", "bf16", "--nproc", "2", "--dp-mode", "replicate", "--eval-every", "0"]
     hybridflow_cli(argv)
@@ -172,14 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft-steps", type=int)
     ap.add_argument("--steps", type=int, help="GRPO steps per runner")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--overlap", action="store_true", help="best: overlap generation (off-policy)")
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
     args = ap.parse_args(argv)
     args.sft_steps = args.sft_steps or (60 if args.quick else 300)
-    args.steps = args.steps or (5 if args.quick else 15)
+    args.steps = args.steps or (5 if args.quick else 20)
 
     from controller.data import PROMPT_COLUMNS, read_rows
 

@@ -90,6 +90,7 @@ def arithmetic(
     max_operand: int = 99,
     ops: str = "+",
     noise: float = 0.0,
+    style: str = "short",
 ) -> list[dict[str, Any]]:
     """n rows {prompt, response, answer, data_source} drawn from one split.
 
@@ -97,19 +98,31 @@ def arithmetic(
     ``noise``: the fraction of rows (each row by a seeded coin) whose ``response`` is written
     ``"<answer>!"`` — demonstrations in a format the exact-answer reward rejects, as when part of
     an SFT corpus follows another convention. ``answer`` stays the plain number.
+    ``style``: "short" answers with the number; "explain" adds a restatement ("82 because
+    37+45=82", about 20 tokens), for work where response length matters (benchmarks).
     """
     if not 0.0 <= noise <= 1.0:
         raise ValueError(f"noise={noise} must be a fraction in [0, 1]")
+    if style not in STYLES:
+        raise ValueError(f"style={style!r}: use one of {STYLES}")
     coin = random.Random(f"noise/{seed}")
-    return [
-        {
-            "prompt": p.prompt,
-            "response": p.answer + "!" if coin.random() < noise else p.answer,
-            "answer": p.answer,
-            "data_source": "arithmetic",
-        }
-        for p in _sample(n, split, max_operand, ops, random.Random(seed))
-    ]
+    rows = []
+    for p in _sample(n, split, max_operand, ops, random.Random(seed)):
+        response = p.answer + "!" if coin.random() < noise else p.answer
+        if style == "explain":
+            response += f" because {p.prompt}{p.answer}"
+        rows.append(
+            {
+                "prompt": p.prompt,
+                "response": response,
+                "answer": p.answer,
+                "data_source": "arithmetic",
+            }
+        )
+    return rows
+
+
+STYLES = ("short", "explain")
 
 
 #: How a rejected answer goes wrong, in the spirit of real preference data: a near miss (units

@@ -135,13 +135,18 @@ class FSDPEngine(TrainingEngine):
         stay, the optimizer moments and the schedule's position start over."""
         self.cfg = self.cfg.model_copy(update={"optim": optim})
         self.module.requires_grad_(True)
+        params = list(self.module.parameters())
+        # Plain tensors (one rank, replicate mode): the fused kernel, ~3x faster than the loop.
+        # DTensors of different meshes (tp-split and tp-whole) need the per-tensor loop.
+        plain = not any(isinstance(p, DTensor) for p in params)
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(),
+            params,
             lr=optim.lr,
             betas=optim.betas,
             eps=optim.eps,
             weight_decay=optim.weight_decay,
-            foreach=False,  # mixes DTensors of different meshes (tp-split and tp-whole)
+            fused=plain or None,
+            foreach=None if plain else False,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim.lr_factor)
 

@@ -142,3 +142,11 @@ def test_noise_marks_a_seeded_fraction_of_responses_and_keeps_answers() -> None:
     assert all(r["response"].endswith("!") for r in arithmetic(50, "sft", noise=1.0))
     with pytest.raises(ValueError, match="noise"):
         arithmetic(5, "sft", noise=1.5)
+
+
+def test_explain_style_restates_the_problem_after_the_answer() -> None:
+    rows = arithmetic(20, "sft", seed=1, style="explain", noise=0.5)
+    for row, plain in zip(rows, arithmetic(20, "sft", seed=1, noise=0.5), strict=True):
+        assert row["response"] == f"{plain['response']} because {row['prompt']}{row['answer']}"
+    with pytest.raises(ValueError, match="style"):
+        arithmetic(5, "sft", style="long")
