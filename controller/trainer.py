@@ -44,12 +44,29 @@ class _Stage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = ""
-    steps: int = Field(ge=0)
+    steps: int = Field(0, ge=0)
+    epochs: int | None = Field(
+        None, ge=1, description="instead of steps: passes over the data (steps = epochs x batches)"
+    )
     data: str = Field(description="training rows: JSONL, Parquet or builtin:...")
     optim: dict[str, Any] | None = Field(
         None, description="the actor's optimizer for this stage (roles.training OptimConfig)"
     )
     shuffle: bool = Field(True, description="false: rows in file order, epoch after epoch")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> _Stage:
+        if self.epochs is not None and self.steps:
+            raise ValueError("give steps or epochs, not both")
+        return self
+
+    def rows_per_step(self) -> int:
+        raise NotImplementedError
+
+    def resolve_epochs(self, n_rows: int) -> None:
+        """Turn ``epochs`` into ``steps`` once the data's size is known."""
+        if self.epochs is not None:
+            self.steps = self.epochs * max(1, n_rows // self.rows_per_step())
 
     def optimizer_steps(self) -> int:
         return self.steps
@@ -74,6 +91,9 @@ class SFTStage(_Stage):
     response_only: bool = True
     pack: bool = False
 
+    def rows_per_step(self) -> int:
+        return self.batch_size
+
 
 class RLStage(_Stage):
     kind: Literal["rl"] = "rl"
@@ -85,6 +105,9 @@ class RLStage(_Stage):
         description="after an earlier stage trained the actor: start the reference from its "
         "weights and the critics from its backbone (the usual 'SFT model' start)",
     )
+
+    def rows_per_step(self) -> int:
+        return self.algorithm.prompts_per_step
 
     def optimizer_steps(self) -> int:
         return self.steps * self.algorithm.ppo_epochs * self.algorithm.mini_batches

@@ -386,6 +386,8 @@ def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
     if exp.trainer.val_data:
         wanted.setdefault(exp.trainer.val_data, PROMPT_COLUMNS)
     data = {source: read_rows(source, columns) for source, columns in wanted.items()}
+    for stage in exp.stages:
+        stage.resolve_epochs(len(data[stage.data]))
     for i, stage in enumerate(exp.stages):
         need = stage.batch_size if isinstance(stage, SFTStage) else stage.algorithm.prompts_per_step
         if len(data[stage.data]) < need:

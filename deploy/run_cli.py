@@ -78,7 +78,7 @@ def run_experiment_command(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Path]:
-    from deploy.experiment import ExperimentError, check, load, parse
+    from deploy.experiment import ExperimentError, load, parse
 
     if args.resume:
         if args.run_dir is None:
@@ -93,14 +93,14 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path]:
             raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
         exp = load(args.experiment, args.set, args.quick)
         run_dir = args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    check(exp)
     return exp, run_dir
 
 
 def _prepare(exp: Any, run_dir: Path) -> tuple[dict[str, Any], list[Any]]:
-    from deploy.experiment import build_groups, prepare_models, read_data
+    from deploy.experiment import build_groups, check, prepare_models, read_data
 
     data = read_data(exp)  # before anything is written: a bad row costs nothing
+    check(exp)  # after the data: stages given in epochs now have their steps
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_models(exp, run_dir)
     groups = build_groups(exp, run_dir)

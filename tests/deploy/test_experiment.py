@@ -73,6 +73,24 @@ def test_a_bad_config_names_the_field(overrides: list[str], message: str) -> Non
     assert message in error_of(base(), *overrides)
 
 
+def test_epochs_become_steps_once_the_data_is_read() -> None:
+    from deploy.experiment import read_data
+
+    exp = parse(
+        base(),
+        [
+            "stages.0.steps=0",
+            "stages.0.epochs=2",
+            "stages.0.optim.warmup_steps=1",
+            "stages.0.data=builtin:arithmetic?n=100&split=sft",
+        ],
+    )
+    read_data(exp)
+    assert exp.stages[0].steps == 2 * (100 // 32)
+    check(exp)
+    assert "steps or epochs" in error_of(base(), "stages.0.epochs=2")
+
+
 def test_role_settings_are_checked_with_the_roles_config_classes(tmp_path: Path) -> None:
     from deploy.experiment import prepare_models
 
