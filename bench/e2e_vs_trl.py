@@ -16,8 +16,9 @@ Runs, in turn:
 - **hybridflow** — on-policy fp32, semantics identical to TRL's: generation on the actor's own
   weights, pi_old = the generator's log-probs of the same weights (TRL detaches the current
   log-probs; in fp32 the two are equal), ranks in replicate data parallel;
-- **hybridflow_best** — bf16 autocast, same ranks; with ``--overlap`` also one rank training
-  while a second generates the next batch (one step off-policy; said in the JSON).
+- **hybridflow_best** — bf16 autocast (fp32 master weights), same ranks, pi_old from the
+  generator's bf16 log-probs (the behaviour policy, no recompute); with ``--overlap`` also one rank
+  training while a second generates the next batch (one step off-policy; said in the JSON).
 
 Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
 median step after the first, tok/s = median of tokens/step time. The last line is a JSON object
@@ -91,7 +92,9 @@ def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> 
     placement: dict[str, Any] = {"main": {"roles": ["actor", "reward"], "nproc": args.threads}}
     if best:
         actor["dtype"] = "bf16"
-        algorithm["old_log_probs"] = "recompute"  # bf16 generation is not bitwise the trainer's
+        # pi_old stays the generator's log-probs: under bf16 they differ from a recompute by
+        # rounding, so the ratio is taken against the behaviour policy as sampled (one forward
+        # pass saved; the loss is the same clipped surrogate).
         if args.overlap:
             algorithm["overlap"] = True
             roles["rollout"] = {"model": "sft", "dtype": "bf16"}

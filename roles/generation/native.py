@@ -116,18 +116,23 @@ class NativeEngine(GenerationEngine):
         parallel these are this rank's column slices; the row-parallel o/down projections stay
         modules, whose hooks all-reduce."""
         self.fused = []
+        # Under a bf16 autocast the fused matrices are cast once here, not at every product
+        # (autocast caches casts only of leaf weights that require grad).
+        cast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
             biases = [p.bias for p in projections]
             self.fused.append(
                 Fused(
-                    qkv=torch.cat([_local(p.weight) for p in projections]),
+                    qkv=torch.cat([_local(p.weight) for p in projections]).to(cast),
                     qkv_bias=torch.cat([_local(b) for b in biases])
                     if biases[0] is not None
                     else None,
                     split=[_local(p.weight).shape[0] for p in projections],
-                    gate_up=torch.cat([_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight)]),
+                    gate_up=torch.cat(
+                        [_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight)]
+                    ).to(cast),
                     norms=(rms(layer.input_layernorm), rms(layer.post_attention_layernorm)),
                 )
             )
