@@ -139,6 +139,11 @@ class TrainerConfig(BaseModel):
     val_data: str | None = Field(None, description="held-out prompts scored greedily")
     val_every: int = Field(0, ge=0, description="RL steps between validations (0: stage ends)")
     val_max_new_tokens: int = Field(16, ge=1)
+    prompt_template: str | None = Field(
+        None,
+        description="format string applied to every generation prompt, with the row's columns "
+        "as fields, e.g. a chat turn around {prompt}; the model's own bos comes first",
+    )
     save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
     keep_last: int = Field(2, ge=1)
     export: bool = Field(True, description="export the final actor as a Hugging Face folder")
@@ -356,7 +361,7 @@ class Trainer:
 
     def _prompts(self, rows: Rows, size: int, seed: int, k: int, shuffle: bool) -> TensorBatch:
         (picked,) = epoch_batches(len(rows), size, seed, k, 1, shuffle)
-        chosen = [rows[i] for i in picked]
+        chosen = [self._templated(rows[i]) for i in picked]
         columns = sorted({c for row in chosen for c in row if c != "response"})
         batch = TensorBatch.from_dict(
             non_tensors={c: [row.get(c) for row in chosen] for c in columns}
@@ -364,6 +369,11 @@ class Trainer:
         batch.non_tensors["uid"] = list(range(len(chosen)))
         batch.non_tensors["seed"] = [request_seed(seed, k, i) for i in range(len(chosen))]
         return batch
+
+    def _templated(self, row: dict[str, Any]) -> dict[str, Any]:
+        if self.cfg.prompt_template is None:
+            return row
+        return {**row, "prompt": self.cfg.prompt_template.format(**row)}
 
     def _record(self, stage: SFTStage | RLStage, k: int, values: dict[str, Any]) -> dict[str, Any]:
         return {"step": self.global_step, "stage": stage.name, "stage_step": k + 1, **values}
@@ -387,7 +397,7 @@ class Trainer:
             last = self.validations[-1]  # nothing trained since: same weights, same answers
             self.validations.append({**last, "tag": tag})
             return dict(last["record"])
-        rows = self.data[self.cfg.val_data]
+        rows = [self._templated(row) for row in self.data[self.cfg.val_data]]
         prompts = TensorBatch.from_dict(
             non_tensors={
                 c: [row.get(c) for row in rows]

@@ -7,6 +7,7 @@ whose rows carry the exact answer as ``metadata["answer"]``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,3 +34,12 @@ def length_cost(prompt: str, response: str, metadata: Mapping[str, Any]) -> floa
     """A cost for Safe-RLHF examples: the response's length in characters (whitespace trimmed),
     so a cost threshold caps how long answers may be. `prompt` and `metadata` are unused."""
     return float(len(response.strip()))
+
+
+def last_number_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the last integer in the response equals metadata["answer"] ("7 + 6 = 13" scores
+    for 13): the usual final-answer extraction for chatty models. 0.0 without a number."""
+    if "answer" not in metadata:
+        raise ValueError("last_number_reward needs metadata['answer']; add an 'answer' column")
+    numbers = re.findall(r"-?\d+", response)
+    return 1.0 if numbers and numbers[-1] == _answer_text(metadata["answer"]) else 0.0

@@ -151,3 +151,13 @@ def test_checkpoints_ignore_partial_writes(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
     assert [p.name for p in checkpoints(tmp_path)] == ["step_000002", "step_000004"]
     assert checkpoints(tmp_path / "absent") == []
+
+
+def test_prompt_template_formats_each_row(tmp_path: Path) -> None:
+    from controller.trainer import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(prompt_template="user: {prompt} ({data_source})\n")
+    trainer = Trainer(cfg, [], None, {}, {}, tmp_path, [])  # type: ignore[arg-type]
+    row = {"prompt": "1+2=", "answer": "3", "data_source": "arithmetic"}
+    assert trainer._templated(row) == {**row, "prompt": "user: 1+2= (arithmetic)\n"}
+    assert Trainer(TrainerConfig(), [], None, {}, {}, tmp_path, [])._templated(row) is row  # type: ignore[arg-type]

@@ -36,3 +36,14 @@ def test_arithmetic_reward_accepts_numeric_answers() -> None:
 def test_arithmetic_reward_without_answer_says_what_is_missing() -> None:
     with pytest.raises(ValueError, match="metadata\\['answer'\\]"):
         arithmetic_reward("37+45=", "82", {})
+
+
+def test_last_number_reward_reads_the_final_number() -> None:
+    from roles.rules import last_number_reward
+
+    assert last_number_reward("", "7 + 6 = 13", {"answer": "13"}) == 1.0
+    assert last_number_reward("", "13, or maybe 14", {"answer": 13}) == 0.0
+    assert last_number_reward("", "no idea", {"answer": "13"}) == 0.0
+    assert last_number_reward("", "it is -3", {"answer": -3.0}) == 1.0
+    with pytest.raises(ValueError, match="answer"):
+        last_number_reward("", "1", {})
