@@ -326,6 +326,9 @@ class Trainer:
                 if cfg.overlap and k + 1 < stage.steps:
                     await self._sync()
                     pending = asyncio.create_task(rollout(k + 1))
+                # How many updates the weights that sampled this batch lag the learner's.
+                behind = self.state.version - int(batch.meta.get("weight_version", 0))
+                staleness = behind if self.roles.rollout is not None else 0
                 metrics = await program(self.roles, batch, cfg, self.state, k)
                 updates = cfg.ppo_epochs * cfg.mini_batches
                 self.state.version += updates
@@ -342,6 +345,7 @@ class Trainer:
                 record["time/step_s"] = elapsed
                 record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
                 record["train/weight_version"] = self.state.version
+                record["train/staleness"] = staleness
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)

@@ -136,6 +136,30 @@ def test_ppo_with_a_reward_model_trained_by_hybridflow_rm(tmp_path: Path) -> Non
     assert len(rows) == 2 and all("train/kl_coef" in r for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overlap_generates_on_a_rollout_group_one_step_behind(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    sets = [
+        "roles.rollout={model: base}",
+        "placement.gen={roles: [rollout], nproc: 1}",
+        "placement.main.nproc=1",
+        "stages.1.steps=4",
+    ]
+    base = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick"]
+    argv = [*base, *[x for o in sets for x in ("--set", o)]]
+    assert job([*argv, "--run-dir", str(run_dir)]) == 0
+    rl = [r for r in records(run_dir) if r["stage"] == "grpo" and "stage_step" in r]
+    assert [r["train/staleness"] for r in rl] == [0, 0, 0, 0]  # synced before each generation
+    assert (
+        job([*argv, "--set", "stages.1.algorithm.overlap=true", "--run-dir", str(tmp_path / "o")])
+        == 0
+    )
+    rl = [r for r in records(tmp_path / "o") if r["stage"] == "grpo" and "stage_step" in r]
+    assert [r["train/staleness"] for r in rl] == [0, 1, 1, 1]  # the next batch was already out
+    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4]
+
+
 RESUME = [
     "stages.0.steps=2",
     "stages.0.optim.warmup_steps=1",
