@@ -93,6 +93,13 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path]:
             raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
         exp = load(args.experiment, args.set, args.quick)
         run_dir = args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        from controller.trainer import checkpoints
+
+        if checkpoints(run_dir / "checkpoints"):
+            raise ExperimentError(
+                f"{run_dir} already holds a run's checkpoints; continue it with --resume, or "
+                "give another --run-dir"
+            )
     return exp, run_dir
 
 

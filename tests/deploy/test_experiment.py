@@ -128,6 +128,9 @@ def test_bad_input_exits_2_before_anything_is_written(
     assert run_cli(["run", "--resume", "--run-dir", str(tmp_path / "none")]) == 2
     assert not run_dir.exists()
     assert run_cli(["report", str(tmp_path)]) == 2
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)
+    assert run_cli(argv) == 2  # a finished or interrupted run is not overwritten
+    assert "--resume" in capsys.readouterr().err
 
 
 def test_epoch_batches_cover_each_epoch_once_and_are_pure() -> None:
