@@ -59,11 +59,9 @@ def run_trl(
     """Train with trl.GRPOTrainer on CPU for ``steps`` steps; timings, token counts and rewards.
 
     ``prompts`` are rows with a plain-text "prompt"; the whole row is passed to ``reward`` as its
-    third argument. Rows are drawn by TRL's sampler (shuffled with ``seed``), cycling if fewer
-    than ``steps * prompts_per_step``.
+    third argument. Rows are taken in the order given (``shuffle_dataset=False``), cycling if
+    fewer than ``steps * prompts_per_step``.
     """
-    from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from roles.models import load_causal_lm, load_tokenizer
@@ -71,45 +69,8 @@ def run_trl(
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir).train()
-    bos = tokenizer.bos_token or ""
-    probe = "1+2="
-    if bos and tokenizer(bos + probe)["input_ids"] != [
-        tokenizer.bos_token_id,
-        *tokenizer.encode(probe, add_special_tokens=False),
-    ]:
-        raise RuntimeError("the tokenizer does not encode '<bos>'+prompt as [bos_id, *prompt]")
-
-    # Only the row index travels through TRL; the reward gets the original row back.
-    dataset = Dataset.from_dict(
-        {"prompt": [bos + row["prompt"] for row in prompts], "row_idx": list(range(len(prompts)))}
-    )
-
-    step_times: list[float] = []
-    tokens_counted: list[int] = []  # from completion_ids seen by the reward, per step
-    logged: list[dict[str, float]] = []
-
-    rows = prompts
-
-    def reward_func(prompts, completions, completion_ids, row_idx, **kwargs):
-        tokens_counted.append(sum(len(ids) for ids in completion_ids))
-        return [
-            float(reward(p[len(bos) :] if p.startswith(bos) else p, c, rows[i]))
-            for p, c, i in zip(prompts, completions, row_idx, strict=True)
-        ]
-
-    reward_func.__name__ = "reward"
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            step_times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                logged.append(dict(logs))
-
+    bos = _bos_prefix(tokenizer)
+    recorder = _recorder()
     batch = prompts_per_step * n
     with tempfile.TemporaryDirectory(prefix="trl_bench_") as out:
         config = GRPOConfig(
@@ -141,20 +102,90 @@ def run_trl(
         assert config.steps_per_generation == 1 and config.generation_batch_size == batch
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=reward_func,
+            reward_funcs=_reward_function(prompts, reward, bos, recorder.tokens),
             args=config,
-            train_dataset=dataset,
+            train_dataset=_dataset(prompts, bos),
             processing_class=tokenizer,
-            callbacks=[Timer()],
+            callbacks=[recorder],
         )
         t0 = time.perf_counter()
         trainer.train()
         total_s = time.perf_counter() - t0
+    return _result(recorder, batch, total_s, prompts_per_step, n, max_new_tokens, threads)
 
+
+def _bos_prefix(tokenizer: Any) -> str:
+    """TRL tokenizes plain-text prompts with add_special_tokens=True, which adds nothing for our
+    tokenizer; the literal bos token in front makes the prompt ``[bos, *text]`` as in
+    hybridflow (checked here)."""
+    bos = tokenizer.bos_token or ""
+    probe = "1+2="
+    expected = [tokenizer.bos_token_id, *tokenizer.encode(probe, add_special_tokens=False)]
+    if bos and tokenizer(bos + probe)["input_ids"] != expected:
+        raise RuntimeError("the tokenizer does not encode '<bos>'+prompt as [bos_id, *prompt]")
+    return bos
+
+
+def _dataset(prompts: list[dict], bos: str) -> Any:
+    """Only the row index travels through TRL; the reward gets the original row back."""
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"prompt": [bos + row["prompt"] for row in prompts], "row_idx": list(range(len(prompts)))}
+    )
+
+
+def _reward_function(
+    rows: list[dict], reward: RewardFn, bos: str, tokens_seen: list[int]
+) -> Callable[..., list[float | None]]:
+    def reward_func(prompts, completions, completion_ids, row_idx, **kwargs) -> list[float | None]:
+        tokens_seen.append(sum(len(ids) for ids in completion_ids))
+        return [
+            float(reward(p[len(bos) :] if p.startswith(bos) else p, c, rows[i]))
+            for p, c, i in zip(prompts, completions, row_idx, strict=True)
+        ]
+
+    reward_func.__name__ = "reward"
+    return reward_func
+
+
+def _recorder() -> Any:
+    """A TrainerCallback that times each step and keeps the logged reward and lengths."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.step_times: list[float] = []
+            self.tokens: list[int] = []  # from completion_ids seen by the reward, per step
+            self.logged: list[dict[str, float]] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.logged.append(dict(logs))
+
+    return Recorder()
+
+
+def _result(
+    recorder: Any,
+    batch: int,
+    total_s: float,
+    prompts_per_step: int,
+    n: int,
+    max_new_tokens: int,
+    threads: int,
+) -> dict[str, Any]:
+    step_times, logged = recorder.step_times, recorder.logged
     completion_tokens = [round(log["completions/mean_length"] * batch) for log in logged]
-    if completion_tokens != tokens_counted:
+    if completion_tokens != recorder.tokens:
         raise RuntimeError(
-            f"token counts disagree: logs {completion_tokens}, seen {tokens_counted}"
+            f"token counts disagree: logs {completion_tokens}, seen {recorder.tokens}"
         )
     rewards = [float(log["reward"]) for log in logged]
     later = range(1, len(step_times)) if len(step_times) > 1 else range(len(step_times))

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, Timer, generate, scores
 from controller.client import RoleClient
+from controller.supervised import text_batch
 from transport.batch import TensorBatch
 
 Rows = list[dict[str, Any]]
@@ -286,7 +287,7 @@ class Trainer:
         seed = self.cfg.seed + 7919 * index
         for k in range(first, stage.steps):
             (picked,) = epoch_batches(len(rows), stage.batch_size, seed, k, 1, stage.shuffle)
-            batch = _text_batch([rows[i] for i in picked], ("prompt", "response"))
+            batch = text_batch([rows[i] for i in picked], ("prompt", "response"))
             start = time.perf_counter()
             metrics = await self.roles.actor.call(
                 "sft_step", batch, response_only=stage.response_only, pack=stage.pack
@@ -296,7 +297,7 @@ class Trainer:
             record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
             record["time/step_s"] = time.perf_counter() - start
             if stage.val_data and stage.val_every and (k + 1) % stage.val_every == 0:
-                held_out = _text_batch(self.data[stage.val_data], ("prompt", "response"))
+                held_out = text_batch(self.data[stage.val_data], ("prompt", "response"))
                 found = await self.roles.actor.call(
                     "sft_eval", held_out, response_only=stage.response_only
                 )
@@ -359,19 +360,25 @@ class Trainer:
         rows = self.data[stage.ptx_data]
         size = min(len(rows), stage.algorithm.prompts_per_step)
         (picked,) = epoch_batches(len(rows), size, seed + 1, k, 1)
-        batch = _text_batch([rows[i] for i in picked], ("prompt", "response"))
+        batch = text_batch([rows[i] for i in picked], ("prompt", "response"))
         await self.roles.actor.call("sft_step", batch, scale=stage.algorithm.safe.ptx_coef)
         self.state.version += 1
 
     def _prompts(self, rows: Rows, size: int, seed: int, k: int, shuffle: bool) -> TensorBatch:
         (picked,) = epoch_batches(len(rows), size, seed, k, 1, shuffle)
-        chosen = [self._templated(rows[i]) for i in picked]
+        batch = self._prompt_batch([rows[i] for i in picked])
+        batch.non_tensors["seed"] = [request_seed(seed, k, i) for i in range(len(picked))]
+        return batch
+
+    def _prompt_batch(self, rows: Rows) -> TensorBatch:
+        """Generation requests: every column but ``response`` (templated ``prompt``), and a
+        ``uid`` per request that its samples carry back."""
+        chosen = [self._templated(row) for row in rows]
         columns = sorted({c for row in chosen for c in row if c != "response"})
         batch = TensorBatch.from_dict(
             non_tensors={c: [row.get(c) for row in chosen] for c in columns}
         )
         batch.non_tensors["uid"] = list(range(len(chosen)))
-        batch.non_tensors["seed"] = [request_seed(seed, k, i) for i in range(len(chosen))]
         return batch
 
     def _templated(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -401,14 +408,7 @@ class Trainer:
             last = self.validations[-1]  # nothing trained since: same weights, same answers
             self.validations.append({**last, "tag": tag})
             return dict(last["record"])
-        rows = [self._templated(row) for row in self.data[self.cfg.val_data]]
-        prompts = TensorBatch.from_dict(
-            non_tensors={
-                c: [row.get(c) for row in rows]
-                for c in sorted({c for row in rows for c in row if c != "response"})
-            }
-        )
-        prompts.non_tensors["uid"] = list(range(len(rows)))
+        prompts = self._prompt_batch(self.data[self.cfg.val_data])
         await self._sync()
         start = time.perf_counter()
         sampling = {"temperature": 0.0, "n": 1, "max_new_tokens": self.cfg.val_max_new_tokens}
@@ -509,7 +509,3 @@ def checkpoints(folder: Path) -> list[Path]:
         for p in folder.iterdir()
         if p.is_dir() and p.name.startswith("step_") and "." not in p.name
     )
-
-
-def _text_batch(rows: Rows, columns: Sequence[str]) -> TensorBatch:
-    return TensorBatch.from_dict(non_tensors={c: [row[c] for row in rows] for c in columns})
