@@ -42,8 +42,9 @@ import yaml
 
 # Addition with operands <= 19, answered as "21 because 9+12=21" (~20 tokens). Half the SFT rows
 # write "21!", which the exact-answer reward rejects: GRPO's reward moves as the format flips.
+# The GRPO prompts are the SFT problems (a benchmark of throughput, not of generalisation).
 TASK = "max_operand=19&style=explain"
-DATA = "builtin:arithmetic?n={n}&split=train&seed=1&" + TASK
+DATA = "builtin:arithmetic?n={n}&split=sft&seed=1&" + TASK
 SFT_DATA = "builtin:arithmetic?n=8192&split=sft&noise=0.5&" + TASK
 
 
@@ -143,6 +144,7 @@ def run_hybridflow(work: Path, name: str, config: dict[str, Any]) -> dict[str, A
         "reward_per_step": [round(r, 4) for r in rewards],
         "reward_first": rewards[0],
         "reward_last": statistics.fmean(rewards[-3:]),
+        "reward_second_half": statistics.fmean(rewards[len(rewards) // 2 :]),
         "split_s": {
             k[5:-2]: round(statistics.median(r.get(k, 0.0) for r in steps[1:]), 4)
             for k in ("time/gen_s", "time/prepare_s", "time/update_s", "time/sync_s")
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="GRPO steps per runner")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--overlap", action="store_true", help="best: overlap generation (off-policy)")
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
@@ -236,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         "hybridflow_best_reward": round(best["reward_last"], 4),
         "trl_reward": round(trl["reward_last"], 4),
         "reward_first": {"hybridflow": hf["reward_first"], "trl": trl["reward_first"]},
+        "reward_second_half": {
+            "hybridflow": round(hf["reward_second_half"], 4),
+            "best": round(best["reward_second_half"], 4),
+            "trl": round(statistics.fmean(trl["reward_per_step"][args.steps // 2 :]), 4),
+        },
         "best_config": "bf16" + (", overlap (one step off-policy)" if args.overlap else ""),
         "split_s": {"hybridflow": hf["split_s"], "best": best["split_s"]},
     }

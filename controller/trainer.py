@@ -460,6 +460,9 @@ class Trainer:
             "stage": stage,
             "stage_step": stage_step,
             "global_step": self.global_step,
+            # rows of the stage's data consumed; the order itself is a pure function of
+            # (seed, stage, step), so this is all a resume needs to continue the data stream
+            "data_position": stage_step * self.stages[stage].rows_per_step(),
             "algorithm": self.state.state_dict(),
             "stale": self.stale,
             "validations": self.validations,

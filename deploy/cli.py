@@ -8,6 +8,8 @@
 - ``hybridflow sft`` / ``hybridflow rm`` — supervised training jobs (``deploy/train_cli.py``).
 - ``hybridflow run EXPERIMENT.yaml`` / ``hybridflow report RUN_DIR`` — experiments: SFT and RL
   stages, checkpoints, resume, plots (``deploy/run_cli.py``).
+- ``hybridflow controller EXPERIMENT.yaml --bind tcp://HOST:PORT`` — the same run with the
+  controller alone; each group joins with ``hybridflow role`` (the command is printed).
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.choices[job].set_defaults(fn=run_train_command)
     add_run_commands(sub)
     sub.choices["run"].set_defaults(fn=run_experiment_command)
+    sub.choices["controller"].set_defaults(fn=run_experiment_command)
     sub.choices["report"].set_defaults(fn=report_command)
     return parser
 

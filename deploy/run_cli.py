@@ -42,6 +42,19 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
         help="checkpoint and stop after this global step (continue with --resume)",
     )
     run.add_argument("--json", action="store_true", help="print summary.json as one line")
+    ctl = subparsers.add_parser(
+        "controller",
+        help="run an experiment's controller alone; its groups join with `hybridflow role`",
+        parents=[run],
+        add_help=False,
+        conflict_handler="resolve",
+    )
+    ctl.add_argument(
+        "--bind", required=True, help="address the groups connect to, e.g. tcp://0.0.0.0:5555"
+    )
+    ctl.add_argument(
+        "--wait", type=float, default=120.0, help="seconds to wait for every group to join"
+    )
     report = subparsers.add_parser("report", help="PNG plots of a run's metrics")
     report.add_argument("run_dir", type=Path)
 
@@ -126,7 +139,8 @@ def _run(
     from deploy.cli import console, run_async
     from deploy.experiment import checkpointed_roles
     from deploy.live import LiveView
-    from deploy.session import local_session
+    from deploy.session import local_session, remote_session
+    from transport.settings import Timeouts
 
     resume_step = None
     if args.resume:
@@ -142,9 +156,15 @@ def _run(
     live = LiveView(exp, console, enabled=exp.logging.live and not args.json)
     sinks.append(live)
 
+    def session() -> Any:
+        if getattr(args, "bind", None) is None:
+            return local_session(groups, run_dir=run_dir)
+        timeouts = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
+        return remote_session(groups, args.bind, timeouts, lambda a, t: _announce(groups, a, t))
+
     async def main() -> dict[str, Any]:
         start = time.perf_counter()
-        async with local_session(groups, run_dir=run_dir) as controller:
+        async with session() as controller:
             ready = time.perf_counter() - start
             clients = {r: RoleClient(controller, r) for r in exp.roles}
             roles = Roles(**{k: v for k, v in clients.items() if k in Roles.__dataclass_fields__})
@@ -176,6 +196,19 @@ def _run(
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(run_dir / "summary.json")
     return summary
+
+
+def _announce(groups: list[Any], address: str, token: str) -> None:
+    """How to start each group (stderr, so --json output stays one line)."""
+    from deploy.cli import console
+
+    console.print(f"controller listening on {address}; start each group with:")
+    for g in groups:
+        console.print(
+            f"  HYBRIDFLOW_TOKEN={token} hybridflow role {','.join(g.roles)} --connect {address} "
+            f"--group {g.name} --nproc {g.nproc} --tp {g.tp}",
+            soft_wrap=True,
+        )
 
 
 def _describe(summary: dict[str, Any], run_dir: Path) -> str:

@@ -1,4 +1,8 @@
-"""A local session: controller in this process, every group as child processes, torn down in order.
+"""Sessions: a controller bound and every placed group registered, torn down in order.
+
+``local_session``: every group as child processes of this one. ``remote_session``: the groups
+are started elsewhere (``hybridflow role ... --connect ADDR``, by hand, torchrun or srun) and
+join over TCP; this process only binds and waits for them.
 
 ``async with local_session(groups) as controller:`` binds the controller's ipc socket, starts each
 group's ranks, waits until all have registered and built their roles, and on the way out (normal
@@ -9,7 +13,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -54,3 +58,24 @@ async def local_session(
         if launcher is not None:
             await launcher.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@asynccontextmanager
+async def remote_session(
+    groups: list[GroupSpec],
+    bind: str,
+    timeouts: Timeouts | None = None,
+    announce: Callable[[str, str], None] | None = None,
+) -> AsyncIterator[Controller]:
+    """Bind ``bind`` (e.g. ``tcp://0.0.0.0:5555``), call ``announce(address, token)`` so the
+    groups can be started, wait ``timeouts.connect_s`` for all of them (the error lists who is
+    missing), yield; on the way out tell every group to stop."""
+    controller = Controller(groups, timeouts or Timeouts())
+    try:
+        address = controller.bind(bind)
+        if announce is not None:
+            announce(address, controller.token)
+        await controller.wait_ready()
+        yield controller
+    finally:
+        await controller.shutdown()
