@@ -71,12 +71,14 @@ def run_experiment_command(args: argparse.Namespace) -> int:
     try:
         summary = _run(exp, run_dir, data, groups, args)
     except Exception as exc:  # the run failed: say what, where the checkpoints are
+        from controller.trainer import checkpoints
         from deploy.cli import console
 
-        console.print(f"[red]hybridflow run failed:[/] {type(exc).__name__}: {exc}")
-        console.print(
-            f"resume from the last checkpoint: hybridflow run --resume --run-dir {run_dir}"
-        )
+        failed = f"[red]hybridflow {args.command} failed:[/] {type(exc).__name__}: {exc}"
+        console.print(failed, soft_wrap=True)
+        if checkpoints(run_dir / "checkpoints"):
+            resume = f"hybridflow {args.command} --resume --run-dir {run_dir}"
+            console.print(f"resume from the last checkpoint: {resume}", soft_wrap=True)
         return EXIT_FAILED
     if args.json:
         print(json.dumps(summary))

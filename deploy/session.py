@@ -20,6 +20,7 @@ from pathlib import Path
 from controller.placement import GroupSpec
 from controller.server import Controller
 from deploy.local import LocalLauncher
+from transport.errors import RegistrationError
 from transport.settings import Timeouts
 from transport.shm import sweep_dead
 
@@ -75,7 +76,17 @@ async def remote_session(
         address = controller.bind(bind)
         if announce is not None:
             announce(address, controller.token)
-        await controller.wait_ready()
+        try:
+            await controller.wait_ready()
+        except RegistrationError as exc:
+            missing = [n for n, g in controller.groups.items() if not g.ready.is_set()]
+            if not missing:
+                raise
+            raise RegistrationError(
+                f"groups {missing} did not join {address} within "
+                f"{controller.timeouts.connect_s:.0f} s; start them with the commands printed "
+                "above, or wait longer (hybridflow controller --wait SECONDS)"
+            ) from exc
         yield controller
     finally:
         await controller.shutdown()
