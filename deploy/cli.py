@@ -85,6 +85,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def launched_outside(env: dict[str, str]) -> bool:
+    """True when torchrun or srun started this process as one rank of a group."""
+    return ("RANK" in env and "WORLD_SIZE" in env) or "SLURM_PROCID" in env
+
+
+def run_as_rank(args: argparse.Namespace, roles: list[str], name: str) -> int:
+    """This process is one rank (torchrun / srun set RANK, WORLD_SIZE or SLURM_PROCID,
+    SLURM_NTASKS): fill in what the rank runtime reads and become it; rank 0 coordinates."""
+    from roles import runtime
+
+    env = os.environ
+    if "MASTER_PORT" not in env and args.master_port is None:
+        if "SLURM_JOB_ID" not in env:
+            raise SystemExit("hybridflow role: set MASTER_PORT or --master-port for the group")
+        # one port per job step, the same on every rank of the step
+        step = int(env.get("SLURM_STEP_ID", "0") or 0)
+        env["MASTER_PORT"] = str(20000 + (int(env["SLURM_JOB_ID"]) * 7 + step) % 20000)
+    if args.master_port is not None:
+        env["MASTER_PORT"] = str(args.master_port)
+    if args.master_addr is not None:
+        env["MASTER_ADDR"] = args.master_addr
+    env.update(
+        HYBRIDFLOW_GROUP=name,
+        HYBRIDFLOW_ROLES=",".join(roles),
+        HYBRIDFLOW_CONTROLLER=args.connect,
+        HYBRIDFLOW_TP=str(args.tp),
+        HYBRIDFLOW_PP=str(args.pp),
+        HYBRIDFLOW_FANOUT=args.fanout,
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+    )
+    if args.token:
+        env["HYBRIDFLOW_TOKEN"] = args.token
+    if args.socket_dir:
+        env["HYBRIDFLOW_SOCKET_DIR"] = args.socket_dir
+    runtime.main()
+    return 0
+
+
 def cmd_role(args: argparse.Namespace) -> int:
     from controller.placement import GroupSpec, RoleSpec
     from deploy.local import LocalLauncher
@@ -92,6 +130,8 @@ def cmd_role(args: argparse.Namespace) -> int:
 
     roles = [r for r in args.names.split(",") if r]
     name = args.group or "+".join(roles)
+    if args.launcher == "env" or (args.launcher == "auto" and launched_outside(dict(os.environ))):
+        return run_as_rank(args, roles, name)
     # The role classes come from the controller (WELCOME/build); the spec here sizes the group.
     spec = GroupSpec.model_construct(
         name=name,
@@ -176,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--token", help="the controller's token (or HYBRIDFLOW_TOKEN)")
     role.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
     role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
+    role.add_argument(
+        "--launcher",
+        choices=("auto", "local", "env"),
+        default="auto",
+        help="local: start --nproc ranks here; env: this process is one rank started by "
+        "torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS); auto: env when those "
+        "are set",
+    )
+    role.add_argument("--master-addr", help="rank 0's host for the group (env launcher)")
+    role.add_argument("--master-port", type=int, help="the group's store port (env launcher)")
     role.add_argument("--socket-dir", help="directory for local ipc sockets (default /tmp)")
     role.set_defaults(fn=cmd_role)
 

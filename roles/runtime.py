@@ -112,11 +112,13 @@ def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store]:
     """Join the group's torch.distributed process group (gloo) with a bounded timeout; the
     store also carries the coordinator's fan-out address to the other ranks."""
     timeout = datetime.timedelta(seconds=env.timeouts.group_init_s)
+    # Under torchrun the agent already serves a store on MASTER_PORT; every rank joins it.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         env.master_addr,
         env.master_port,
         env.world_size,
-        is_master=env.rank == 0,
+        is_master=env.rank == 0 and not agent_store,
         timeout=timeout,
         wait_for_workers=False,
     )

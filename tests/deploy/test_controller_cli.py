@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -30,7 +31,10 @@ def wait_for(path: Path, pattern: str, proc: subprocess.Popen[str], limit: float
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_controller_alone_and_a_group_started_by_hand(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["hybridflow", "torchrun"])
+def test_controller_alone_and_a_group_started_by_hand(launcher: str, tmp_path: Path) -> None:
+    """The group is started with the printed command (its ranks spawned by `hybridflow role`),
+    or by torchrun, each of whose two processes becomes one rank."""
     run_dir, err = tmp_path / "run", tmp_path / "controller.err"
     argv = ["controller", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json"]
     argv += ["--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir)]
@@ -42,7 +46,12 @@ def test_controller_alone_and_a_group_started_by_hand(tmp_path: Path) -> None:
         role_args = [*line.group(2).split(), "--run-dir", str(tmp_path / "role")]
         assert role_args[:2] == ["actor,reward", "--connect"]
         assert role_args[2].startswith("tcp://127.0.0.1:")
-        role = subprocess.run([*CLI, "role", *role_args], env=env, timeout=240)
+        command = [*CLI, "role", *role_args]
+        if launcher == "torchrun":
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            command = [*torchrun, "--master-port", str(free_port()), "-m", "deploy.cli", "role"]
+            command += [*role_args[:3], "--group", "main"]
+        role = subprocess.run(command, env=env, timeout=240)
         out, _ = ctl.communicate(timeout=60)
     finally:
         if ctl.poll() is None:
@@ -51,6 +60,13 @@ def test_controller_alone_and_a_group_started_by_hand(tmp_path: Path) -> None:
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 46 and summary["val_acc_after"] is not None
     assert (run_dir / "export" / "actor" / "model.safetensors").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def test_a_group_that_never_joins_is_named(tmp_path: Path) -> None:
