@@ -31,6 +31,7 @@ from rich.logging import RichHandler
 
 from deploy.model_cli import add_model_commands, run_model_command
 from deploy.run_cli import add_run_commands, report_command, run_experiment_command
+from deploy.slurm_cli import add_slurm_command
 from deploy.train_cli import add_train_commands, run_train_command
 
 console = Console(stderr=True)
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["run"].set_defaults(fn=run_experiment_command)
     sub.choices["controller"].set_defaults(fn=run_experiment_command)
     sub.choices["report"].set_defaults(fn=report_command)
+    add_slurm_command(sub)
     return parser
 
 

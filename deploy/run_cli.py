@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -162,7 +163,9 @@ def _run(
         if getattr(args, "bind", None) is None:
             return local_session(groups, run_dir=run_dir)
         timeouts = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
-        return remote_session(groups, args.bind, timeouts, lambda a, t: _announce(groups, a, t))
+        token = os.environ.get("HYBRIDFLOW_TOKEN") or None  # set by a launcher (SLURM script)
+        announce = lambda a, t: _announce(groups, a, t)  # noqa: E731
+        return remote_session(groups, args.bind, timeouts, announce, token)
 
     async def main() -> dict[str, Any]:
         start = time.perf_counter()

@@ -67,11 +67,12 @@ async def remote_session(
     bind: str,
     timeouts: Timeouts | None = None,
     announce: Callable[[str, str], None] | None = None,
+    token: str | None = None,
 ) -> AsyncIterator[Controller]:
     """Bind ``bind`` (e.g. ``tcp://0.0.0.0:5555``), call ``announce(address, token)`` so the
     groups can be started, wait ``timeouts.connect_s`` for all of them (the error lists who is
     missing), yield; on the way out tell every group to stop."""
-    controller = Controller(groups, timeouts or Timeouts())
+    controller = Controller(groups, timeouts or Timeouts(), token=token)
     try:
         address = controller.bind(bind)
         if announce is not None:

@@ -1,0 +1,170 @@
+"""``hybridflow slurm EXPERIMENT.yaml --nodes N``: a readable sbatch script for the experiment.
+
+One job (not a heterogeneous one: every piece runs the same image and software, and one
+allocation keeps the groups' nodes together). Its steps:
+
+1. ``srun`` the controller (1 task) on the first node, bound to ``tcp://FIRST_NODE:PORT``;
+2. ``srun`` each process group of the placement (``nproc`` tasks, one rank each: ``hybridflow
+   role ... --launcher env`` reads ``SLURM_PROCID``/``SLURM_NTASKS``) on its node(s);
+3. wait for the controller; its exit status is the job's.
+
+Groups are spread over the nodes in placement order, each on the nodes after the previous one
+(a group of more ranks than a node has CPUs spans several). The controller's token is made in
+the script and passed by environment, never written to disk. ``--submit`` runs ``sbatch``,
+follows the job's output and exits with its status; ``scancel`` ends every step (slurmd kills
+each step's processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_BAD_INPUT = 2
+
+
+def add_slurm_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("slurm", help="write (and --submit) an sbatch script")
+    p.add_argument("experiment", type=Path)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--partition")
+    p.add_argument("--time", help="job time limit, e.g. 01:00:00")
+    p.add_argument("--run-dir", type=Path, help="default: runs/<name>-<time>")
+    p.add_argument("--quick", action="store_true", help="the experiment's quick: overrides")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--port", type=int, help="controller port (default: from the job id)")
+    p.add_argument("--submit", action="store_true", help="sbatch it, follow it, exit with it")
+    p.set_defaults(fn=slurm_command)
+
+
+def slurm_command(args: argparse.Namespace) -> int:
+    from deploy.experiment import ExperimentError, check, load, placement, read_data
+
+    try:
+        exp = load(args.experiment, args.set, args.quick)
+        read_data(exp)
+        check(exp)
+        if args.nodes < 1:
+            raise ExperimentError(f"--nodes={args.nodes} must be >= 1")
+        groups = placement(exp)
+        if len(groups) > args.nodes * 64:
+            raise ExperimentError("more groups than the nodes can hold")
+        if args.submit and shutil.which("sbatch") is None:
+            raise ExperimentError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
+    except (ExperimentError, ValueError) as exc:
+        print(f"hybridflow slurm: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    run_dir = (
+        args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    ).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script = run_dir / "job.sbatch"
+    script.write_text(render(exp, groups, args, run_dir))
+    print(script)
+    if not args.submit:
+        return 0
+    return submit(script, run_dir)
+
+
+def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: Path) -> str:
+    tasks = 1 + sum(g.nproc for g in groups.values())
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=hybridflow-{exp.name}",
+        f"#SBATCH --nodes={args.nodes}",
+        f"#SBATCH --ntasks={tasks}",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+    ]
+    if args.partition:
+        lines.append(f"#SBATCH --partition={args.partition}")
+    if args.time:
+        lines.append(f"#SBATCH --time={args.time}")
+    if args.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
+    experiment = shlex.quote(str(Path(args.experiment).resolve()))
+    options = " --quick" if args.quick else ""
+    options += "".join(f" --set {shlex.quote(s)}" for s in args.set)
+    python = shlex.quote(sys.executable)
+    port = str(args.port) if args.port else "$((40000 + SLURM_JOB_ID % 10000))"
+    lines += [
+        "",
+        "# hybridflow: the controller on the first node, each process group on its node(s).",
+        "set -euo pipefail",
+        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        # one node: loopback (TCP that leaves a host needs CURVE keys, `hybridflow keys`)
+        "head=127.0.0.1" if args.nodes == 1 else "head=${nodes[0]}",
+        f"port={port}",
+        f'export HYBRIDFLOW_TOKEN=$({python} -c "import secrets; print(secrets.token_hex(16))")',
+        "export OMP_NUM_THREADS=1",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        "",
+        "srun --nodes=1 --ntasks=1 --nodelist=${nodes[0]} --exact \\",
+        f"  {python} -m deploy.cli controller {experiment}{options} \\",
+        f'  --bind "tcp://$head:$port" --run-dir {shlex.quote(str(run_dir))} &',
+        "controller=$!",
+    ]
+    node = 0
+    for name, group in groups.items():
+        roles = ",".join(group.roles)
+        lines += [
+            "",
+            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
+            f"srun --nodes=1 --ntasks={group.nproc} --nodelist=${{nodes[{node % args.nodes}]}} "
+            "--exact \\",
+            f'  {python} -m deploy.cli role {roles} --connect "tcp://$head:$port" \\',
+            f"  --group {name} --tp {group.tp} --launcher env "
+            f"--master-addr ${{nodes[{node % args.nodes}]}} --run-dir {shlex.quote(str(run_dir))} &",
+        ]
+        node += 1
+    lines += [
+        "",
+        "# the controller's status is the job's (set -e); it stops the groups on its way out",
+        "wait $controller",
+        "wait",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def submit(script: Path, run_dir: Path) -> int:
+    """sbatch, follow the output, exit with the job's status (1 when it did not complete)."""
+    done = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        print(f"hybridflow slurm: sbatch failed: {done.stderr.strip()}", file=sys.stderr)
+        return 1
+    job = done.stdout.strip().split(";")[0]
+    print(f"submitted job {job}; output: {run_dir}/slurm-{job}.out", flush=True)
+    output = run_dir / f"slurm-{job}.out"
+    shown = 0
+    while True:
+        state = job_state(job)
+        if output.exists():
+            text = output.read_text(errors="replace")
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", ""):
+            break
+        time.sleep(1.0)
+    print(f"job {job}: {state}")
+    return 0 if state == "COMPLETED" else 1
+
+
+def job_state(job: str) -> str:
+    """The job's state from scontrol (no accounting database needed)."""
+    done = subprocess.run(
+        ["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, check=False
+    )
+    for field in done.stdout.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return ""

@@ -1,0 +1,115 @@
+"""``hybridflow slurm``: the sbatch script, and real jobs on a one-node SLURM cluster (.ci/slurm-up):
+a quick run completes and writes its metrics; a cancelled job leaves no process behind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import build_parser
+from deploy.experiment import load, placement
+from deploy.slurm_cli import job_state, render
+from tests.conftest import require_system
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CLI = [sys.executable, "-m", "deploy.cli"]
+
+
+def cluster_up() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    return done.returncode == 0 and ("idle" in done.stdout or "mix" in done.stdout)
+
+
+@pytest.fixture
+def slurm() -> None:
+    require_system("SLURM", cluster_up(), "start a one-node cluster with .ci/slurm-up")
+
+
+def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> None:
+    exp = load(EXAMPLES / "ppo.yaml")
+    args = argparse.Namespace(
+        experiment=EXAMPLES / "ppo.yaml",
+        nodes=2,
+        partition="gpu",
+        time="01:00:00",
+        gpus_per_node=1,
+        quick=True,
+        set=["stages.1.steps=3"],
+        port=None,
+    )
+    script = render(exp, placement(exp), args, tmp_path)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks=3" in script
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --gpus-per-node=1" in script
+    assert "head=${nodes[0]}" in script  # two nodes: the first node's address
+    assert script.count("deploy.cli role") == 2 and "--launcher env" in script
+    assert "role actor,reference" in script and "role critic,reward" in script
+    assert "--set stages.1.steps=3" in script and "--quick" in script
+    assert script.index("deploy.cli controller") < script.index("deploy.cli role")
+
+
+def test_bad_input_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(*argv: str) -> int:
+        args = build_parser().parse_args(["slurm", *argv])
+        code: int = args.fn(args)
+        return code
+
+    assert run(str(EXAMPLES / "quickstart.yaml"), "--nodes", "0") == 2
+    assert run(str(tmp_path / "missing.yaml")) == 2
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert run(str(EXAMPLES / "quickstart.yaml"), "--submit", "--run-dir", str(tmp_path / "r")) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_submitted_run_completes_and_writes_its_metrics(slurm: None, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick", "--run-dir", str(run_dir)]
+    done = subprocess.run([*CLI, *argv, "--submit"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "COMPLETED" in done.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 46
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) > 40
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scancel_leaves_no_process(slurm: None, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick", "--run-dir", str(run_dir)]
+    argv += ["--set", "stages.1.steps=1000", "--set", "trainer.val_data=null"]
+    subprocess.run([*CLI, *argv], check=True, capture_output=True, timeout=60)
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(run_dir / "job.sbatch")], capture_output=True, text=True
+    ).stdout.strip()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and '"grpo"' in metrics.read_text():
+                break
+            assert job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"), job_state(job)
+            time.sleep(0.5)
+        assert ours(run_dir)  # controller and ranks are running
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (ours(run_dir) or job_state(job) == "RUNNING"):
+        time.sleep(0.5)
+    assert not ours(run_dir)
+    assert job_state(job) in ("CANCELLED", "FAILED", "COMPLETING")
+
+
+def ours(run_dir: Path) -> list[str]:
+    """Processes of this job: their command lines name the run dir (controller and ranks)."""
+    done = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True)
+    return [line for line in done.stdout.splitlines() if "pgrep" not in line]
