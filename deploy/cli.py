@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.logging import RichHandler
 
+from deploy.keys_cli import add_keys_command, client_files
 from deploy.model_cli import add_model_commands, run_model_command
 from deploy.run_cli import add_run_commands, report_command, run_experiment_command
 from deploy.slurm_cli import add_slurm_command
@@ -131,6 +132,14 @@ def cmd_role(args: argparse.Namespace) -> int:
 
     roles = [r for r in args.names.split(",") if r]
     name = args.group or "+".join(roles)
+    if args.keys is not None:  # the rank runtime reads these (roles/runtime.py)
+        secret, server = client_files(args.keys, args.client or name)
+        for path in (secret, server):
+            if not path.is_file():
+                console.print(f"[red]hybridflow role: no key file {path} (hybridflow keys)[/]")
+                return 2
+        os.environ["HYBRIDFLOW_CURVE_SECRET"] = str(secret.resolve())
+        os.environ["HYBRIDFLOW_CURVE_SERVER_KEY"] = str(server.resolve())
     if args.launcher == "env" or (args.launcher == "auto" and launched_outside(dict(os.environ))):
         return run_as_rank(args, roles, name)
     # The role classes come from the controller (WELCOME/build); the spec here sizes the group.
@@ -226,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         "are set",
     )
     role.add_argument("--master-addr", help="rank 0's host for the group (env launcher)")
+    role.add_argument("--keys", type=Path, help="CURVE keys (hybridflow keys) for a TCP link")
+    role.add_argument("--client", help="this group's key name in --keys (default: the group)")
     role.add_argument("--master-port", type=int, help="the group's store port (env launcher)")
     role.add_argument("--socket-dir", help="directory for local ipc sockets (default /tmp)")
     role.set_defaults(fn=cmd_role)
@@ -240,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["controller"].set_defaults(fn=run_experiment_command)
     sub.choices["report"].set_defaults(fn=report_command)
     add_slurm_command(sub)
+    add_keys_command(sub)
     return parser
 
 

@@ -56,6 +56,9 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
     ctl.add_argument(
         "--wait", type=float, default=120.0, help="seconds to wait for every group to join"
     )
+    ctl.add_argument(
+        "--keys", type=Path, help="CURVE keys (hybridflow keys): needed on an address off this host"
+    )
     report = subparsers.add_parser("report", help="PNG plots of a run's metrics")
     report.add_argument("run_dir", type=Path)
 
@@ -104,9 +107,17 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path]:
             raise ExperimentError(f"--resume: {saved} does not exist; is this a run directory?")
         exp = parse(yaml.safe_load(saved.read_text()), args.set, False, str(saved))
         run_dir = args.run_dir
-    else:
-        if args.experiment is None:
-            raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
+    elif args.experiment is None:
+        raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
+    if getattr(args, "bind", None) is not None:
+        from transport.channel import is_local_address
+
+        if args.bind.startswith("tcp://") and not is_local_address(args.bind) and not args.keys:
+            raise ExperimentError(
+                f"--bind {args.bind} leaves this host: it needs CURVE keys; make them with "
+                "`hybridflow keys DIR --clients GROUPS` and pass --keys DIR"
+            )
+    if not args.resume:
         exp = load(args.experiment, args.set, args.quick)
         run_dir = args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         from controller.trainer import checkpoints
@@ -164,8 +175,14 @@ def _run(
             return local_session(groups, run_dir=run_dir)
         timeouts = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
         token = os.environ.get("HYBRIDFLOW_TOKEN") or None  # set by a launcher (SLURM script)
-        announce = lambda a, t: _announce(groups, a, t)  # noqa: E731
-        return remote_session(groups, args.bind, timeouts, announce, token)
+        curve = None
+        if args.keys is not None:
+            from deploy.keys_cli import server_files
+            from transport.security import CurveServer
+
+            curve = CurveServer(*server_files(args.keys))
+        announce = lambda a, t: _announce(groups, a, t, args.keys)  # noqa: E731
+        return remote_session(groups, args.bind, timeouts, announce, token, curve)
 
     async def main() -> dict[str, Any]:
         start = time.perf_counter()
@@ -203,7 +220,7 @@ def _run(
     return summary
 
 
-def _announce(groups: list[Any], address: str, token: str) -> None:
+def _announce(groups: list[Any], address: str, token: str, keys: Path | None = None) -> None:
     """How to start each group (stderr, so --json output stays one line)."""
     from deploy.cli import console
 
@@ -211,7 +228,8 @@ def _announce(groups: list[Any], address: str, token: str) -> None:
     for g in groups:
         console.print(
             f"  HYBRIDFLOW_TOKEN={token} hybridflow role {','.join(g.roles)} --connect {address} "
-            f"--group {g.name} --nproc {g.nproc} --tp {g.tp}",
+            f"--group {g.name} --nproc {g.nproc} --tp {g.tp}"
+            + (f" --keys {keys} --client {g.name}" if keys else ""),
             soft_wrap=True,
         )
 

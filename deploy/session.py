@@ -21,6 +21,7 @@ from controller.placement import GroupSpec
 from controller.server import Controller
 from deploy.local import LocalLauncher
 from transport.errors import RegistrationError
+from transport.security import CurveServer
 from transport.settings import Timeouts
 from transport.shm import sweep_dead
 
@@ -68,13 +69,14 @@ async def remote_session(
     timeouts: Timeouts | None = None,
     announce: Callable[[str, str], None] | None = None,
     token: str | None = None,
+    curve: CurveServer | None = None,
 ) -> AsyncIterator[Controller]:
     """Bind ``bind`` (e.g. ``tcp://0.0.0.0:5555``), call ``announce(address, token)`` so the
     groups can be started, wait ``timeouts.connect_s`` for all of them (the error lists who is
     missing), yield; on the way out tell every group to stop."""
     controller = Controller(groups, timeouts or Timeouts(), token=token)
     try:
-        address = controller.bind(bind)
+        address = controller.bind(bind, curve)
         if announce is not None:
             announce(address, controller.token)
         try:

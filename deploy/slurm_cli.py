@@ -40,6 +40,11 @@ def add_slurm_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="the experiment's quick: overrides")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--port", type=int, help="controller port (default: from the job id)")
+    p.add_argument(
+        "--keys",
+        type=Path,
+        help="CURVE keys (hybridflow keys --clients GROUPS); needed for --nodes > 1",
+    )
     p.add_argument("--submit", action="store_true", help="sbatch it, follow it, exit with it")
     p.set_defaults(fn=slurm_command)
 
@@ -56,6 +61,11 @@ def slurm_command(args: argparse.Namespace) -> int:
         groups = placement(exp)
         if len(groups) > args.nodes * 64:
             raise ExperimentError("more groups than the nodes can hold")
+        if args.nodes > 1 and args.keys is None:
+            raise ExperimentError(
+                f"--nodes={args.nodes}: links between nodes need CURVE keys; make them with "
+                f"`hybridflow keys DIR --clients {','.join(groups)}` and pass --keys DIR"
+            )
         if args.submit and shutil.which("sbatch") is None:
             raise ExperimentError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
     except (ExperimentError, ValueError) as exc:
@@ -92,6 +102,7 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
     options = " --quick" if args.quick else ""
     options += "".join(f" --set {shlex.quote(s)}" for s in args.set)
     python = shlex.quote(sys.executable)
+    keys = f" --keys {shlex.quote(str(Path(args.keys).resolve()))}" if args.keys else ""
     port = str(args.port) if args.port else "$((40000 + SLURM_JOB_ID % 10000))"
     lines += [
         "",
@@ -107,7 +118,7 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         "",
         "srun --nodes=1 --ntasks=1 --nodelist=${nodes[0]} --exact \\",
         f"  {python} -m deploy.cli controller {experiment}{options} \\",
-        f'  --bind "tcp://$head:$port" --run-dir {shlex.quote(str(run_dir))} &',
+        f'  --bind "tcp://$head:$port" --run-dir {shlex.quote(str(run_dir))}{keys} &',
         "controller=$!",
     ]
     node = 0
@@ -120,7 +131,9 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
             "--exact \\",
             f'  {python} -m deploy.cli role {roles} --connect "tcp://$head:$port" \\',
             f"  --group {name} --tp {group.tp} --launcher env "
-            f"--master-addr ${{nodes[{node % args.nodes}]}} --run-dir {shlex.quote(str(run_dir))} &",
+            f"--master-addr ${{nodes[{node % args.nodes}]}} --run-dir {shlex.quote(str(run_dir))}"
+            + (f"{keys} --client {name}" if keys else "")
+            + " &",
         ]
         node += 1
     lines += [

@@ -77,3 +77,52 @@ def test_a_group_that_never_joins_is_named(tmp_path: Path) -> None:
     assert "groups ['main'] did not join tcp://127.0.0.1:" in done.stderr
     assert "within 2 s" in done.stderr and "--wait" in done.stderr
     assert "--resume" not in done.stderr  # nothing to resume from
+
+
+def host_address() -> str:
+    """An address of this machine that is not loopback (the transport demands CURVE there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+        address: str = s.getsockname()[0]
+    return address
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_curve_keys_admit_the_listed_group_and_refuse_another(tmp_path: Path) -> None:
+    keys, run_dir, err = tmp_path / "keys", tmp_path / "run", tmp_path / "controller.err"
+    made = subprocess.run([*CLI, "keys", str(keys), "--clients", "main,intruder"], check=True)
+    assert made.returncode == 0 and (keys / "allowed" / "main.key").exists()
+    (keys / "allowed" / "intruder.key").unlink()  # made, but not accepted
+    host = host_address()
+    assert not host.startswith("127.")
+    bare = ["controller", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json", "--wait", "90"]
+    refused = subprocess.run(
+        [*CLI, *bare, "--bind", f"tcp://{host}:0", "--run-dir", str(tmp_path / "bare")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "needs CURVE keys" in refused.stderr
+    argv = [*bare, "--bind", f"tcp://{host}:0", "--keys", str(keys), "--run-dir", str(run_dir)]
+    with err.open("w") as stderr:
+        ctl = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=stderr, text=True)
+    intruder = None
+    try:
+        line = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n", ctl, 60)
+        env = {**os.environ, "HYBRIDFLOW_TOKEN": line.group(1)}
+        args = line.group(2).split()
+        assert args[-4:] == ["--keys", str(keys), "--client", "main"]
+        wrong = [*args[:-1], "intruder", "--run-dir", str(tmp_path / "intruder")]
+        intruder = subprocess.Popen([*CLI, "role", *wrong], env=env)
+        time.sleep(3)  # the intruder's handshake is refused; the controller keeps waiting
+        assert ctl.poll() is None and intruder.poll() is None
+        good = [*args, "--run-dir", str(tmp_path / "role")]
+        role = subprocess.run([*CLI, "role", *good], env=env, timeout=240)
+        out, _ = ctl.communicate(timeout=60)
+    finally:
+        for proc in (ctl, intruder):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert role.returncode == 0 and ctl.returncode == 0
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 46

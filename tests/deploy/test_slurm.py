@@ -45,6 +45,7 @@ def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> Non
         quick=True,
         set=["stages.1.steps=3"],
         port=None,
+        keys=Path("/k"),
     )
     script = render(exp, placement(exp), args, tmp_path)
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks=3" in script
@@ -54,6 +55,8 @@ def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> Non
     assert "role actor,reference" in script and "role critic,reward" in script
     assert "--set stages.1.steps=3" in script and "--quick" in script
     assert script.index("deploy.cli controller") < script.index("deploy.cli role")
+    assert script.count("--keys /k") == 3 and "--client critics" not in script
+    assert "--keys /k --client main" in script and "--keys /k --client value" in script
 
 
 def test_bad_input_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,6 +66,7 @@ def test_bad_input_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         return code
 
     assert run(str(EXAMPLES / "quickstart.yaml"), "--nodes", "0") == 2
+    assert run(str(EXAMPLES / "quickstart.yaml"), "--nodes", "2") == 2  # no --keys
     assert run(str(tmp_path / "missing.yaml")) == 2
     monkeypatch.setenv("PATH", str(tmp_path))
     assert run(str(EXAMPLES / "quickstart.yaml"), "--submit", "--run-dir", str(tmp_path / "r")) == 2
