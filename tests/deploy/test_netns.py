@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import require_system
+from tests.deploy.test_controller_cli import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -86,13 +85,7 @@ def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: 
             env=env_a,
         )
     try:
-        deadline = time.monotonic() + 60
-        found = None
-        while found is None and time.monotonic() < deadline:
-            found = re.search(r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n", err.read_text())
-            assert ctl.poll() is None, err.read_text()
-            time.sleep(0.1)
-        assert found is not None
+        found = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n", ctl, 60)
         args = [*found.group(2).split(), "--run-dir", str(tmp_path / "role")]
         assert args[2].startswith(f"tcp://{A}:")
         role = subprocess.run(

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,14 @@ def job(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     code: int = args.fn(args)
     return code
+
+
+def quick_argv(
+    example: str, run_dir: Path, overrides: Sequence[str] = (), *flags: str
+) -> list[str]:
+    """``run EXAMPLE --quick --set O ... --run-dir DIR FLAGS``."""
+    sets = [x for o in overrides for x in ("--set", o)]
+    return ["run", str(EXAMPLES / example), "--quick", *sets, "--run-dir", str(run_dir), *flags]
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -45,8 +54,7 @@ def without_timing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 def test_quickstart_quick_runs_reports_and_exports(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--run-dir", str(run_dir)]
-    assert job(argv) == 0
+    assert job(quick_argv("quickstart.yaml", run_dir)) == 0
     result = summary(run_dir)
     for key in ("val_acc_init", "val_acc_before", "val_acc_after"):
         assert 0.0 <= result[key] <= 1.0
@@ -78,8 +86,7 @@ def test_grpo_raises_reward_on_an_easy_target(tmp_path: Path) -> None:
         "stages.1.algorithm.prompts_per_step=16",
         "trainer.val_data=null",
     ]
-    argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--run-dir", str(run_dir)]
-    assert job(argv + [x for o in overrides for x in ("--set", o)]) == 0
+    assert job(quick_argv("quickstart.yaml", run_dir, overrides)) == 0
     rewards = [r["train/reward/mean"] for r in records(run_dir) if r["stage"] == "grpo"]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.15, rewards
@@ -99,8 +106,7 @@ def test_grpo_raises_reward_on_an_easy_target(tmp_path: Path) -> None:
 )
 def test_every_algorithm_example_runs(example: str, extra: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    argv = ["run", str(EXAMPLES / example), "--quick", "--run-dir", str(run_dir)]
-    assert job(argv + [x for o in extra for x in ("--set", o)]) == 0
+    assert job(quick_argv(example, run_dir, extra)) == 0
     rows = [r for r in records(run_dir) if "train/actor/loss" in r]
     assert len(rows) == 2
     assert all(abs(r["train/kl"]) < 0.5 for r in rows)  # the reference starts at the SFT actor
@@ -130,8 +136,7 @@ def test_ppo_with_a_reward_model_trained_by_hybridflow_rm(tmp_path: Path) -> Non
         == 0
     )
     run_dir = tmp_path / "run"
-    argv = ["run", str(EXAMPLES / "ppo.yaml"), "--quick", "--run-dir", str(run_dir)]
-    assert job([*argv, "--set", f"roles.reward.model={rm}"]) == 0
+    assert job(quick_argv("ppo.yaml", run_dir, [f"roles.reward.model={rm}"])) == 0
     rows = [r for r in records(run_dir) if "train/critic/loss" in r]
     assert len(rows) == 2 and all("train/kl_coef" in r for r in rows)
 
@@ -146,15 +151,11 @@ def test_overlap_generates_on_a_rollout_group_one_step_behind(tmp_path: Path) ->
         "placement.main.nproc=1",
         "stages.1.steps=4",
     ]
-    base = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick"]
-    argv = [*base, *[x for o in sets for x in ("--set", o)]]
-    assert job([*argv, "--run-dir", str(run_dir)]) == 0
+    assert job(quick_argv("quickstart.yaml", run_dir, sets)) == 0
     rl = [r for r in records(run_dir) if r["stage"] == "grpo" and "stage_step" in r]
     assert [r["train/staleness"] for r in rl] == [0, 0, 0, 0]  # synced before each generation
-    assert (
-        job([*argv, "--set", "stages.1.algorithm.overlap=true", "--run-dir", str(tmp_path / "o")])
-        == 0
-    )
+    overlap = [*sets, "stages.1.algorithm.overlap=true"]
+    assert job(quick_argv("quickstart.yaml", tmp_path / "o", overlap)) == 0
     rl = [r for r in records(tmp_path / "o") if r["stage"] == "grpo" and "stage_step" in r]
     assert [r["train/staleness"] for r in rl] == [0, 1, 1, 1]  # the next batch was already out
     assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4]
@@ -174,11 +175,9 @@ RESUME = [
 @pytest.mark.timeout(600)
 def test_resume_reproduces_the_straight_run_bitwise(tmp_path: Path) -> None:
     """SFT 2 + GRPO 3 straight vs. stopped after step 3 (mid-GRPO) and resumed."""
-    base = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick"]
-    sets = [x for o in RESUME for x in ("--set", o)]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert job([*base, *sets, "--run-dir", str(straight)]) == 0
-    assert job([*base, *sets, "--run-dir", str(split), "--stop-after", "3"]) == 0
+    assert job(quick_argv("quickstart.yaml", straight, RESUME)) == 0
+    assert job(quick_argv("quickstart.yaml", split, RESUME, "--stop-after", "3")) == 0
     assert not (split / "export").exists()
     assert [p.name for p in (split / "checkpoints").iterdir()] == ["step_000003"]
     assert job(["run", "--resume", "--run-dir", str(split)]) == 0
