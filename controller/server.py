@@ -271,7 +271,7 @@ class Controller:
         if group.dead is not None and (group.dead_precise or not precise):
             return
         group.dead, group.dead_precise = (rank, cause), precise
-        log.error("group %r is dead: rank %s %s", name, rank, cause)
+        log.error("group %r is dead: %s%s", name, "" if rank is None else f"rank {rank} ", cause)
         for future, role, _ in group.pending.values():
             if not future.done():
                 future.set_exception(group.error(role))
@@ -352,7 +352,9 @@ class Controller:
         for name, group in self.groups.items():
             if group.dead is not None:
                 raise RegistrationError(
-                    f"group {name!r} died while starting: rank {group.dead[0]} {group.dead[1]}"
+                    f"group {name!r} died while starting: "
+                    + ("" if group.dead[0] is None else f"rank {group.dead[0]} ")
+                    + group.dead[1]
                 )
 
     async def shutdown(self) -> None:

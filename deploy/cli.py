@@ -128,10 +128,20 @@ def run_as_rank(args: argparse.Namespace, roles: list[str], name: str) -> int:
 def cmd_role(args: argparse.Namespace) -> int:
     from controller.placement import GroupSpec, RoleSpec
     from deploy.local import LocalLauncher
+    from transport.settings import ENV_VAR as TIMEOUTS_ENV
     from transport.settings import Timeouts
 
     roles = [r for r in args.names.split(",") if r]
     name = args.group or "+".join(roles)
+    problem = connect_problem(args.connect)
+    if problem is not None:
+        console.print(f"[red]hybridflow role: --connect {args.connect}: {problem}[/]")
+        return 2
+    if args.token == "-":  # from stdin: kept off command lines (a launcher writes it there)
+        args.token = sys.stdin.readline().strip()
+    if args.wait is not None:  # the ranks read their timeouts from the environment
+        waits = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
+        os.environ[TIMEOUTS_ENV] = waits.to_env()
     if args.keys is not None:  # the rank runtime reads these (roles/runtime.py)
         secret, server = client_files(args.keys, args.client or name)
         for path in (secret, server):
@@ -188,6 +198,26 @@ def cmd_role(args: argparse.Namespace) -> int:
     return int(run_async(main))
 
 
+def connect_problem(address: str) -> str | None:
+    """What is wrong with a controller address, found before any rank starts (ZeroMQ would
+    otherwise retry a name that never resolves until the connect timeout)."""
+    import socket
+
+    from transport.channel import split_tcp
+
+    if address.startswith("ipc://"):
+        return None
+    try:
+        host, port = split_tcp(address)
+    except ValueError as exc:
+        return f"{exc} (or ipc://PATH on this host)"
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror})"
+    return None
+
+
 def last_error(log_path: Path) -> str:
     """The last line of a rank's log that names an error (the reason a group was refused)."""
     try:
@@ -223,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--tp", type=int, default=1)
     role.add_argument("--pp", type=int, default=1)
     role.add_argument("--group", help="group name (default: the role names joined with '+')")
-    role.add_argument("--token", help="the controller's token (or HYBRIDFLOW_TOKEN)")
+    role.add_argument(
+        "--token", help="the controller's token ('-': read it from stdin; or HYBRIDFLOW_TOKEN)"
+    )
+    role.add_argument(
+        "--wait", type=float, help="seconds to wait for the controller to answer (default 120)"
+    )
     role.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
     role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
     role.add_argument(

@@ -66,8 +66,10 @@ class LocalLauncher:
         self.stopping = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def rank_env(self, spec: GroupSpec, rank: int, port: int) -> dict[str, str]:
-        env = dict(os.environ)
+    def rank_env(
+        self, spec: GroupSpec, rank: int, port: int, extra: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        env = {**os.environ, **(extra or {})}
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(spec.nproc),
@@ -88,7 +90,8 @@ class LocalLauncher:
         env[TIMEOUTS_ENV] = self.timeouts.to_env()
         return env
 
-    def start(self, spec: GroupSpec) -> None:
+    def start(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
+        """Start the group's ranks; ``env`` adds to their environment (CURVE key files)."""
         loop = asyncio.get_running_loop()
         port = free_port()
         for rank in range(spec.nproc):
@@ -96,7 +99,7 @@ class LocalLauncher:
             with open(log_path, "ab") as out:
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "roles.runtime"],
-                    env=self.rank_env(spec, rank, port),
+                    env=self.rank_env(spec, rank, port, env),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

@@ -43,6 +43,12 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
         help="checkpoint and stop after this global step (continue with --resume)",
     )
     run.add_argument("--json", action="store_true", help="print summary.json as one line")
+    run.add_argument(
+        "--clusters",
+        type=Path,
+        metavar="SPEC",
+        help="cluster spec YAML: which cluster runs each group (docs/deploy.md)",
+    )
     ctl = subparsers.add_parser(
         "controller",
         help="run an experiment's controller alone; its groups join with `hybridflow role`",
@@ -82,6 +88,8 @@ def run_experiment_command(args: argparse.Namespace) -> int:
         console.print(failed, soft_wrap=True)
         if checkpoints(run_dir / "checkpoints"):
             resume = f"hybridflow {args.command} --resume --run-dir {run_dir}"
+            if args.clusters is not None:
+                resume += f" --clusters {args.clusters}"
             console.print(f"resume from the last checkpoint: {resume}", soft_wrap=True)
         return EXIT_FAILED
     if args.json:
@@ -112,11 +120,15 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path]:
     if getattr(args, "bind", None) is not None:
         from transport.channel import is_local_address
 
-        if args.bind.startswith("tcp://") and not is_local_address(args.bind) and not args.keys:
-            raise ExperimentError(
-                f"--bind {args.bind} leaves this host: it needs CURVE keys; make them with "
-                "`hybridflow keys DIR --clients GROUPS` and pass --keys DIR"
-            )
+        if args.clusters is not None:
+            raise ExperimentError("give --bind or --clusters (its controller.bind), not both")
+        if args.bind.startswith("tcp://"):
+            check_bind(args.bind, "--bind")
+            if not is_local_address(args.bind) and not args.keys:
+                raise ExperimentError(
+                    f"--bind {args.bind} leaves this host: it needs CURVE keys; make them with "
+                    "`hybridflow keys DIR --clients GROUPS` and pass --keys DIR"
+                )
     if not args.resume:
         exp = load(args.experiment, args.set, args.quick)
         run_dir = args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -127,7 +139,43 @@ def _load(args: argparse.Namespace) -> tuple[Any, Path]:
                 f"{run_dir} already holds a run's checkpoints; continue it with --resume, or "
                 "give another --run-dir"
             )
+    if args.clusters is not None:
+        from deploy.clusters import check_spec, load_spec
+
+        spec = load_spec(args.clusters)
+        check_bind(spec.controller.bind, "cluster spec controller.bind")
+        args.cluster_plan = (spec, check_spec(spec, exp))
     return exp, run_dir
+
+
+def check_bind(address: str, setting: str) -> None:
+    """Fail before anything starts when ``tcp://HOST:PORT`` cannot be bound here: a port in
+    use, a host that is not this machine's, a name that does not resolve."""
+    import errno
+    import socket
+
+    from deploy.experiment import ExperimentError
+    from transport.channel import split_tcp
+
+    try:
+        host, port = split_tcp(address)
+        family, kind, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except ValueError as exc:
+        raise ExperimentError(f"{setting}: {exc}") from None
+    except socket.gaierror as exc:
+        raise ExperimentError(f"{setting} {address}: cannot resolve {host!r} ({exc})") from None
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind(where)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                why = f"port {port} is in use (another controller?); pick another, or :0 for any"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                why = f"{host} is not an address of this host"
+            else:
+                why = str(exc)
+            raise ExperimentError(f"{setting} {address}: {why}") from None
 
 
 def _prepare(exp: Any, run_dir: Path) -> tuple[dict[str, Any], list[Any]]:
@@ -153,7 +201,7 @@ def _run(
     from deploy.cli import console, run_async
     from deploy.experiment import checkpointed_roles
     from deploy.live import LiveView
-    from deploy.session import local_session, remote_session
+    from deploy.session import cluster_session, local_session, remote_session
     from transport.settings import Timeouts
 
     resume_step = None
@@ -171,6 +219,10 @@ def _run(
     sinks.append(live)
 
     def session() -> Any:
+        if args.clusters is not None:
+            spec, where = args.cluster_plan
+            say = lambda g, command: _announce_one(g, command)  # noqa: E731
+            return cluster_session(groups, spec, where, run_dir, Timeouts.from_env(), say)
         if getattr(args, "bind", None) is None:
             return local_session(groups, run_dir=run_dir)
         timeouts = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
@@ -232,6 +284,12 @@ def _announce(groups: list[Any], address: str, token: str, keys: Path | None = N
             + (f" --keys {keys} --client {g.name}" if keys else ""),
             soft_wrap=True,
         )
+
+
+def _announce_one(group: Any, command: str) -> None:
+    from deploy.cli import console
+
+    console.print(f"start group {group.name} by hand with:\n  {command}", soft_wrap=True)
 
 
 def _describe(summary: dict[str, Any], run_dir: Path) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ def add_slurm_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def slurm_command(args: argparse.Namespace) -> int:
+    from deploy.clusters import slurm_cpus_per_node
     from deploy.experiment import ExperimentError, check, load, placement, read_data
 
     try:
@@ -59,15 +59,17 @@ def slurm_command(args: argparse.Namespace) -> int:
         if args.nodes < 1:
             raise ExperimentError(f"--nodes={args.nodes} must be >= 1")
         groups = placement(exp)
-        if len(groups) > args.nodes * 64:
-            raise ExperimentError("more groups than the nodes can hold")
+        if args.gpus_per_node and (why := overfull(groups, args.nodes, args.gpus_per_node)):
+            raise ExperimentError(f"one rank per GPU: {why}")
         if args.nodes > 1 and args.keys is None:
             raise ExperimentError(
                 f"--nodes={args.nodes}: links between nodes need CURVE keys; make them with "
                 f"`hybridflow keys DIR --clients {','.join(groups)}` and pass --keys DIR"
             )
-        if args.submit and shutil.which("sbatch") is None:
-            raise ExperimentError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
+        if args.submit:  # the cluster answers (SLURM's commands, munge) and the job fits
+            cpus = slurm_cpus_per_node("hybridflow slurm --submit", [], args.partition)
+            if why := overfull(groups, args.nodes, cpus, first=1):
+                raise ExperimentError(why)
     except (ExperimentError, ValueError) as exc:
         print(f"hybridflow slurm: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -85,19 +87,15 @@ def slurm_command(args: argparse.Namespace) -> int:
 
 def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: Path) -> str:
     tasks = 1 + sum(g.nproc for g in groups.values())
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name=hybridflow-{exp.name}",
-        f"#SBATCH --nodes={args.nodes}",
-        f"#SBATCH --ntasks={tasks}",
-        f"#SBATCH --output={run_dir}/slurm-%j.out",
-    ]
-    if args.partition:
-        lines.append(f"#SBATCH --partition={args.partition}")
-    if args.time:
-        lines.append(f"#SBATCH --time={args.time}")
-    if args.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
+    lines = sbatch_header(
+        f"hybridflow-{exp.name}",
+        args.nodes,
+        tasks,
+        f"{run_dir}/slurm-%j.out",
+        args.partition,
+        args.time,
+        args.gpus_per_node,
+    )
     experiment = shlex.quote(str(Path(args.experiment).resolve()))
     options = " --quick" if args.quick else ""
     options += "".join(f" --set {shlex.quote(s)}" for s in args.set)
@@ -121,21 +119,7 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         f'  --bind "tcp://$head:$port" --run-dir {shlex.quote(str(run_dir))}{keys} &',
         "controller=$!",
     ]
-    node = 0
-    for name, group in groups.items():
-        roles = ",".join(group.roles)
-        lines += [
-            "",
-            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
-            f"srun --nodes=1 --ntasks={group.nproc} --nodelist=${{nodes[{node % args.nodes}]}} "
-            "--exact \\",
-            f'  {python} -m deploy.cli role {roles} --connect "tcp://$head:$port" \\',
-            f"  --group {name} --tp {group.tp} --launcher env "
-            f"--master-addr ${{nodes[{node % args.nodes}]}} --run-dir {shlex.quote(str(run_dir))}"
-            + (f"{keys} --client {name}" if keys else "")
-            + " &",
-        ]
-        node += 1
+    lines += group_steps(groups, args.nodes, '"tcp://$head:$port"', run_dir, python, keys)
     lines += [
         "",
         "# the controller's status is the job's (set -e); it stops the groups on its way out",
@@ -146,13 +130,84 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
     return "\n".join(lines)
 
 
+def sbatch_header(
+    name: str,
+    nodes: int,
+    tasks: int,
+    output: str,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    gpus_per_node: int = 0,
+    account: str | None = None,
+) -> list[str]:
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks={tasks}",
+        f"#SBATCH --output={output}",
+    ]
+    for option, value in (("partition", partition), ("time", time_limit), ("account", account)):
+        if value:
+            lines.append(f"#SBATCH --{option}={value}")
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    return lines
+
+
+def node_loads(groups: dict[str, Any], nodes: int, first: int = 0) -> list[tuple[int, list[str]]]:
+    """Ranks and group names per node as ``group_steps`` spreads them (``first`` ranks already
+    on node 0: the controller)."""
+    loads: list[tuple[int, list[str]]] = [(first if n == 0 else 0, []) for n in range(nodes)]
+    for i, (name, group) in enumerate(groups.items()):
+        ranks, names = loads[i % nodes]
+        loads[i % nodes] = (ranks + group.nproc, [*names, name])
+    return loads
+
+
+def overfull(groups: dict[str, Any], nodes: int, per_node: int, first: int = 0) -> str | None:
+    """Why the groups do not fit ``nodes`` nodes of ``per_node`` tasks, or None."""
+    for n, (ranks, names) in enumerate(node_loads(groups, nodes, first)):
+        if ranks > per_node:
+            extra = " and the controller" if n == 0 and first else ""
+            return (
+                f"node {n} of the job would run {ranks} tasks (groups {names}{extra}) but a node "
+                f"holds {per_node}; use more nodes or fewer ranks (placement nproc)"
+            )
+    return None
+
+
+def group_steps(
+    groups: dict[str, Any], nodes: int, connect: str, run_dir: Path, python: str, keys: str
+) -> list[str]:
+    """One background srun step per group, the groups spread over the nodes in order; each
+    rank is one ``hybridflow role --launcher env`` process (``SLURM_PROCID``)."""
+    lines: list[str] = []
+    for node, (name, group) in enumerate(groups.items()):
+        roles = ",".join(group.roles)
+        where = f"${{nodes[{node % nodes}]}}"
+        lines += [
+            "",
+            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
+            f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
+            f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
+            f"  --group {name} --tp {group.tp} --launcher env --master-addr {where} "
+            f"--run-dir {shlex.quote(str(run_dir))}"
+            + (f"{keys} --client {name}" if keys else "")
+            + " &",
+        ]
+    return lines
+
+
 def submit(script: Path, run_dir: Path) -> int:
     """sbatch, follow the output, exit with the job's status (1 when it did not complete)."""
     done = subprocess.run(
         ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
-        print(f"hybridflow slurm: sbatch failed: {done.stderr.strip()}", file=sys.stderr)
+        from deploy.clusters import slurm_problem
+
+        print(f"hybridflow slurm: {slurm_problem('sbatch', done.stderr)}", file=sys.stderr)
         return 1
     job = done.stdout.strip().split(";")[0]
     print(f"submitted job {job}; output: {run_dir}/slurm-{job}.out", flush=True)

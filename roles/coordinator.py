@@ -122,7 +122,8 @@ class Coordinator:
         if not self.ctrl.poll(int(self.env.timeouts.connect_s * 1000)):
             raise RegistrationError(
                 f"no answer from the controller at {self.env.controller} within "
-                f"{self.env.timeouts.connect_s:.0f} s (is it running? raise timeouts.connect_s)"
+                f"{self.env.timeouts.connect_s:.0f} s (is it running there and reachable? wait "
+                "longer with hybridflow role --wait SECONDS, i.e. timeouts.connect_s)"
             )
         reply = decode(self.ctrl.recv_multipart(copy=False))
         if reply.type == MsgType.REFUSE:

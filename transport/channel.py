@@ -52,6 +52,18 @@ def is_local_address(address: str) -> bool:
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
 
 
+def split_tcp(address: str) -> tuple[str, int]:
+    """(host, port) of ``tcp://HOST:PORT`` (``[::1]`` for IPv6); ValueError that shows the form
+    otherwise."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not an address of the form tcp://HOST:PORT")
+    if int(port) > 65535:
+        raise ValueError(f"{address!r}: port {port} is above 65535")
+    return host, int(port)
+
+
 def readable(sock: zmq.Socket[Any]) -> bool:
     """A message is waiting (reads ZeroMQ's EVENTS: no syscall, unlike ``poll(0)``)."""
     return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)

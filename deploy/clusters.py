@@ -1,0 +1,262 @@
+"""Cluster specs: the clusters a run uses and which process groups run on each.
+
+``hybridflow run EXPERIMENT.yaml --clusters CLUSTERS.yaml`` runs the experiment unchanged, with one
+controller (this process) and each placed group started on the cluster the spec names::
+
+    controller:
+      bind: tcp://10.0.0.1:5555      # an address every cluster can reach (":0": any free port)
+      # connect: tcp://head:5555     # what groups dial, when not bind's (bind on 0.0.0.0, NAT)
+      wait: 600                      # seconds for every group to join (a SLURM queue can be slow)
+    keys: keys                       # `hybridflow keys keys --clients main,gen` (relative to here)
+    clusters:
+      home: {kind: local}                                  # child processes of the controller
+      lab:  {kind: remote, via: [ssh, gpu7]}               # a command line run through `via`
+      farm: {kind: slurm, nodes: 2, gpus_per_node: 8, partition: gpu, via: [ssh, login.farm]}
+      desk: {kind: manual}                                 # the command is printed; start it by hand
+    groups:                          # a placement group, or a role (the group that hosts it)
+      main: home
+      rollout: farm
+
+``via`` is a command that runs one shell command line on the cluster's host (``[ssh, HOST]``;
+``[ip, netns, exec, NS, sh, -c]`` in the tests); empty means this host. Everything here is checked
+before any process starts or any file is written: unknown groups, roles and clusters, unplaced
+groups, missing key files, an address off this host without keys, and more ranks than a cluster's
+allocation holds (asked of ``sinfo`` when the spec does not say); SLURM's client commands and
+munge are probed on each SLURM cluster at the same time.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deploy.experiment import Experiment, ExperimentError, placement
+from deploy.slurm_cli import overfull
+
+
+class LocalCluster(BaseModel):
+    """This host: the groups are child processes of the controller."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["local"]
+    slots: int | None = Field(None, ge=1, description="ranks this host may run (default: any)")
+
+
+class RemoteCluster(BaseModel):
+    """Another host reached by a command (ssh): one ``hybridflow role`` per group there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["remote"]
+    via: list[str] = Field(min_length=1, description="runs a shell command line there")
+    python: str | None = Field(None, description="python there (default: this one's path)")
+    workdir: str | None = Field(None, description="checkout there (default: this one's path)")
+    keys: str | None = Field(None, description="key directory there (default: this one's)")
+    slots: int | None = Field(None, ge=1, description="ranks that host may run (default: any)")
+
+
+class SlurmCluster(BaseModel):
+    """A SLURM cluster: one batch job runs every group placed there, one srun step each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["slurm"]
+    via: list[str] = Field(
+        default_factory=list, description="reaches its login node (default: sbatch here)"
+    )
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    tasks_per_node: int | None = Field(
+        None, ge=1, description="ranks one node holds (default: gpus_per_node, else its CPUs)"
+    )
+    partition: str | None = None
+    time: str | None = Field(None, description="job time limit, e.g. 01:00:00")
+    account: str | None = None
+    python: str | None = None
+    workdir: str | None = None
+    keys: str | None = None
+
+
+class ManualCluster(BaseModel):
+    """Groups started by hand with the command the controller prints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["manual"]
+
+
+AnyCluster = Annotated[
+    LocalCluster | RemoteCluster | SlurmCluster | ManualCluster, Field(discriminator="kind")
+]
+
+
+class ControllerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bind: str = Field(description="tcp://HOST:PORT to listen on (HOST 0.0.0.0: every interface)")
+    connect: str | None = Field(
+        None, description="the address groups dial, when not bind's (a name, a NAT's address)"
+    )
+    wait: float = Field(300.0, gt=0, description="seconds for every group to join")
+
+
+class ClusterSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    controller: ControllerSpec
+    keys: Path | None = Field(None, description="CURVE keys (hybridflow keys), relative to here")
+    clusters: dict[str, AnyCluster] = Field(min_length=1)
+    groups: dict[str, str] = Field(min_length=1, description="group or role -> cluster")
+
+
+def load_spec(path: Path) -> ClusterSpec:
+    if not path.is_file():
+        raise ExperimentError(f"{path}: no such cluster spec")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ExperimentError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        spec = ClusterSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ExperimentError(f"{path}: {where}: {first['msg']}") from None
+    if spec.keys is not None and not spec.keys.is_absolute():
+        spec.keys = (path.parent / spec.keys).resolve()
+    return spec
+
+
+def assign(spec: ClusterSpec, exp: Experiment) -> dict[str, str]:
+    """group -> cluster for every placed group; names the entry that is wrong."""
+    groups = placement(exp)
+    host_of = {role: g for g, cfg in groups.items() for role in cfg.roles}
+    where: dict[str, str] = {}
+    for key, cluster in spec.groups.items():
+        group = key if key in groups else host_of.get(key)
+        if group is None:
+            raise ExperimentError(
+                f"cluster spec groups.{key}: the experiment has no group or role {key!r} "
+                f"(groups: {', '.join(groups)}; roles: {', '.join(host_of)})"
+            )
+        if cluster not in spec.clusters:
+            raise ExperimentError(
+                f"cluster spec groups.{key}: no cluster {cluster!r} "
+                f"(clusters: {', '.join(spec.clusters)})"
+            )
+        if where.get(group, cluster) != cluster:
+            raise ExperimentError(
+                f"cluster spec groups.{key}: group {group!r} is already placed on "
+                f"{where[group]!r} (roles of one group run on one cluster)"
+            )
+        where[group] = cluster
+    unplaced = [g for g in groups if g not in where]
+    if unplaced:
+        raise ExperimentError(
+            f"cluster spec: groups {unplaced} run on no cluster; name each under groups:"
+        )
+    return where
+
+
+def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[str, str]:
+    """Everything that can be known before a process starts; returns group -> cluster.
+    ``probe`` asks each SLURM cluster (sinfo) whether it answers and how many CPUs a node has."""
+    from transport.channel import is_local_address, split_tcp
+
+    where = assign(spec, exp)
+    bind = spec.controller.bind
+    for field in ("bind", "connect"):
+        try:
+            address = getattr(spec.controller, field)
+            host, _ = split_tcp(address) if address is not None else ("-", 0)
+        except ValueError as exc:
+            raise ExperimentError(f"cluster spec controller.{field}: {exc}") from None
+        if host in ("0.0.0.0", "::") and field == "bind" and spec.controller.connect is None:
+            raise ExperimentError(
+                f"cluster spec controller.bind={bind}: groups cannot dial {host}; set "
+                "controller.connect to the address they reach this host by"
+            )
+    off_host = not is_local_address(bind)
+    if off_host and spec.keys is None:
+        raise ExperimentError(
+            f"cluster spec: controller.bind {bind} leaves this host, so links need CURVE keys; "
+            f"make them with `hybridflow keys DIR --clients {','.join(where)}` and set keys: DIR"
+        )
+    if spec.keys is not None:
+        from deploy.keys_cli import client_files, server_files
+
+        needed = [*server_files(spec.keys)]
+        for group in where:
+            needed += [*client_files(spec.keys, group), spec.keys / "allowed" / f"{group}.key"]
+        missing = [str(p) for p in needed if not p.exists()]
+        if missing:
+            raise ExperimentError(
+                f"cluster spec: key files missing: {', '.join(missing[:3])}; make them with "
+                f"`hybridflow keys {spec.keys} --clients {','.join(where)}`"
+            )
+    groups = placement(exp)
+    for name, cluster in spec.clusters.items():
+        mine = {g: groups[g] for g, c in where.items() if c == name}
+        if isinstance(cluster, SlurmCluster) and mine:
+            per_node = cluster.tasks_per_node or cluster.gpus_per_node or None
+            if probe:
+                cpus = slurm_cpus_per_node(f"cluster {name!r}", cluster.via, cluster.partition)
+                per_node = per_node or cpus
+            if per_node and (why := overfull(mine, cluster.nodes, per_node)):
+                raise ExperimentError(f"cluster {name!r}: {why} (clusters.{name}.nodes)")
+        elif isinstance(cluster, LocalCluster | RemoteCluster) and cluster.slots:
+            ranks = sum(g.nproc for g in mine.values())
+            if ranks > cluster.slots:
+                raise ExperimentError(
+                    f"cluster {name!r}: groups {list(mine)} need {ranks} ranks but it has "
+                    f"slots: {cluster.slots}; raise clusters.{name}.slots or lower their nproc"
+                )
+    return where
+
+
+def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` on the host ``via`` reaches (here when empty)."""
+    command = [*via, shlex.join(argv)] if via else argv
+    return subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+
+
+def slurm_problem(who: str, stderr: str) -> str:
+    """What to fix when a SLURM client command failed."""
+    text = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
+    if "munge" in stderr.lower():
+        return (
+            f"{who}: SLURM cannot authenticate ({text}): munged is not running or "
+            "not installed on this host; start it (e.g. `service munge start`)"
+        )
+    if "unable to contact" in stderr.lower() or "connection refused" in stderr.lower():
+        return f"{who}: slurmctld does not answer ({text}); is the cluster up?"
+    return f"{who}: {text}"
+
+
+def slurm_cpus_per_node(who: str, via: list[str], partition: str | None) -> int:
+    """The smallest CPU count of the partition's nodes; a clear error (starting with ``who``)
+    when SLURM's commands are missing or munge/slurmctld do not answer."""
+    if not via and shutil.which("sinfo") is None:
+        raise ExperimentError(
+            f"{who}: SLURM's commands (sinfo, sbatch) are not on PATH; install the "
+            "SLURM client (Debian: slurm-client) or set via: to reach a login node"
+        )
+    argv = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
+    try:
+        done = run_there(via, argv, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
+    if done.returncode != 0:
+        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
+    counts = [int(c.rstrip("+")) for c in done.stdout.split() if c.rstrip("+").isdigit()]
+    if not counts:
+        where = f"partition {partition!r}" if partition else "the default partition"
+        raise ExperimentError(f"{who}: sinfo lists no nodes in {where}")
+    return min(counts)
