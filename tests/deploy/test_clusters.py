@@ -1,0 +1,161 @@
+"""Cluster specs: each mistake is named before any process starts; the SLURM script for one
+cluster's groups is valid bash that waits for every step and fails with any of them."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controller.placement import GroupSpec, RoleSpec
+from deploy.cluster_launch import SlurmJob, role_argv
+from deploy.clusters import ClusterSpec, SlurmCluster, assign, check_spec, load_spec
+from deploy.experiment import Experiment, ExperimentError, load
+from transport.settings import Timeouts
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CLI = [sys.executable, "-m", "deploy.cli"]
+WITH_ROLLOUT = ["roles.rollout={model: base}", "placement.gen={roles: [rollout], nproc: 1}"]
+
+
+def experiment(*extra: str) -> Experiment:
+    return load(EXAMPLES / "quickstart.yaml", [*WITH_ROLLOUT, *extra], quick=True)
+
+
+def spec(**fields: Any) -> ClusterSpec:
+    raw: dict[str, Any] = {
+        "controller": {"bind": "tcp://127.0.0.1:0"},
+        "clusters": {"home": {"kind": "local"}, "farm": {"kind": "slurm", "tasks_per_node": 4}},
+        "groups": {"actor": "home", "rollout": "farm"},
+    }
+    raw.update(fields)
+    return ClusterSpec.model_validate(raw)
+
+
+def test_groups_are_named_by_group_or_by_role() -> None:
+    exp = experiment()
+    assert assign(spec(), exp) == {"main": "home", "gen": "farm"}
+    assert assign(spec(groups={"main": "home", "gen": "home"}), exp) == {
+        "main": "home",
+        "gen": "home",
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"groups": {"actor": "home", "critic": "farm"}}, "no group or role 'critic'"),
+        ({"groups": {"actor": "home", "rollout": "moon"}}, "no cluster 'moon' (clusters: home"),
+        ({"groups": {"actor": "home"}}, "groups ['gen'] run on no cluster"),
+        (
+            {"groups": {"actor": "home", "reward": "farm", "rollout": "farm"}},
+            "group 'main' is already placed on 'home'",
+        ),
+        ({"controller": {"bind": "tcp://127.0.0.1"}}, "tcp://HOST:PORT"),
+        ({"controller": {"bind": "tcp://0.0.0.0:5555"}}, "set controller.connect"),
+        ({"controller": {"bind": "tcp://10.1.2.3:5555"}}, "hybridflow keys DIR --clients main,gen"),
+        (
+            {"clusters": {"home": {"kind": "local", "slots": 2}, "farm": {"kind": "manual"}}},
+            "groups ['main'] need 3 ranks but it has slots: 2",
+        ),
+        (
+            {
+                "clusters": {
+                    "home": {"kind": "local"},
+                    "farm": {"kind": "slurm", "gpus_per_node": 1},
+                }
+            },
+            None,
+        ),
+    ],
+)
+def test_a_bad_spec_names_what_to_fix(fields: dict[str, Any], message: str | None) -> None:
+    exp = experiment("placement.main.nproc=3") if "slots" in str(fields) else experiment()
+    if message is None:  # the control case: this one is fine
+        check_spec(spec(**fields), exp, probe=False)
+        return
+    with pytest.raises(ExperimentError, match=re.escape(message)):
+        check_spec(spec(**fields), exp, probe=False)
+
+
+def test_more_ranks_than_a_slurm_node_holds() -> None:
+    exp = experiment("placement.gen.nproc=5")
+    with pytest.raises(ExperimentError, match=r"node 0 of the job would run 5 tasks .* holds 4"):
+        check_spec(spec(), exp, probe=False)
+    two_nodes = spec(clusters={"home": {"kind": "local"}, "farm": {"kind": "slurm", "nodes": 2}})
+    check_spec(two_nodes, experiment(), probe=False)  # unknown size without a probe: allowed
+
+
+def test_missing_key_files_are_listed(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    bad = spec(controller={"bind": "tcp://10.1.2.3:5555"}, keys=str(keys))
+    with pytest.raises(ExperimentError, match=r"gen\.key_secret.*--clients main,gen"):
+        check_spec(bad, experiment(), probe=False)
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "gen"], check=True, capture_output=True)
+    check_spec(bad, experiment(), probe=False)
+
+
+def test_spec_files_name_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"controller": {"bind": "tcp://127.0.0.1:0"}, "clusters": {}}))
+    with pytest.raises(ExperimentError, match="clusters: .*at least 1"):
+        load_spec(path)
+    path.write_text("controller: {bind: x}\nclusters: {a: {kind: cloud}}\ngroups: {main: a}\n")
+    with pytest.raises(ExperimentError, match="clusters.a"):
+        load_spec(path)
+    path.write_text(
+        "controller: {bind: 'tcp://127.0.0.1:0'}\nkeys: k\n"
+        "clusters: {a: {kind: local}}\ngroups: {main: a}\n"
+    )
+    assert load_spec(path).keys == tmp_path / "k"  # relative to the spec file
+
+
+def test_no_slurm_commands_is_a_clear_error(tmp_path: Path) -> None:
+    exp = experiment()
+    path = os.environ["PATH"]
+    os.environ["PATH"] = str(tmp_path)  # nothing there
+    try:
+        with pytest.raises(
+            ExperimentError, match="cluster 'farm': SLURM's commands .* not on PATH"
+        ):
+            check_spec(spec(), exp, probe=True)
+    finally:
+        os.environ["PATH"] = path
+
+
+def test_the_groups_job_script_waits_for_every_step_and_fails_with_one(tmp_path: Path) -> None:
+    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")}, nproc=2)
+    job = SlurmJob(
+        "farm",
+        SlurmCluster(kind="slurm", partition="debug", time="00:10:00"),
+        [group],
+        tmp_path,
+        tmp_path / "keys",
+        Timeouts(),
+        lambda *_: None,
+    )
+    script = job.script("tcp://10.0.0.1:5555", "secret-token")
+    assert "#SBATCH --ntasks=2" in script and "#SBATCH --partition=debug" in script
+    assert "--connect tcp://10.0.0.1:5555" in script and "--client gen" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    # the wait loop: one failing step fails the script, after the others finished
+    tail = script[script.index("status=0") :]
+    fake = f"(sleep 0.2; exit 0) &\n(exit 3) &\n{tail}"
+    assert subprocess.run(["bash", "-c", fake]).returncode == 3
+    fake = f"(sleep 0.2; exit 0) &\n(exit 0) &\n{tail}"
+    assert subprocess.run(["bash", "-c", fake]).returncode == 0
+
+
+def test_the_role_command_for_a_group() -> None:
+    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")}, nproc=2, tp=2)
+    argv = role_argv(group, "tcp://h:1", None, "/k")
+    assert argv[:2] == ["role", "rollout"]
+    assert argv[argv.index("--nproc") + 1] == "2" and argv[argv.index("--tp") + 1] == "2"
+    assert argv[-4:] == ["--keys", "/k", "--client", "gen"]

@@ -1,0 +1,134 @@
+"""``hybridflow run EXP --clusters SPEC``: one controller, groups on two clusters (this host and
+the one-node SLURM cluster of .ci/slurm-up). A quick run completes with the rollout group in the
+SLURM job taking the actor's weights every step; a launch that fails part-way, a job that dies and
+a run stopped by SIGTERM leave no process and no job behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import require_system
+from tests.deploy.test_slurm import cluster_up
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CLI = [sys.executable, "-m", "deploy.cli"]
+WITH_ROLLOUT = ["roles.rollout={model: base}", "placement.gen={roles: [rollout], nproc: 1}"]
+
+
+@pytest.fixture
+def slurm() -> None:
+    require_system("SLURM", cluster_up(), "start a one-node cluster with .ci/slurm-up")
+
+
+def write_spec(path: Path, farm: dict[str, Any]) -> Path:
+    spec = {
+        "controller": {"bind": "tcp://127.0.0.1:0", "wait": 60},
+        "clusters": {"home": {"kind": "local"}, "farm": {"kind": "slurm", **farm}},
+        "groups": {"actor": "home", "rollout": "farm"},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def run_argv(spec: Path, run_dir: Path, *extra: str) -> list[str]:
+    argv = [*CLI, "run", str(EXAMPLES / "quickstart.yaml"), "--clusters", str(spec)]
+    argv += ["--run-dir", str(run_dir), "--json"]
+    for override in WITH_ROLLOUT:
+        argv += ["--set", override]
+    return [*argv, *extra]
+
+
+def our_jobs() -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "hybridflow-farm" in line]
+
+
+def rank_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "roles.runtime|deploy.cli role"], capture_output=True)
+    return out.stdout.decode().splitlines()
+
+
+def settle(check: Any, limit: float = 20.0) -> Any:
+    deadline = time.monotonic() + limit
+    while (found := check()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_over_a_local_and_a_slurm_cluster(slurm: None, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "clusters.yaml", {})
+    done = subprocess.run(
+        run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rl = [r for r in rows if "train/staleness" in r]
+    # the SLURM group generated every batch with the weights the actor had just trained
+    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+    assert all(r["train/staleness"] == 0 for r in rl)
+    (out,) = (tmp_path / "run").glob("slurm-farm-*.out")
+    assert "deploy.cli role" not in out.read_text()  # the job's own output, no shell echo
+    assert settle(our_jobs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failed_submission_stops_the_groups_already_started(slurm: None, tmp_path: Path) -> None:
+    before = rank_processes()
+    spec = write_spec(tmp_path / "clusters.yaml", {"time": "not-a-time"})
+    done = subprocess.run(
+        run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 1
+    assert "cluster 'farm': sbatch" in done.stderr and "time" in done.stderr.lower()
+    assert settle(lambda: [p for p in rank_processes() if p not in before]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_job_that_dies_ends_the_run_with_its_cause(slurm: None, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "clusters.yaml", {"python": "/nonexistent/python"})
+    start = time.monotonic()
+    done = subprocess.run(
+        run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 1
+    text = " ".join(done.stderr.split())
+    assert "group 'gen' died while starting: SLURM job" in text and "ended FAILED" in text
+    assert time.monotonic() - start < 40  # not the 60 s join wait
+    assert settle(our_jobs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_mid_run_leaves_no_job_and_no_process(slurm: None, tmp_path: Path) -> None:
+    before = rank_processes()
+    spec = write_spec(tmp_path / "clusters.yaml", {})
+    run = subprocess.Popen(
+        run_argv(spec, tmp_path / "run"),  # the full run: minutes, stopped after a few steps
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.2)
+    assert len(our_jobs()) == 1
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=60) != 0
+    assert settle(our_jobs) == []
+    assert settle(lambda: [p for p in rank_processes() if p not in before]) == []
