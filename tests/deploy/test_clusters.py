@@ -105,10 +105,10 @@ def test_missing_key_files_are_listed(tmp_path: Path) -> None:
 def test_spec_files_name_the_field(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"controller": {"bind": "tcp://127.0.0.1:0"}, "clusters": {}}))
-    with pytest.raises(ExperimentError, match="clusters: .*at least 1"):
+    with pytest.raises(ExperimentError, match=r"clusters: .*at least 1"):
         load_spec(path)
     path.write_text("controller: {bind: x}\nclusters: {a: {kind: cloud}}\ngroups: {main: a}\n")
-    with pytest.raises(ExperimentError, match="clusters.a"):
+    with pytest.raises(ExperimentError, match=r"clusters\.a"):
         load_spec(path)
     path.write_text(
         "controller: {bind: 'tcp://127.0.0.1:0'}\nkeys: k\n"
@@ -123,7 +123,7 @@ def test_no_slurm_commands_is_a_clear_error(tmp_path: Path) -> None:
     os.environ["PATH"] = str(tmp_path)  # nothing there
     try:
         with pytest.raises(
-            ExperimentError, match="cluster 'farm': SLURM's commands .* not on PATH"
+            ExperimentError, match=r"cluster 'farm': SLURM's commands .* not on PATH"
         ):
             check_spec(spec(), exp, probe=True)
     finally:
