@@ -1,6 +1,12 @@
-"""Two "hosts" as network namespaces joined by a veth pair: the controller in one, a process
-group in the other, each with its own host id, over CURVE. A quick GRPO run completes, and the
-veth's byte counters show that the batches crossed TCP (no same-host shared-memory shortcut)."""
+"""Hosts as network namespaces joined by veth pairs, each with its own host id, all links CURVE.
+
+- Two hosts: the controller in one, a process group started by hand in the other. A quick GRPO
+  run completes, and the veth's byte counters show that the batches crossed TCP (no same-host
+  shared-memory shortcut).
+- Three hosts and a cluster spec: the controller and the actor on host A (a local cluster), the
+  reward on host B and the rollout group on host C (remote clusters reached by ``ip netns exec``).
+  C's group takes the actor's weights over its CURVE link every step and generates every batch;
+  meanwhile two strangers on B (no key, a wrong key) are refused and the run carries on."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import require_system
 from tests.deploy.test_controller_cli import wait_for
@@ -56,9 +63,44 @@ def hosts() -> Iterator[tuple[str, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+HUB = "10.231.9.1"  # host A's own address; B and C route to it over their links
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[tuple[str, str, str]]:
+    """A in the middle: A-B on 10.231.7.0/24, A-C on 10.231.8.0/24, and HUB on A's loopback,
+    which both B and C reach through their link."""
+    require_system("network namespaces", netns_available(), "run the tests as root with iproute2")
+    names = tuple(f"hf{x}{os.getpid()}" for x in "abc")
+    a, b, c = names
+    try:
+        for ns in names:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", a, "addr", "add", f"{HUB}/32", "dev", "lo")
+        for peer, net in ((b, "10.231.7"), (c, "10.231.8")):
+            sh("ip", "link", "add", f"v{peer}", "netns", peer, "type", "veth", "peer", f"w{peer}")
+            sh("ip", "link", "set", f"w{peer}", "netns", a)
+            for ns, dev, addr in ((a, f"w{peer}", f"{net}.1"), (peer, f"v{peer}", f"{net}.2")):
+                sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", peer, "route", "add", HUB, "via", f"{net}.1")
+        yield a, b, c
+    finally:
+        for ns in names:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def veth_bytes(ns: str) -> int:
+    return veth_bytes_of(ns, f"v{ns}")
+
+
+def veth_bytes_of(ns: str, dev: str) -> int:
     out = subprocess.run(
-        ["ip", "-n", ns, "-s", "-j", "link", "show", f"v{ns}"], capture_output=True, text=True
+        ["ip", "-n", ns, "-s", "-j", "link", "show", dev], capture_output=True, text=True
     ).stdout
     stats = json.loads(out)[0]["stats64"]
     return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
@@ -103,3 +145,65 @@ def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: 
     # 46 steps of batches, validations and weights' worth of replies: far more than handshakes
     print(f"bytes over the veth: {crossed}")
     assert crossed > 1_000_000, crossed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_hosts_from_a_cluster_spec_with_strangers_refused(
+    three_hosts: tuple[str, str, str], tmp_path: Path
+) -> None:
+    a, b, c = three_hosts
+    keys, stranger_keys = tmp_path / "keys", tmp_path / "stranger"
+    for folder, clients in ((keys, "main,scorer,gen"), (stranger_keys, "gen")):
+        argv = [*CLI, "keys", str(folder), "--clients", clients]
+        subprocess.run(argv, check=True, capture_output=True)
+    # the stranger pins the right controller key, but its own key is not among the accepted
+    shutil.copy(keys / "controller.key", stranger_keys / "controller.key")
+    port = 47001  # a fresh namespace has no listener
+    on = lambda ns, host: ["ip", "netns", "exec", ns, "env", f"HYBRIDFLOW_HOST_ID={host}"]  # noqa: E731
+    spec = {
+        "controller": {"bind": f"tcp://{HUB}:{port}", "wait": 90},
+        "keys": str(keys),
+        "clusters": {
+            "home": {"kind": "local"},
+            "lab": {"kind": "remote", "via": [*on(b, "host-b"), "sh", "-c"]},
+            "far": {"kind": "remote", "via": [*on(c, "host-c"), "sh", "-c"]},
+        },
+        "groups": {"actor": "home", "reward": "lab", "rollout": "far"},
+    }
+    (tmp_path / "clusters.yaml").write_text(yaml.safe_dump(spec))
+    # Two strangers on B dial the controller for the whole run: no key (the CURVE handshake
+    # fails), and a key pair the controller does not list (its ZAP handler says no).
+    role = [*CLI, "role", "rollout", "--group", "gen", "--connect", f"tcp://{HUB}:{port}"]
+    role += ["--wait", "25"]
+    strangers = [
+        subprocess.Popen(
+            [*on(b, "host-b"), *role, *extra, "--run-dir", str(tmp_path / f"s{i}")],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, extra in enumerate(([], ["--keys", str(stranger_keys), "--client", "gen"]))
+    ]
+    sets = ["placement.main={roles: [actor], nproc: 2}"]
+    sets += ["placement.scorer={roles: [reward], nproc: 1}"]
+    sets += ["roles.rollout={model: base}", "placement.gen={roles: [rollout], nproc: 1}"]
+    argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json"]
+    argv += ["--clusters", str(tmp_path / "clusters.yaml"), "--run-dir", str(tmp_path / "run")]
+    argv += [x for s in sets for x in ("--set", s)]
+    before = veth_bytes_of(c, f"v{c}")
+    done = subprocess.run(
+        [*on(a, "host-a"), *CLI, *argv], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    rl = [r for r in rows if "train/staleness" in r]
+    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+    assert all(r["train/staleness"] == 0 for r in rl)  # C generated with the fresh weights
+    crossed = veth_bytes_of(c, f"v{c}") - before
+    print(f"bytes over host C's link: {crossed}")
+    assert crossed > 7 * 2_000_000, crossed  # 7 syncs of > 2 MB of weights, and the batches
+    for stranger in strangers:
+        _, err = stranger.communicate(timeout=60)
+        assert stranger.returncode == 1
+        assert "no answer from the controller" in " ".join(err.split()), err[-1500:]
