@@ -67,7 +67,7 @@ def slurm_command(args: argparse.Namespace) -> int:
                 f"`hybridflow keys DIR --clients {','.join(groups)}` and pass --keys DIR"
             )
         if args.submit:  # the cluster answers (SLURM's commands, munge) and the job fits
-            cpus = slurm_cpus_per_node("hybridflow slurm --submit", [], args.partition)
+            cpus = slurm_cpus_per_node("--submit", [], args.partition)
             if why := overfull(groups, args.nodes, cpus, first=1):
                 raise ExperimentError(why)
     except (ExperimentError, ValueError) as exc:

@@ -22,11 +22,19 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
 
 
-def cluster_up() -> bool:
+def cluster_up(wait: float = 30.0) -> bool:
+    """The node takes jobs (idle or mixed); a job that just ended may hold it a few seconds
+    (completing), so this waits up to ``wait`` seconds."""
     if shutil.which("sinfo") is None:
         return False
-    done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    return done.returncode == 0 and ("idle" in done.stdout or "mix" in done.stdout)
+    deadline = time.monotonic() + wait
+    while True:
+        done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+        if done.returncode == 0 and ("idle" in done.stdout or "mix" in done.stdout):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
 
 
 @pytest.fixture
@@ -117,3 +125,31 @@ def ours(run_dir: Path) -> list[str]:
     """Processes of this job: their command lines name the run dir (controller and ranks)."""
     done = subprocess.run(["pgrep", "-af", str(run_dir)], capture_output=True, text=True)
     return [line for line in done.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.timeout(120)
+def test_munge_down_and_an_oversized_job_are_refused_before_sbatch(
+    slurm: None, tmp_path: Path
+) -> None:
+    argv = [*CLI, "slurm", str(EXAMPLES / "quickstart.yaml"), "--quick", "--submit"]
+    # 1 controller + 8 ranks on a node of 8 CPUs
+    big = subprocess.run(
+        [*argv, "--run-dir", str(tmp_path / "big"), "--set", "placement.main.nproc=8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert big.returncode == 2
+    assert "would run 9 tasks (groups ['main'] and the controller) but a node holds 8" in big.stderr
+    assert not (tmp_path / "big").exists()  # nothing written, nothing submitted
+    subprocess.run(["pkill", "-x", "munged"], check=True)
+    try:
+        time.sleep(0.3)
+        down = subprocess.run(
+            [*argv, "--run-dir", str(tmp_path / "down")], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+    assert down.returncode == 2
+    assert "munged is not running" in " ".join(down.stderr.split()), down.stderr
+    assert cluster_up()
