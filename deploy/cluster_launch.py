@@ -47,6 +47,14 @@ def role_argv(group: GroupSpec, address: str, run_dir: str | None, keys: str | N
     return argv
 
 
+def dir_there(cluster: RemoteCluster | SlurmCluster, run_dir: Path, name: str) -> str:
+    """Where a cluster's groups write (logs, SLURM output): ``runs/RUN/CLUSTER`` under its
+    ``workdir`` when it has its own, else ``RUN_DIR/CLUSTER`` (the same filesystem)."""
+    if cluster.workdir is not None:
+        return f"runs/{run_dir.name}/{name}"
+    return str(run_dir / name)
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
@@ -79,7 +87,7 @@ class RemoteGroups:
     def command_line(self, group: GroupSpec, address: str) -> str:
         python = self.cluster.python or sys.executable
         workdir = self.cluster.workdir or str(Path.cwd())
-        there = str(self.run_dir / self.name)
+        there = dir_there(self.cluster, self.run_dir, self.name)
         env = [f"{TIMEOUTS_ENV}={self.timeouts.to_env()}", "OMP_NUM_THREADS=1"]
         cli = [python, "-m", "deploy.cli", *role_argv(group, address, there, self.keys)]
         argv = ["env", *env, *cli, "--token", "-"]
@@ -153,8 +161,13 @@ class SlurmJob:
         self._watch: asyncio.Task[None] | None = None
 
     @property
+    def there(self) -> str:
+        return dir_there(self.cluster, self.run_dir, self.name)
+
+    @property
     def output(self) -> str:
-        return f"{self.run_dir}/slurm-{self.name}-%j.out"
+        """The job's output file (``%j``: the job id), relative to ``workdir`` if it has one."""
+        return f"{self.there}/slurm-%j.out"
 
     def script(self, address: str, token: str) -> str:
         from deploy.slurm_cli import group_steps, sbatch_header
@@ -173,6 +186,8 @@ class SlurmJob:
         )
         python = shlex.quote(c.python or sys.executable)
         keys = f" --keys {shlex.quote(self.keys)}" if self.keys else ""
+        if c.workdir is not None:
+            lines.append(f"#SBATCH --chdir={c.workdir}")
         lines += [
             "",
             f"# hybridflow: the groups of cluster {self.name!r}; the controller is at {address}",
@@ -184,7 +199,7 @@ class SlurmJob:
             f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
         ]
         specs = {g.name: g for g in self.groups}
-        lines += group_steps(specs, c.nodes, address, self.run_dir, python, keys)
+        lines += group_steps(specs, c.nodes, address, self.there, python, keys)
         lines += [
             "",
             "# every group leaves when the controller says the run is over; a step that fails",
@@ -202,10 +217,11 @@ class SlurmJob:
         if self.cluster.via:  # the output folder must exist there before the job starts
             command = [
                 *self.cluster.via,
-                f"mkdir -p {shlex.quote(str(self.run_dir))} && " + shlex.join(argv),
+                f"cd {shlex.quote(self.cluster.workdir or '.')} && mkdir -p "
+                f"{shlex.quote(self.there)} && {shlex.join(argv)}",
             ]
         else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (Path(self.cluster.workdir or ".") / self.there).mkdir(parents=True, exist_ok=True)
             command = argv
         done = subprocess.run(
             command,
@@ -234,7 +250,7 @@ class SlurmJob:
                 break
             await asyncio.sleep(2.0)
         if not self.stopping:
-            out = Path(self.output.replace("%j", str(self.job)))
+            out = Path(self.cluster.workdir or ".") / self.output.replace("%j", str(self.job))
             said = f": {last_line(out)}" if not self.cluster.via and out.is_file() else ""
             cause = f"SLURM job {self.job} on cluster {self.name!r} ended {self.state}{said}"
             cause += f" (output: {out})"

@@ -178,7 +178,7 @@ def overfull(groups: dict[str, Any], nodes: int, per_node: int, first: int = 0) 
 
 
 def group_steps(
-    groups: dict[str, Any], nodes: int, connect: str, run_dir: Path, python: str, keys: str
+    groups: dict[str, Any], nodes: int, connect: str, run_dir: str | Path, python: str, keys: str
 ) -> list[str]:
     """One background srun step per group, the groups spread over the nodes in order; each
     rank is one ``hybridflow role --launcher env`` process (``SLURM_PROCID``)."""

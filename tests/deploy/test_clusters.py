@@ -159,3 +159,19 @@ def test_the_role_command_for_a_group() -> None:
     assert argv[:2] == ["role", "rollout"]
     assert argv[argv.index("--nproc") + 1] == "2" and argv[argv.index("--tp") + 1] == "2"
     assert argv[-4:] == ["--keys", "/k", "--client", "gen"]
+
+
+@pytest.mark.parametrize("name", ["here_and_slurm.yaml", "two_sites.yaml"])
+def test_the_example_specs_place_every_group(name: str) -> None:
+    found = load_spec(EXAMPLES / "clusters" / name)
+    assert set(assign(found, experiment()).values()) <= set(found.clusters)
+
+
+def test_a_cluster_with_its_own_workdir_writes_under_it(tmp_path: Path) -> None:
+    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")})
+    far = SlurmCluster(kind="slurm", via=["ssh", "login"], workdir="/scratch/me/hf")
+    job = SlurmJob("site2", far, [group], tmp_path / "run-1", None, Timeouts(), lambda *_: None)
+    script = job.script("tcp://h:1", "t")
+    assert "#SBATCH --chdir=/scratch/me/hf" in script
+    assert "#SBATCH --output=runs/run-1/site2/slurm-%j.out" in script
+    assert "--run-dir runs/run-1/site2" in script and str(tmp_path) not in script
