@@ -78,7 +78,7 @@ def test_a_run_over_a_local_and_a_slurm_cluster(slurm: None, tmp_path: Path) -> 
     # the SLURM group generated every batch with the weights the actor had just trained
     assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
     assert all(r["train/staleness"] == 0 for r in rl)
-    (out,) = (tmp_path / "run").glob("slurm-farm-*.out")
+    (out,) = (tmp_path / "run" / "farm").glob("slurm-*.out")
     assert "deploy.cli role" not in out.read_text()  # the job's own output, no shell echo
     assert settle(our_jobs) == []
 
