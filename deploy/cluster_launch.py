@@ -199,7 +199,7 @@ class SlurmJob:
             f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
         ]
         specs = {g.name: g for g in self.groups}
-        lines += group_steps(specs, c.nodes, address, self.there, python, keys)
+        lines += group_steps(specs, c.nodes, address, self.there, python, keys, controller=False)
         lines += [
             "",
             "# every group leaves when the controller says the run is over; a step that fails",

@@ -209,7 +209,7 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
             if probe:
                 cpus = slurm_cpus_per_node(f"cluster {name!r}", cluster.via, cluster.partition)
                 per_node = per_node or cpus
-            if per_node and (why := overfull(mine, cluster.nodes, per_node)):
+            if per_node and (why := overfull(mine, cluster.nodes, per_node, controller=False)):
                 raise ExperimentError(f"cluster {name!r}: {why} (clusters.{name}.nodes)")
         elif isinstance(cluster, LocalCluster | RemoteCluster) and cluster.slots:
             ranks = sum(g.nproc for g in mine.values())

@@ -59,7 +59,8 @@ def slurm_command(args: argparse.Namespace) -> int:
         if args.nodes < 1:
             raise ExperimentError(f"--nodes={args.nodes} must be >= 1")
         groups = placement(exp)
-        if args.gpus_per_node and (why := overfull(groups, args.nodes, args.gpus_per_node)):
+        gpus = args.gpus_per_node
+        if gpus and (why := overfull(groups, args.nodes, gpus, controller=False)):
             raise ExperimentError(f"one rank per GPU: {why}")
         if args.nodes > 1 and args.keys is None:
             raise ExperimentError(
@@ -68,7 +69,7 @@ def slurm_command(args: argparse.Namespace) -> int:
             )
         if args.submit:  # the cluster answers (SLURM's commands, munge) and the job fits
             cpus = slurm_cpus_per_node("--submit", [], args.partition)
-            if why := overfull(groups, args.nodes, cpus, first=1):
+            if why := overfull(groups, args.nodes, cpus, controller=True):
                 raise ExperimentError(why)
     except (ExperimentError, ValueError) as exc:
         print(f"hybridflow slurm: {exc}", file=sys.stderr)
@@ -107,8 +108,11 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         "# hybridflow: the controller on the first node, each process group on its node(s).",
         "set -euo pipefail",
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-        # one node: loopback (TCP that leaves a host needs CURVE keys, `hybridflow keys`)
-        "head=127.0.0.1" if args.nodes == 1 else "head=${nodes[0]}",
+        # one node: loopback (TCP that leaves a host needs CURVE keys, `hybridflow keys`);
+        # more: the first node's address as SLURM knows it (NodeAddr; no DNS needed)
+        "head=127.0.0.1"
+        if args.nodes == 1
+        else 'head=$(scontrol show node "${nodes[0]}" -o | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
         f"port={port}",
         f'export HYBRIDFLOW_TOKEN=$({python} -c "import secrets; print(secrets.token_hex(16))")',
         "export OMP_NUM_THREADS=1",
@@ -119,7 +123,8 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         f'  --bind "tcp://$head:$port" --run-dir {shlex.quote(str(run_dir))}{keys} &',
         "controller=$!",
     ]
-    lines += group_steps(groups, args.nodes, '"tcp://$head:$port"', run_dir, python, keys)
+    connect = '"tcp://$head:$port"'
+    lines += group_steps(groups, args.nodes, connect, run_dir, python, keys, controller=True)
     lines += [
         "",
         "# the controller's status is the job's (set -e); it stops the groups on its way out",
@@ -155,43 +160,57 @@ def sbatch_header(
     return lines
 
 
-def node_loads(groups: dict[str, Any], nodes: int, first: int = 0) -> list[tuple[int, list[str]]]:
-    """Ranks and group names per node as ``group_steps`` spreads them (``first`` ranks already
-    on node 0: the controller)."""
-    loads: list[tuple[int, list[str]]] = [(first if n == 0 else 0, []) for n in range(nodes)]
-    for i, (name, group) in enumerate(groups.items()):
-        ranks, names = loads[i % nodes]
-        loads[i % nodes] = (ranks + group.nproc, [*names, name])
-    return loads
+def group_nodes(groups: dict[str, Any], nodes: int, controller: bool) -> list[int]:
+    """The node of each group, in order: round robin, starting after the controller's node
+    (node 0) when the job has more than one node."""
+    start = 1 if controller and nodes > 1 else 0
+    return [(i + start) % nodes for i in range(len(groups))]
 
 
-def overfull(groups: dict[str, Any], nodes: int, per_node: int, first: int = 0) -> str | None:
-    """Why the groups do not fit ``nodes`` nodes of ``per_node`` tasks, or None."""
-    for n, (ranks, names) in enumerate(node_loads(groups, nodes, first)):
-        if ranks > per_node:
-            extra = " and the controller" if n == 0 and first else ""
+def overfull(groups: dict[str, Any], nodes: int, per_node: int, controller: bool) -> str | None:
+    """Why the groups (and the controller, 1 task on node 0) do not fit ``nodes`` nodes of
+    ``per_node`` tasks each, or None."""
+    ranks = [1 if controller and n == 0 else 0 for n in range(nodes)]
+    names: list[list[str]] = [[] for _ in range(nodes)]
+    for node, (name, group) in zip(
+        group_nodes(groups, nodes, controller), groups.items(), strict=True
+    ):
+        ranks[node] += group.nproc
+        names[node].append(name)
+    for n in range(nodes):
+        if ranks[n] > per_node:
+            extra = " and the controller" if n == 0 and controller else ""
             return (
-                f"node {n} of the job would run {ranks} tasks (groups {names}{extra}) but a node "
-                f"holds {per_node}; use more nodes or fewer ranks (placement nproc)"
+                f"node {n} of the job would run {ranks[n]} tasks (groups {names[n]}{extra}) but "
+                f"a node holds {per_node}; use more nodes or fewer ranks (placement nproc)"
             )
     return None
 
 
 def group_steps(
-    groups: dict[str, Any], nodes: int, connect: str, run_dir: str | Path, python: str, keys: str
+    groups: dict[str, Any],
+    nodes: int,
+    connect: str,
+    run_dir: str | Path,
+    python: str,
+    keys: str,
+    controller: bool,
 ) -> list[str]:
-    """One background srun step per group, the groups spread over the nodes in order; each
-    rank is one ``hybridflow role --launcher env`` process (``SLURM_PROCID``)."""
+    """One background srun step per group, on the node ``group_nodes`` gives it; each rank is
+    one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group stays on one node,
+    so its ranks meet on loopback."""
     lines: list[str] = []
-    for node, (name, group) in enumerate(groups.items()):
+    for node, (name, group) in zip(
+        group_nodes(groups, nodes, controller), groups.items(), strict=True
+    ):
         roles = ",".join(group.roles)
-        where = f"${{nodes[{node % nodes}]}}"
+        where = f"${{nodes[{node}]}}"
         lines += [
             "",
             f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
             f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
             f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
-            f"  --group {name} --tp {group.tp} --launcher env --master-addr {where} "
+            f"  --group {name} --tp {group.tp} --launcher env --master-addr 127.0.0.1 "
             f"--run-dir {shlex.quote(str(run_dir))}"
             + (f"{keys} --client {name}" if keys else "")
             + " &",

@@ -58,7 +58,7 @@ def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> Non
     script = render(exp, placement(exp), args, tmp_path)
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks=3" in script
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --gpus-per-node=1" in script
-    assert "head=${nodes[0]}" in script  # two nodes: the first node's address
+    assert "head=$(scontrol show node \"${nodes[0]}\"" in script  # two nodes: its NodeAddr
     assert script.count("deploy.cli role") == 2 and "--launcher env" in script
     assert "role actor,reference" in script and "role critic,reward" in script
     assert "--set stages.1.steps=3" in script and "--quick" in script
