@@ -170,14 +170,14 @@ class SlurmJob:
         return f"{self.there}/slurm-%j.out"
 
     def script(self, address: str, token: str) -> str:
-        from deploy.slurm_cli import group_steps, sbatch_header
+        from deploy.slurm_cli import group_steps, sbatch_header, tasks_per_node, wait_steps
 
         c = self.cluster
-        tasks = sum(g.nproc for g in self.groups)
+        specs = {g.name: g for g in self.groups}
         lines = sbatch_header(
             f"hybridflow-{self.name}",
             c.nodes,
-            tasks,
+            tasks_per_node(specs, c.nodes, controller=False),
             self.output,
             c.partition,
             c.time,
@@ -197,18 +197,10 @@ class SlurmJob:
             f"export {TIMEOUTS_ENV}={shlex.quote(self.timeouts.to_env())}",
             "export OMP_NUM_THREADS=1",
             f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
+            "pids=()",
         ]
-        specs = {g.name: g for g in self.groups}
         lines += group_steps(specs, c.nodes, address, self.there, python, keys, controller=False)
-        lines += [
-            "",
-            "# every group leaves when the controller says the run is over; a step that fails",
-            "# fails the job (the controller sees its state)",
-            "status=0",
-            "for step in $(jobs -p); do wait $step || status=$?; done",
-            "exit $status",
-            "",
-        ]
+        lines += wait_steps(controller=False)
         return "\n".join(lines)
 
     def submit(self, address: str, token: str) -> None:

@@ -87,11 +87,10 @@ def slurm_command(args: argparse.Namespace) -> int:
 
 
 def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: Path) -> str:
-    tasks = 1 + sum(g.nproc for g in groups.values())
     lines = sbatch_header(
         f"hybridflow-{exp.name}",
         args.nodes,
-        tasks,
+        tasks_per_node(groups, args.nodes, controller=True),
         f"{run_dir}/slurm-%j.out",
         args.partition,
         args.time,
@@ -122,23 +121,41 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         f"  {python} -m deploy.cli controller {experiment}{options} \\",
         f'  --bind "tcp://$head:$port" --run-dir {shlex.quote(str(run_dir))}{keys} &',
         "controller=$!",
+        "pids=($controller)",
     ]
     connect = '"tcp://$head:$port"'
     lines += group_steps(groups, args.nodes, connect, run_dir, python, keys, controller=True)
-    lines += [
+    lines += wait_steps(controller=True)
+    return "\n".join(lines)
+
+
+def wait_steps(controller: bool) -> list[str]:
+    """The script's end, watching the steps in ``pids``: the first to fail ends the job with its
+    status (SLURM then ends the others), so nobody waits for a group that is gone. A clean exit
+    of the ``controller`` step ends the run; the groups leave on its SHUTDOWN."""
+    done = '[ "${pids[$i]}" = "$controller" ] && { wait; exit 0; }  # the run is over'
+    return [
         "",
-        "# the controller's status is the job's (set -e); it stops the groups on its way out",
-        "wait $controller",
-        "wait",
+        "# the first step to fail fails the job; the controller's end is the run's",
+        "set +e",
+        "while [ ${#pids[@]} -gt 0 ]; do",
+        '  for i in "${!pids[@]}"; do',
+        '    kill -0 "${pids[$i]}" 2>/dev/null && continue',
+        '    wait "${pids[$i]}"; status=$?',
+        '    [ $status -eq 0 ] || { echo "hybridflow: a step failed ($status)" >&2; exit $status; }',
+        *([f"    {done}"] if controller else []),
+        '    unset "pids[$i]"',
+        "  done",
+        "  sleep 1",
+        "done",
         "",
     ]
-    return "\n".join(lines)
 
 
 def sbatch_header(
     name: str,
     nodes: int,
-    tasks: int,
+    per_node: int,
     output: str,
     partition: str | None = None,
     time_limit: str | None = None,
@@ -149,7 +166,7 @@ def sbatch_header(
         "#!/bin/bash",
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks={tasks}",
+        f"#SBATCH --ntasks-per-node={per_node}",  # each group's step on one node
         f"#SBATCH --output={output}",
     ]
     for option, value in (("partition", partition), ("time", time_limit), ("account", account)):
@@ -167,22 +184,31 @@ def group_nodes(groups: dict[str, Any], nodes: int, controller: bool) -> list[in
     return [(i + start) % nodes for i in range(len(groups))]
 
 
+def node_ranks(groups: dict[str, Any], nodes: int, controller: bool) -> list[list[str]]:
+    """What runs on each node: group names, and "controller" on node 0 when there is one."""
+    where: list[list[str]] = [["controller"] if controller and n == 0 else [] for n in range(nodes)]
+    for node, name in zip(group_nodes(groups, nodes, controller), groups, strict=True):
+        where[node].append(name)
+    return where
+
+
+def tasks_per_node(groups: dict[str, Any], nodes: int, controller: bool) -> int:
+    """The job's ``--ntasks-per-node``: its fullest node (the controller is one task)."""
+    return max(
+        sum(1 if name == "controller" else groups[name].nproc for name in names)
+        for names in node_ranks(groups, nodes, controller)
+    )
+
+
 def overfull(groups: dict[str, Any], nodes: int, per_node: int, controller: bool) -> str | None:
     """Why the groups (and the controller, 1 task on node 0) do not fit ``nodes`` nodes of
     ``per_node`` tasks each, or None."""
-    ranks = [1 if controller and n == 0 else 0 for n in range(nodes)]
-    names: list[list[str]] = [[] for _ in range(nodes)]
-    for node, (name, group) in zip(
-        group_nodes(groups, nodes, controller), groups.items(), strict=True
-    ):
-        ranks[node] += group.nproc
-        names[node].append(name)
-    for n in range(nodes):
-        if ranks[n] > per_node:
-            extra = " and the controller" if n == 0 and controller else ""
+    for n, names in enumerate(node_ranks(groups, nodes, controller)):
+        ranks = sum(1 if name == "controller" else groups[name].nproc for name in names)
+        if ranks > per_node:
             return (
-                f"node {n} of the job would run {ranks[n]} tasks (groups {names[n]}{extra}) but "
-                f"a node holds {per_node}; use more nodes or fewer ranks (placement nproc)"
+                f"node {n} of the job would run {ranks} tasks ({', '.join(names)}) but a node "
+                f"holds {per_node}; use more nodes or fewer ranks (placement nproc)"
             )
     return None
 
@@ -214,6 +240,7 @@ def group_steps(
             f"--run-dir {shlex.quote(str(run_dir))}"
             + (f"{keys} --client {name}" if keys else "")
             + " &",
+            "pids+=($!)",
         ]
     return lines
 

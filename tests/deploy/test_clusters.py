@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from controller.placement import GroupSpec, RoleSpec
 from deploy.cluster_launch import SlurmJob, role_argv
 from deploy.clusters import ClusterSpec, SlurmCluster, assign, check_spec, load_spec
 from deploy.experiment import Experiment, ExperimentError, load
+from deploy.slurm_cli import wait_steps
 from transport.settings import Timeouts
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -142,15 +144,29 @@ def test_the_groups_job_script_waits_for_every_step_and_fails_with_one(tmp_path:
         lambda *_: None,
     )
     script = job.script("tcp://10.0.0.1:5555", "secret-token")
-    assert "#SBATCH --ntasks=2" in script and "#SBATCH --partition=debug" in script
+    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --partition=debug" in script
     assert "--connect tcp://10.0.0.1:5555" in script and "--client gen" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-    # the wait loop: one failing step fails the script, after the others finished
-    tail = script[script.index("status=0") :]
-    fake = f"(sleep 0.2; exit 0) &\n(exit 3) &\n{tail}"
-    assert subprocess.run(["bash", "-c", fake]).returncode == 3
-    fake = f"(sleep 0.2; exit 0) &\n(exit 0) &\n{tail}"
-    assert subprocess.run(["bash", "-c", fake]).returncode == 0
+    # the end: the first step to fail fails the job at once, whatever still runs
+    tail = "\n".join(wait_steps(controller=False))
+    steps = "pids=(); (sleep 8) & pids+=($!); (exit 3) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 3
+    steps = "pids=(); (exit 0) & pids+=($!); (sleep 0.5) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 0
+    # with a controller: its clean exit ends the run (the groups are waited for); its failure too
+    tail = "\n".join(wait_steps(controller=True))
+    steps = "(sleep 0.2) & controller=$!; pids=($controller); (sleep 1.5) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 0
+    steps = "(exit 1) & controller=$!; pids=($controller); (sleep 8) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 1
+
+
+def bash(script: str) -> int:
+    """Run a script; it must end within 10 s (a job must not outlive its failed step)."""
+    start = time.monotonic()
+    code = subprocess.run(["bash", "-c", script], timeout=20).returncode
+    assert time.monotonic() - start < 10
+    return code
 
 
 def test_the_role_command_for_a_group() -> None:

@@ -56,9 +56,13 @@ def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> Non
         keys=Path("/k"),
     )
     script = render(exp, placement(exp), args, tmp_path)
-    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks=3" in script
+    # the controller on node 0, then the groups round robin from node 1: main there, value on 0
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
+    main, value = script.index("# group main"), script.index("# group value")
+    assert "--nodelist=${nodes[1]}" in script[main:value]
+    assert "--nodelist=${nodes[0]}" in script[value:]
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --gpus-per-node=1" in script
-    assert "head=$(scontrol show node \"${nodes[0]}\"" in script  # two nodes: its NodeAddr
+    assert 'head=$(scontrol show node "${nodes[0]}"' in script  # two nodes: its NodeAddr
     assert script.count("deploy.cli role") == 2 and "--launcher env" in script
     assert "role actor,reference" in script and "role critic,reward" in script
     assert "--set stages.1.steps=3" in script and "--quick" in script
@@ -140,7 +144,7 @@ def test_munge_down_and_an_oversized_job_are_refused_before_sbatch(
         timeout=60,
     )
     assert big.returncode == 2
-    assert "would run 9 tasks (groups ['main'] and the controller) but a node holds 8" in big.stderr
+    assert "node 0 of the job would run 9 tasks (controller, main) but a node holds 8" in big.stderr
     assert not (tmp_path / "big").exists()  # nothing written, nothing submitted
     subprocess.run(["pkill", "-x", "munged"], check=True)
     try:

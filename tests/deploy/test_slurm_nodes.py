@@ -1,0 +1,158 @@
+"""SLURM on two nodes: a private SLURM cluster (its own slurmctld and two slurmd) whose nodes are
+network namespaces with their own addresses and, through a UTS namespace each, their own
+hostnames; munge is shared through the filesystem as on a real cluster. ``hybridflow slurm
+--nodes 2 --keys`` runs the quick quickstart with the controller on the first node and the
+group's two ranks on the second, over CURVE; the link between the nodes carries the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_system
+from tests.deploy.test_netns import netns_available, veth_bytes_of
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CLI = [sys.executable, "-m", "deploy.cli"]
+NODES = {"hfnode1": "10.231.30.1", "hfnode2": "10.231.30.2"}
+
+CONF = """\
+ClusterName=hfnodes
+SlurmctldHost=hfnode1({head})
+SlurmUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool-%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+ReturnToService=2
+MpiDefault=none
+SlurmdParameters=config_overrides
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def daemons_available() -> bool:
+    have = all(shutil.which(b) for b in ("slurmctld", "slurmd", "sinfo", "nsenter", "unshare"))
+    munge = subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
+    return have and munge and netns_available()
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
+    """(a command prefix that runs on node 1, the environment naming this cluster's config,
+    node 2's network namespace)."""
+    require_system(
+        "a two-node SLURM cluster in network namespaces",
+        daemons_available(),
+        "run as root with slurm-wlm, munge running (.ci/slurm-up) and iproute2",
+    )
+    d = Path(tempfile.mkdtemp(prefix="hfs-"))  # short: slurmd's socket paths are limited
+    ns = {name: f"hf{name[-1]}n{os.getpid()}" for name in NODES}
+    daemons: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in NODES:
+            subprocess.run(["ip", "netns", "add", ns[name]], check=True)
+            subprocess.run(["ip", "-n", ns[name], "link", "set", "lo", "up"], check=True)
+            (d / f"spool-{name}").mkdir()
+        n1, n2 = ns["hfnode1"], ns["hfnode2"]
+        pair = ["type", "veth", "peer", f"v{n2}", "netns", n2]
+        subprocess.run(["ip", "link", "add", f"v{n1}", "netns", n1, *pair], check=True)
+        for name, addr in NODES.items():
+            dev = f"v{ns[name]}"
+            subprocess.run(["ip", "-n", ns[name], "addr", "add", f"{addr}/24", "dev", dev])
+            subprocess.run(["ip", "-n", ns[name], "link", "set", dev, "up"], check=True)
+        (d / "state").mkdir()
+        nodes = "\n".join(
+            f"NodeName={n} NodeAddr={a} CPUs=4 RealMemory=8000 State=UNKNOWN"
+            for n, a in NODES.items()
+        )
+        conf = d / "slurm.conf"
+        conf.write_text(CONF.format(d=d, head=NODES["hfnode1"], nodes=nodes))
+
+        def on(name: str) -> list[str]:
+            # network namespace only: the node keeps /sys/fs/cgroup, which slurmd needs
+            return ["nsenter", f"--net=/run/netns/{ns[name]}"]
+
+        def start(name: str, daemon: str) -> None:
+            line = f"hostname {name} && exec {daemon} -D -f {conf}"
+            log = open(d / f"{daemon}-{name}.out", "wb")  # the daemon's stdout
+            daemons.append(
+                subprocess.Popen(
+                    [*on(name), "unshare", "--uts", "sh", "-c", line], stdout=log, stderr=log
+                )
+            )
+
+        start("hfnode1", "slurmctld")
+        for name in NODES:
+            start(name, "slurmd")
+        env = {**os.environ, "SLURM_CONF": str(conf)}
+        deadline = time.monotonic() + 30
+        while True:
+            done = subprocess.run(
+                [*on("hfnode1"), "sinfo", "-h", "-o", "%T %D"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            if done.stdout.split() == ["idle", "2"]:
+                break
+            assert time.monotonic() < deadline, (done.stdout, done.stderr, list(d.iterdir()))
+            time.sleep(0.3)
+        yield on("hfnode1"), env, ns["hfnode2"]
+    finally:
+        for proc in daemons:  # TERM first: slurmctld reaps its own helpers
+            proc.terminate()
+        for proc in daemons:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for name in ns.values():
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_over_two_slurm_nodes(
+    two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
+) -> None:
+    node1, env, node2 = two_nodes
+    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    before = veth_bytes_of(node2, f"v{node2}")
+    argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick", "--nodes", "2"]
+    argv += ["--keys", str(keys), "--run-dir", str(run_dir), "--submit"]
+    done = subprocess.run(
+        [*node1, *CLI, *argv], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "COMPLETED" in done.stdout
+    script = (run_dir / "job.sbatch").read_text()
+    assert "--nodelist=${nodes[0]}" in script.split("deploy.cli controller")[0]
+    assert "--nodelist=${nodes[1]}" in script.split("# group main")[1]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 46
+    crossed = veth_bytes_of(node2, f"v{node2}") - before
+    print(f"bytes between the nodes: {crossed}")
+    assert crossed > 1_000_000, crossed
