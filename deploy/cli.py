@@ -127,7 +127,7 @@ def run_as_rank(args: argparse.Namespace, roles: list[str], name: str) -> int:
 
 def cmd_role(args: argparse.Namespace) -> int:
     from controller.placement import GroupSpec, RoleSpec
-    from deploy.local import LocalLauncher
+    from deploy.local import LocalLauncher, last_error
     from transport.settings import ENV_VAR as TIMEOUTS_ENV
     from transport.settings import Timeouts
 
@@ -216,18 +216,6 @@ def connect_problem(address: str) -> str | None:
     except socket.gaierror as exc:
         return f"cannot resolve {host!r} ({exc.strerror})"
     return None
-
-
-def last_error(log_path: Path) -> str:
-    """The last line of a rank's log that names an error (the reason a group was refused)."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "no log"
-    for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line.split("]: ", 1)[-1].strip()
-    return lines[-1] if lines else "empty log"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from pathlib import Path
 from controller.placement import GroupSpec
 from deploy.clusters import RemoteCluster, SlurmCluster, run_there, slurm_problem
 from deploy.keys_cli import CONTROLLER
+from deploy.local import last_error
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
@@ -55,14 +56,11 @@ def dir_there(cluster: RemoteCluster | SlurmCluster, run_dir: Path, name: str) -
     return str(run_dir / name)
 
 
+_LIBC = ctypes.CDLL(None)  # loaded here: the child between fork and exec only makes a call
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def last_line(path: Path) -> str:
-    from deploy.cli import last_error
-
-    return last_error(path)
+    _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 class RemoteGroups:
@@ -121,7 +119,7 @@ class RemoteGroups:
         if self.stopping or code == 0:
             return
         via = " ".join(self.cluster.via)
-        cause = f"on cluster {self.name!r} ({via}) exited with {code}: {last_line(log_path)}"
+        cause = f"on cluster {self.name!r} ({via}) exited with {code}: {last_error(log_path)}"
         self.on_dead(group, 0, f"{cause} (log: {log_path})")
 
     async def stop(self) -> None:
@@ -243,7 +241,7 @@ class SlurmJob:
             await asyncio.sleep(2.0)
         if not self.stopping:
             out = Path(self.cluster.workdir or ".") / self.output.replace("%j", str(self.job))
-            said = f": {last_line(out)}" if not self.cluster.via and out.is_file() else ""
+            said = f": {last_error(out)}" if not self.cluster.via and out.is_file() else ""
             cause = f"SLURM job {self.job} on cluster {self.name!r} ended {self.state}{said}"
             cause += f" (output: {out})"
             for group in self.groups:

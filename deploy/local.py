@@ -155,3 +155,15 @@ class LocalLauncher:
             raise RuntimeError(
                 f"ranks would not die: {[(p.group, p.rank, p.popen.pid) for p in left]}"
             )
+
+
+def last_error(log_path: Path) -> str:
+    """The last line of a rank's log that names an error (the reason a group was refused)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line.split("]: ", 1)[-1].strip()
+    return lines[-1] if lines else "empty log"
