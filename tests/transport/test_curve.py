@@ -1,4 +1,5 @@
-"""CURVE on the controller's TCP socket: listed client keys get in, anyone else never registers."""
+"""CURVE on the controller's TCP socket: listed client keys get in, anyone else never registers;
+and a coordinator never joins a controller whose key is not the one it pins."""
 
 from __future__ import annotations
 
@@ -76,3 +77,43 @@ def test_tcp_leaving_the_host_requires_curve() -> None:
 
     with pytest.raises(ValueError, match="needs CURVE keys"):
         bind_router(zmq.Context.instance(), "tcp://0.0.0.0:0", TEST_TIMEOUTS)
+
+
+def test_a_coordinator_does_not_join_a_controller_with_another_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group's key is accepted, but the controller is not the one whose public key the
+    coordinator pins (an impostor listening at the address): the handshake fails on the
+    coordinator's side and it never says hello."""
+    _, impostor_secret = make_keypair(tmp_path / "impostor", "controller")
+    make_keypair(tmp_path / "real", "controller")
+    public, secret = make_keypair(tmp_path / "clients", "main")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "main.key").write_bytes(public.read_bytes())
+    timeouts = TEST_TIMEOUTS.model_copy(update={"connect_s": 3})
+
+    async def main() -> None:
+        placement = [group("main", 1, echo="roles.testing:Echo")]
+        controller = Controller(placement, timeouts)
+        address = controller.bind("tcp://127.0.0.1:0", CurveServer(impostor_secret, allowed))
+        monkeypatch.setenv("HYBRIDFLOW_CURVE_SECRET", str(secret))
+        monkeypatch.setenv("HYBRIDFLOW_CURVE_SERVER_KEY", str(tmp_path / "real" / "controller.key"))
+        exits: list[int] = []
+        launcher = LocalLauncher(
+            address, controller.token, tmp_path, tmp_path, timeouts, lambda g, r, c: exits.append(c)
+        )
+        launcher.start(placement[0])
+        try:
+            async with asyncio.timeout(30):
+                while not exits:
+                    await asyncio.sleep(0.05)
+            assert exits[0] != 0 and not controller.groups["main"].ready.is_set()
+            assert controller.rejected == []  # no hello ever reached the impostor
+            log = (tmp_path / "logs" / "main-0.log").read_text()
+            assert "no answer from the controller" in log
+        finally:
+            await controller.shutdown()
+            await launcher.stop()
+
+    run(main)
