@@ -1,11 +1,13 @@
 """``hybridflow run EXP --clusters SPEC``: one controller, groups on two clusters (this host and
 the one-node SLURM cluster of .ci/slurm-up). A quick run completes with the rollout group in the
 SLURM job taking the actor's weights every step; a launch that fails part-way, a job that dies and
-a run stopped by SIGTERM leave no process and no job behind."""
+a run stopped by SIGTERM leave no process and no job behind. A manual cluster's printed command
+joins the run."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -132,3 +134,41 @@ def test_sigterm_mid_run_leaves_no_job_and_no_process(slurm: None, tmp_path: Pat
     assert run.wait(timeout=60) != 0
     assert settle(our_jobs) == []
     assert settle(lambda: [p for p in rank_processes() if p not in before]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_manual_cluster_prints_the_command_that_joins(tmp_path: Path) -> None:
+    from tests.deploy.test_controller_cli import wait_for
+
+    spec = tmp_path / "clusters.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "controller": {"bind": "tcp://127.0.0.1:0", "wait": 60},
+                "clusters": {"home": {"kind": "local"}, "desk": {"kind": "manual"}},
+                "groups": {"actor": "home", "rollout": "desk"},
+            }
+        )
+    )
+    err = tmp_path / "run.err"
+    with err.open("w") as stderr:
+        run = subprocess.Popen(
+            run_argv(spec, tmp_path / "run", "--quick"),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    try:
+        found = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow (role rollout .+)\n", run, 60)
+        argv = [*found.group(2).split(), "--run-dir", str(tmp_path / "desk")]
+        assert "--group gen" in found.group(2)
+        role = subprocess.run(
+            [*CLI, *argv], env={**os.environ, "HYBRIDFLOW_TOKEN": found.group(1)}, timeout=120
+        )
+        out, _ = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert role.returncode == 0 and run.returncode == 0, err.read_text()[-2000:]
+    assert json.loads(out.splitlines()[-1])["steps"] == 46
