@@ -2,7 +2,7 @@
 the one-node SLURM cluster of .ci/slurm-up). A quick run completes with the rollout group in the
 SLURM job taking the actor's weights every step; a launch that fails part-way, a job that dies and
 a run stopped by SIGTERM leave no process and no job behind. A manual cluster's printed command
-joins the run."""
+joins the run, and a SLURM cluster is also driven through ssh to its "login node"."""
 
 from __future__ import annotations
 
@@ -172,3 +172,27 @@ def test_a_manual_cluster_prints_the_command_that_joins(tmp_path: Path) -> None:
             run.kill()
     assert role.returncode == 0 and run.returncode == 0, err.read_text()[-2000:]
     assert json.loads(out.splitlines()[-1])["steps"] == 46
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_slurm_cluster_reached_through_ssh(slurm: None, tmp_path: Path) -> None:
+    """sinfo, sbatch (the script on stdin), scontrol and the output folder all go through
+    `via` (ssh to a login node: here a private sshd on loopback), in the cluster's workdir."""
+    from tests.deploy.sshd import sshd
+
+    there = tmp_path / "there"
+    there.mkdir()
+    with sshd(tmp_path / "ssh", "127.0.0.1") as login:
+        spec = write_spec(tmp_path / "clusters.yaml", {"via": login, "workdir": str(there)})
+        done = subprocess.run(
+            run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=200
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert all(r["train/staleness"] == 0 for r in rows if "train/staleness" in r)
+    (out,) = (there / "runs" / "run" / "farm").glob("slurm-*.out")  # under the workdir there
+    assert "error" not in out.read_text().lower()
+    assert (tmp_path / "ssh" / "log").read_text().count("Accepted publickey") >= 3
+    assert settle(our_jobs) == []

@@ -4,7 +4,8 @@
   run completes, and the veth's byte counters show that the batches crossed TCP (no same-host
   shared-memory shortcut).
 - Three hosts and a cluster spec: the controller and the actor on host A (a local cluster), the
-  reward on host B and the rollout group on host C (remote clusters reached by ``ip netns exec``).
+  reward on host B (a remote cluster reached by ``ip netns exec``) and the rollout group on host
+  C (a remote cluster reached by ssh: a real sshd runs there).
   C's group takes the actor's weights over its CURVE link every step and generates every batch;
   meanwhile two strangers on B (no key, a wrong key) are refused and the run carries on."""
 
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import require_system
+from tests.deploy.sshd import sshd
 from tests.deploy.test_controller_cli import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -147,11 +149,25 @@ def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: 
     assert crossed > 1_000_000, crossed
 
 
+SSH_HOST = "10.231.8.2"  # host C's address on its link to A
+
+
+@pytest.fixture
+def ssh_to_c(three_hosts: tuple[str, str, str], tmp_path: Path) -> Iterator[list[str]]:
+    """A real OpenSSH server on host C (its own hostname through a UTS namespace); yields the
+    ssh command that logs in there."""
+    prefix = ["ip", "netns", "exec", three_hosts[2], "unshare", "--uts"]
+    with sshd(tmp_path / "ssh", SSH_HOST, prefix, "hfhostc") as login:
+        yield login
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_hosts_from_a_cluster_spec_with_strangers_refused(
-    three_hosts: tuple[str, str, str], tmp_path: Path
+    three_hosts: tuple[str, str, str], ssh_to_c: list[str], tmp_path: Path
 ) -> None:
+    """Host C is reached by ssh (a real sshd there, its own hostname, so its own host id), host
+    B by ``ip netns exec``."""
     a, b, c = three_hosts
     keys, stranger_keys = tmp_path / "keys", tmp_path / "stranger"
     for folder, clients in ((keys, "main,scorer,gen"), (stranger_keys, "gen")):
@@ -167,7 +183,7 @@ def test_three_hosts_from_a_cluster_spec_with_strangers_refused(
         "clusters": {
             "home": {"kind": "local"},
             "lab": {"kind": "remote", "via": [*on(b, "host-b"), "sh", "-c"]},
-            "far": {"kind": "remote", "via": [*on(c, "host-c"), "sh", "-c"]},
+            "far": {"kind": "remote", "via": ssh_to_c},
         },
         "groups": {"actor": "home", "reward": "lab", "rollout": "far"},
     }
@@ -200,6 +216,7 @@ def test_three_hosts_from_a_cluster_spec_with_strangers_refused(
     rl = [r for r in rows if "train/staleness" in r]
     assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
     assert all(r["train/staleness"] == 0 for r in rl)  # C generated with the fresh weights
+    assert "Accepted publickey for root" in (tmp_path / "ssh" / "log").read_text()
     crossed = veth_bytes_of(c, f"v{c}") - before
     print(f"bytes over host C's link: {crossed}")
     assert crossed > 7 * 2_000_000, crossed  # 7 syncs of > 2 MB of weights, and the batches
