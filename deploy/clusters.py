@@ -33,10 +33,9 @@ import subprocess
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deploy.experiment import Experiment, ExperimentError, placement
+from deploy.experiment import Experiment, ExperimentError, explain, placement, read_yaml
 from deploy.slurm_cli import overfull
 
 
@@ -117,18 +116,10 @@ class ClusterSpec(BaseModel):
 
 
 def load_spec(path: Path) -> ClusterSpec:
-    if not path.is_file():
-        raise ExperimentError(f"{path}: no such cluster spec")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ExperimentError(f"{path}: not valid YAML: {exc}") from exc
-    try:
-        spec = ClusterSpec.model_validate(raw)
+        spec = ClusterSpec.model_validate(read_yaml(path, "cluster spec"))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ExperimentError(f"{path}: {where}: {first['msg']}") from None
+        raise ExperimentError(f"{path}: {explain(exc)}") from None
     if spec.keys is not None and not spec.keys.is_absolute():
         spec.keys = (path.parent / spec.keys).resolve()
     return spec

@@ -120,15 +120,20 @@ class Experiment(BaseModel):
 def load(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> Experiment:
     """Read, override (``--quick``, then ``--set a.b=value``) and validate an experiment."""
     file = Path(path)
+    return parse(read_yaml(file, "experiment file"), overrides, quick, str(file))
+
+
+def read_yaml(file: Path, what: str) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping, or an ExperimentError that says why not."""
     if not file.is_file():
-        raise ExperimentError(f"{file}: no such experiment file")
+        raise ExperimentError(f"{file}: no such {what}")
     try:
         raw = yaml.safe_load(file.read_text())
     except yaml.YAMLError as exc:
         raise ExperimentError(f"{file}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ExperimentError(f"{file}: the top level must be a mapping of sections")
-    return parse(raw, overrides, quick, str(file))
+    return raw
 
 
 def parse(
@@ -149,10 +154,10 @@ def parse(
     try:
         return Experiment.model_validate(raw)
     except ValidationError as exc:
-        raise ExperimentError(f"{where}: {_explain(exc)}") from None
+        raise ExperimentError(f"{where}: {explain(exc)}") from None
 
 
-def _explain(exc: ValidationError) -> str:
+def explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"])
@@ -365,7 +370,7 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
 
 def _short(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        return _explain(exc)
+        return explain(exc)
     return str(exc)
 
 
