@@ -19,11 +19,11 @@ from deploy.cluster_launch import SlurmJob, role_argv
 from deploy.clusters import ClusterSpec, SlurmCluster, assign, check_spec, load_spec
 from deploy.experiment import Experiment, ExperimentError, load
 from deploy.slurm_cli import wait_steps
+from tests.deploy.test_multicluster import WITH_ROLLOUT
 from transport.settings import Timeouts
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
-WITH_ROLLOUT = ["roles.rollout={model: base}", "placement.gen={roles: [rollout], nproc: 1}"]
 
 
 def experiment(*extra: str) -> Experiment:

@@ -49,6 +49,17 @@ def run_argv(spec: Path, run_dir: Path, *extra: str) -> list[str]:
     return [*argv, *extra]
 
 
+def assert_fresh_weights(done: subprocess.CompletedProcess[str], run_dir: Path) -> None:
+    """The quick run completed (46 steps), and the rollout group generated every batch with the
+    weights the actor had just trained: versions 1..6, never stale."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rl = [r for r in rows if "train/staleness" in r]
+    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+    assert all(r["train/staleness"] == 0 for r in rl)
+
+
 def our_jobs() -> list[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "hybridflow-farm" in line]
@@ -73,13 +84,7 @@ def test_a_run_over_a_local_and_a_slurm_cluster(slurm: None, tmp_path: Path) -> 
     done = subprocess.run(
         run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=200
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    rl = [r for r in rows if "train/staleness" in r]
-    # the SLURM group generated every batch with the weights the actor had just trained
-    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
-    assert all(r["train/staleness"] == 0 for r in rl)
+    assert_fresh_weights(done, tmp_path / "run")  # the SLURM group had each new version
     (out,) = (tmp_path / "run" / "farm").glob("slurm-*.out")
     assert "deploy.cli role" not in out.read_text()  # the job's own output, no shell echo
     assert settle(our_jobs) == []
@@ -188,10 +193,7 @@ def test_a_slurm_cluster_reached_through_ssh(slurm: None, tmp_path: Path) -> Non
         done = subprocess.run(
             run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=200
         )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert all(r["train/staleness"] == 0 for r in rows if "train/staleness" in r)
+    assert_fresh_weights(done, tmp_path / "run")
     (out,) = (there / "runs" / "run" / "farm").glob("slurm-*.out")  # under the workdir there
     assert "error" not in out.read_text().lower()
     assert (tmp_path / "ssh" / "log").read_text().count("Accepted publickey") >= 3
