@@ -14,7 +14,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.placement import GroupSpec
+from transport.channel import spare_port
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 from transport.shm import sweep_dead
@@ -29,12 +29,6 @@ from transport.shm import sweep_dead
 log = logging.getLogger("hybridflow.launcher")
 
 ExitCallback = Callable[[str, int, int], None]  # group, rank, returncode
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -93,7 +87,7 @@ class LocalLauncher:
     def start(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
         """Start the group's ranks; ``env`` adds to their environment (CURVE key files)."""
         loop = asyncio.get_running_loop()
-        port = free_port()
+        port = spare_port()
         for rank in range(spec.nproc):
             log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
             with open(log_path, "ab") as out:

@@ -10,7 +10,6 @@ otherwise two calls with collectives could interleave differently on different r
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,22 +19,17 @@ import torch.distributed.rpc as rpc
 
 from roles.base import RoleHost
 from roles.calls import run_call
+from transport.channel import spare_port
 from transport.protocol import Message, MsgType
 
 RPC_PORT_KEY = "hybridflow/rpc_port"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def init_rpc(
     rank: int, world_size: int, master_addr: str, store: dist.Store, timeout_s: float
 ) -> None:
     if rank == 0:
-        store.set(RPC_PORT_KEY, str(_free_port(master_addr)))
+        store.set(RPC_PORT_KEY, str(spare_port(master_addr)))
     port = int(store.get(RPC_PORT_KEY))
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://{master_addr}:{port}", rpc_timeout=timeout_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,30 @@ def is_local_address(address: str) -> bool:
         host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
         return host in {"localhost", "127.0.0.1", "::1"} or host.startswith("127.")
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def spare_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a listener that binds it a moment later (a group's
+    store, the rpc agent). It is chosen below the kernel's ephemeral range: a port from that
+    range can be handed to any outgoing connection in between (a peer reconnecting in a loop
+    takes a new one every 100 ms), and the listener then fails with EADDRINUSE."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded low range: any free port
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def split_tcp(address: str) -> tuple[str, int]:

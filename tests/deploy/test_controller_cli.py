@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from transport.channel import spare_port
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
 
@@ -49,7 +51,7 @@ def test_controller_alone_and_a_group_started_by_hand(launcher: str, tmp_path: P
         command = [*CLI, "role", *role_args]
         if launcher == "torchrun":
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-            command = [*torchrun, "--master-port", str(free_port()), "-m", "deploy.cli", "role"]
+            command = [*torchrun, "--master-port", str(spare_port()), "-m", "deploy.cli", "role"]
             command += [*role_args[:3], "--group", "main"]
         role = subprocess.run(command, env=env, timeout=240)
         out, _ = ctl.communicate(timeout=60)
@@ -60,13 +62,6 @@ def test_controller_alone_and_a_group_started_by_hand(launcher: str, tmp_path: P
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 46 and summary["val_acc_after"] is not None
     assert (run_dir / "export" / "actor" / "model.safetensors").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def test_a_group_that_never_joins_is_named(tmp_path: Path) -> None:
