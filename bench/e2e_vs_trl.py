@@ -63,7 +63,7 @@ def hybridflow_cli(argv: list[str], threads: int = 1) -> dict[str, Any]:
 
 
 def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Path:
-    from roles.models import init_model
+    from roles.modeling.models import init_model
 
     base = init_model(work / "base", size, seed=0)
     out = work / "sft"

@@ -8,7 +8,7 @@ Both engines get the same work, in one process on one intra-op thread (like a ro
 * response lengths forced uniform in [max/4, max] by the same logits processor in both engines
   (``</s>`` is banned until a sample's drawn length, then forced), so neither wins by stopping
   early — but an engine that stops computing finished rows is rewarded, as it should be;
-* the ~1M ("tiny") and ~18M ("small") models of ``roles.models.init_model``, fp32 and bf16
+* the ~1M ("tiny") and ~18M ("small") models of ``roles.modeling.models.init_model``, fp32 and bf16
   weights as separate rows.
 
 Reported: new response tokens per second (median of the timed repeats after one warm-up; the
@@ -33,10 +33,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from roles.generation.engine import GenerationEngine, SamplingConfig
-from roles.generation.hf import HFEngine
-from roles.generation.native import NativeEngine
-from roles.models import init_model, load_causal_lm, load_tokenizer
+from roles.engines.generation.hf import HFEngine
+from roles.engines.generation.interface import GenerationEngine, SamplingConfig
+from roles.engines.generation.native import NativeEngine
+from roles.modeling.models import init_model, load_causal_lm, load_tokenizer
 
 BATCH = 64
 SIZES = {"1m": "tiny", "20m": "small"}

@@ -7,7 +7,7 @@ with gradient accumulation, grad clip 1.0, AdamW. It is timed three ways, for th
 "small" (~18M) models of ``init_model``, in fp32 and bf16:
 
 1. **plain** — the peer and the machine's limit: a loop in this process on one intra-op thread,
-   like a role rank. Its rows are tokenized once, untimed, by ``roles.text.encode_rows`` and each
+   like a role rank. Its rows are tokenized once, untimed, by ``roles.modeling.text.encode_rows`` and each
    micro-batch is trimmed to its longest row as the engine does, so both compute on identical
    tensors; bf16 is ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward.
 2. **hf1** — ``Actor.sft_step`` on a 1-rank group of a local session: the controller → role call,
@@ -55,8 +55,8 @@ from controller.supervised import text_batch
 from controller.tasks import arithmetic
 from deploy.cli import run_async
 from deploy.session import local_session
-from roles.models import ModelSize, count_parameters, init_model, load_tokenizer
-from roles.text import encode_rows
+from roles.modeling.models import ModelSize, count_parameters, init_model, load_tokenizer
+from roles.modeling.text import encode_rows
 from transport.batch import TensorBatch
 
 BATCH, MICRO, WARMUP, LR, CLIP = 64, 16, 2, 1e-4, 1.0

@@ -4,7 +4,7 @@ Run ``python -m bench.transport`` (about half a minute on a 2-core box) or
 ``python -m bench.transport --quick`` (well under a minute, start-ups included). Everything runs
 on this host in one go, in this order, each part in its own processes:
 
-1. **Round trip, one-to-all** — one local session hosts ``roles.testing:Echo`` on one 2-rank
+1. **Round trip, one-to-all** — one local session hosts ``tests.fixtures.roles:Echo`` on one 2-rank
    group per fan-out backend (``socket``, ``zmq``, ``rpc``); the controller awaits ``Echo.ping``
    (no arguments, returns ``None``) one call at a time, in blocks of ``BLOCK`` calls per backend
    with the blocks interleaved, so that all backends see the same machine state (on a 2-core VM
@@ -82,7 +82,7 @@ BLOCK = 50  # round trips are measured in blocks per backend, the blocks interle
 BLOCK_WARMUP = 5
 BULK_BLOCK = 3  # transfers (then memcpys) per block
 CONCURRENCY = 32
-ECHO_CLS = "roles.testing:Echo"
+ECHO_CLS = "tests.fixtures.roles:Echo"
 MiB = 1 << 20
 BULK_SIZES = {"16m": 16 * MiB, "256m": 256 * MiB}
 

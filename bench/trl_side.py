@@ -64,7 +64,7 @@ def run_trl(
     """
     from trl import GRPOConfig, GRPOTrainer
 
-    from roles.models import load_causal_lm, load_tokenizer
+    from roles.modeling.models import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(model_dir)
@@ -209,7 +209,7 @@ def _result(
 
 def main(argv: list[str] | None = None) -> int:
     from controller.tasks import arithmetic
-    from roles.models import init_model
+    from roles.modeling.models import init_model
     from roles.rules import arithmetic_reward
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -12,7 +12,7 @@ same program runs under any placement.
                     REINFORCE++-baseline
 
 ``docs/algorithms.md`` shows the first three side by side. Advantage estimators are in
-``controller/advantages.py``; losses run inside the roles (``roles/losses.py``).
+``controller/advantages.py``; losses run inside the roles (``roles/modeling/losses.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class SafeConfig(BaseModel):
 
 class AlgorithmConfig(BaseModel):
     """What one RL step does. The policy loss (``loss``) and value loss (``value_loss``) are
-    passed to the roles as dicts and validated there (``roles/losses.py``)."""
+    passed to the roles as dicts and validated there (``roles/modeling/losses.py``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -88,7 +88,9 @@ class AlgorithmConfig(BaseModel):
     whiten: bool = Field(True, description="whiten GAE advantages over the batch")
     norm_std: bool = Field(True, description="GRPO: divide by the group's std")
     kl: KLConfig = Field(default_factory=KLConfig)
-    loss: dict[str, Any] = Field(default_factory=dict, description="roles.losses.PolicyLossConfig")
+    loss: dict[str, Any] = Field(
+        default_factory=dict, description="roles.modeling.losses.PolicyLossConfig"
+    )
     value_loss: dict[str, Any] = Field(default_factory=dict)
     old_log_probs: Literal["recompute", "rollout"] = Field(
         "recompute",

@@ -51,7 +51,8 @@ class _Stage(BaseModel):
     )
     data: str = Field(description="training rows: JSONL, Parquet or builtin:...")
     optim: dict[str, Any] | None = Field(
-        None, description="the actor's optimizer for this stage (roles.training OptimConfig)"
+        None,
+        description="the actor's optimizer for this stage (roles.engines.training OptimConfig)",
     )
     shuffle: bool = Field(True, description="false: rows in file order, epoch after epoch")
 

@@ -95,7 +95,7 @@ def launched_outside(env: dict[str, str]) -> bool:
 def run_as_rank(args: argparse.Namespace, roles: list[str], name: str) -> int:
     """This process is one rank (torchrun / srun set RANK, WORLD_SIZE or SLURM_PROCID,
     SLURM_NTASKS): fill in what the rank runtime reads and become it; rank 0 coordinates."""
-    from roles import runtime
+    from roles.runtime import rank
 
     env = os.environ
     if "MASTER_PORT" not in env and args.master_port is None:
@@ -121,7 +121,7 @@ def run_as_rank(args: argparse.Namespace, roles: list[str], name: str) -> int:
         env["HYBRIDFLOW_TOKEN"] = args.token
     if args.socket_dir:
         env["HYBRIDFLOW_SOCKET_DIR"] = args.socket_dir
-    runtime.main()
+    rank.main()
     return 0
 
 
@@ -142,7 +142,7 @@ def cmd_role(args: argparse.Namespace) -> int:
     if args.wait is not None:  # the ranks read their timeouts from the environment
         waits = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
         os.environ[TIMEOUTS_ENV] = waits.to_env()
-    if args.keys is not None:  # the rank runtime reads these (roles/runtime.py)
+    if args.keys is not None:  # the rank runtime reads these (roles/runtime/rank.py)
         secret, server = client_files(args.keys, args.client or name)
         for path in (secret, server):
             if not path.is_file():

@@ -268,7 +268,7 @@ class SlurmJob:
 
 
 def client_env(keys: Path | None, group: str) -> dict[str, str]:
-    """What a rank process reads to be a CURVE client (``roles/runtime.py``)."""
+    """What a rank process reads to be a CURVE client (``roles/runtime/rank.py``)."""
     if keys is None:
         return {}
     return {

@@ -269,8 +269,8 @@ def check(exp: Experiment) -> None:
 
 def _check_settings(exp: Experiment) -> None:
     """Optimizer and loss settings, with the roles' own config classes."""
-    from roles.losses import PolicyLossConfig, ValueLossConfig
-    from roles.training.config import OptimConfig
+    from roles.engines.training.config import OptimConfig
+    from roles.modeling.losses import PolicyLossConfig, ValueLossConfig
 
     for i, stage in enumerate(exp.stages):
         for role, optim in stage.optims().items():
@@ -306,7 +306,7 @@ def model_path(exp: Experiment, name: str, run_dir: Path) -> Path:
 
 def prepare_models(exp: Experiment, run_dir: Path) -> None:
     """Create or import the named models into ``run_dir/models`` (kept on resume)."""
-    from roles.models import import_gguf, init_model
+    from roles.modeling.models import import_gguf, init_model
 
     for name, source in exp.models.items():
         target = run_dir / "models" / name
@@ -325,11 +325,11 @@ def prepare_models(exp: Experiment, run_dir: Path) -> None:
 def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
     """Placement → the GroupSpecs the launcher starts; role settings checked with the roles'
     own config classes, so a typo fails here, not in a rank."""
-    from roles.models import check_model_dir
+    from roles.engines.training.config import EngineConfig
+    from roles.engines.training.fsdp import check_tp
+    from roles.modeling.models import check_model_dir
     from roles.reward import load_function
     from roles.rollout import RolloutConfig
-    from roles.training.config import EngineConfig
-    from roles.training.fsdp import check_tp
 
     groups = []
     for gname, group in placement(exp).items():

@@ -1,7 +1,7 @@
 """Local launcher: every rank of every group as its own OS process on this machine.
 
 Ranks run ``python -m roles.runtime`` with torchrun-style variables. Each child asks the kernel
-for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, see ``roles.runtime.die_with_parent``), so
+for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, see ``roles.runtime.rank.die_with_parent``), so
 even ``kill -9`` of the launcher leaves no orphans; each gets its own session so a terminal's
 Ctrl-C reaches only the launcher, which then shuts the children down in order. A pidfd per child
 in the event loop reports an exit within milliseconds, with its code or signal; the rest of that

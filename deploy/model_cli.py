@@ -1,4 +1,4 @@
-"""``hybridflow model ...``: make and inspect model directories (see ``roles/models.py``).
+"""``hybridflow model ...``: make and inspect model directories (see ``roles/modeling/models.py``).
 
 - ``model init DIR --size tiny|small [--seed N] [--overwrite]`` — a random Llama + byte tokenizer.
 - ``model import-gguf DIR [--gguf FILE] [--overwrite]`` — SmolLM2 (or FILE) as fp32 safetensors.
@@ -40,7 +40,13 @@ def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def run_model_command(args: argparse.Namespace) -> int:
     """Run the parsed ``model`` sub-command; 0 on success, 2 on bad input."""
-    from roles.models import ModelError, count_parameters, import_gguf, init_model, load_causal_lm
+    from roles.modeling.models import (
+        ModelError,
+        count_parameters,
+        import_gguf,
+        init_model,
+        load_causal_lm,
+    )
 
     try:
         if args.model_command == "init":

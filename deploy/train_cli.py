@@ -71,9 +71,9 @@ def _prepare(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]], list[
     """Datasets, placement and model checked up front; raises ValueError subclasses."""
     from controller.data import PREFERENCE_COLUMNS, SFT_COLUMNS, read_rows
     from controller.placement import GroupSpec
-    from roles.models import check_model_dir
-    from roles.training.config import EngineConfig
-    from roles.training.fsdp import check_tp
+    from roles.engines.training.config import EngineConfig
+    from roles.engines.training.fsdp import check_tp
+    from roles.modeling.models import check_model_dir
 
     columns = SFT_COLUMNS if args.command == "sft" else PREFERENCE_COLUMNS
     train, val = read_rows(args.data, columns), read_rows(args.val, columns)

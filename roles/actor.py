@@ -1,6 +1,6 @@
 """The actor and reference roles: a causal LM that scores tokens, and (actor) learns.
 
-Both compute per-token log-probs with the definition in ``roles/logprob.py``. The reference is a
+Both compute per-token log-probs with the definition in ``roles/modeling/logprob.py``. The reference is a
 frozen copy; the actor also trains — by PPO-style policy updates for RL and by next-token loss for
 supervised fine-tuning. All batch endpoints are dp-split: the controller's batch is sharded over
 the group's data-parallel ranks. Checkpoints and export come from ``EngineRole``.
@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from roles.base import RoleContext
-from roles.endpoint import DP_RAGGED, DP_REDUCED, DP_SPLIT, ONE_TO_ALL, endpoint
 from roles.engine_role import TOKENS, EngineRole, require, tensor
-from roles.generation.serve import make_engine, serve
-from roles.logprob import token_entropy, token_log_probs
-from roles.losses import PolicyLossConfig, aggregate, policy_loss
-from roles.models import load_tokenizer
-from roles.text import encode_rows
+from roles.engines.generation.serve import make_engine, serve
+from roles.modeling.logprob import token_entropy, token_log_probs
+from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
+from roles.modeling.models import load_tokenizer
+from roles.modeling.text import encode_rows
+from roles.runtime.endpoint import DP_RAGGED, DP_REDUCED, DP_SPLIT, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
 
 

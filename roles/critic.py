@@ -1,7 +1,7 @@
 """The critic role: a language-model backbone with a scalar value head per position.
 
 Built from any causal-LM folder (the head starts fresh, seeded identically on every rank) or from
-a critic exported earlier. Values follow the log-prob alignment of ``roles/logprob.py``: column
+a critic exported earlier. Values follow the log-prob alignment of ``roles/modeling/logprob.py``: column
 ``t`` is the value of the state before token ``t`` — read from the hidden state at ``t - 1``.
 """
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from roles.engine_role import TOKENS, EngineRole, require, tensor
-from roles.logprob import aligned
-from roles.losses import ValueLossConfig, aggregate, value_loss
+from roles.modeling.logprob import aligned
+from roles.modeling.losses import ValueLossConfig, aggregate, value_loss
+from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from transport.batch import TensorBatch
 
 

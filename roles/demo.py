@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from roles.base import Role, RoleContext
-from roles.endpoint import DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
+from roles.runtime.endpoint import DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
 from transport.batch import TensorBatch
 
 

@@ -2,7 +2,7 @@
 
 Actor, reference, critic and reward-model roles subclass ``EngineRole``; their own files hold only
 what differs (which head, which loss). The placement config of such a role is an ``EngineConfig``
-(``roles/training/config.py``): ``{"model": PATH, "dtype": "bf16", "micro_batch_size": 8,
+(``roles/engines/training/config.py``): ``{"model": PATH, "dtype": "bf16", "micro_batch_size": 8,
 "optim": {"lr": 1e-5, ...}}``; ``optim: null`` freezes the weights.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from roles.base import Role, RoleContext
-from roles.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
-from roles.training.config import EngineConfig, OptimConfig
-from roles.training.engine import Head, TrainingEngine
-from roles.training.fsdp import FSDPEngine
+from roles.engines.training.config import EngineConfig, OptimConfig
+from roles.engines.training.fsdp import FSDPEngine
+from roles.engines.training.interface import Head, TrainingEngine
+from roles.runtime.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
 from transport.batch import TensorBatch
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from roles.base import Role, RoleContext, import_path
-from roles.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from roles.engine_role import EngineRole, tensor
-from roles.losses import aggregate, bradley_terry_loss
-from roles.models import load_tokenizer
-from roles.text import decode_rows, encode_rows, last_token_index
+from roles.modeling.losses import aggregate, bradley_terry_loss
+from roles.modeling.models import load_tokenizer
+from roles.modeling.text import decode_rows, encode_rows, last_token_index
+from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from transport.batch import TensorBatch
 
 RuleFn = Callable[[str, str, dict[str, Any]], Any]

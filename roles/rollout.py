@@ -16,10 +16,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from roles.base import Role, RoleContext
-from roles.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, endpoint
-from roles.generation.serve import EngineName, make_engine, prompt_ids, serve
-from roles.models import load_causal_lm, load_tokenizer
-from roles.text import pad_rows
+from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
+from roles.modeling.models import load_causal_lm, load_tokenizer
+from roles.modeling.text import pad_rows
+from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
 
 
@@ -44,7 +44,7 @@ class Rollout(Role):
                 raise ValueError(f"engine={self.cfg.engine!r} runs at tp=1 only; use 'native'")
             from torch.distributed.device_mesh import init_device_mesh
 
-            from roles.training.fsdp import tensor_parallel
+            from roles.engines.training.fsdp import tensor_parallel
 
             mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
             tensor_parallel(self.model, mesh["tp"])
@@ -53,7 +53,7 @@ class Rollout(Role):
 
     @endpoint(DP_RAGGED)
     def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
-        """Samples for the prompts of ``batch`` (see ``roles/generation/serve.py``)."""
+        """Samples for the prompts of ``batch`` (see ``roles/engines/generation/serve.py``)."""
         return serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
 
     @endpoint(DP_SPLIT)
@@ -86,7 +86,7 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     """Copy full tensors into a model whose parameters may be tp-split DTensors."""
     from torch.distributed.tensor import DTensor
 
-    from roles.training.fsdp import split_dim
+    from roles.engines.training.fsdp import split_dim
 
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(state) - _tied(model))

@@ -27,7 +27,7 @@ def group(
     fanout: str = "socket",
     **roles: str | tuple[str, dict[str, Any]],
 ) -> GroupSpec:
-    """``group("g", 2, echo="roles.testing:Echo")`` — a placement entry in one line."""
+    """``group("g", 2, echo="tests.fixtures.roles:Echo")`` — a placement entry in one line."""
     specs = {}
     for role, value in roles.items():
         cls, config = (value, {}) if isinstance(value, str) else value

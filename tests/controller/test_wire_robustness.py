@@ -19,7 +19,7 @@ from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.codec import encode
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType
 
-ECHO = "roles.testing:Echo"
+ECHO = "tests.fixtures.roles:Echo"
 
 
 def test_garbage_wrong_version_unknown_type_and_oversized_are_rejected(

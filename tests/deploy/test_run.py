@@ -79,7 +79,7 @@ def test_grpo_raises_reward_on_an_easy_target(tmp_path: Path) -> None:
     """Reward 1 when the answer starts with '1': a few GRPO steps must raise it."""
     run_dir = tmp_path / "run"
     overrides = [
-        "roles.reward.function=roles.testing:starts_with_one",
+        "roles.reward.function=tests.fixtures.roles:starts_with_one",
         "stages.0.steps=30",
         "stages.1.steps=12",
         "stages.1.optim={lr: 3.0e-4, warmup_steps: 2}",
@@ -118,7 +118,7 @@ def test_every_algorithm_example_runs(example: str, extra: list[str], tmp_path: 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_with_a_reward_model_trained_by_hybridflow_rm(tmp_path: Path) -> None:
-    from roles.models import init_model
+    from roles.modeling.models import init_model
 
     base = init_model(tmp_path / "tiny", "tiny", seed=0)
     rm = tmp_path / "rm"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from deploy.cli import build_parser
-from roles.models import init_model
+from roles.modeling.models import init_model
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from controller.client import RoleClient
 from deploy.session import local_session
-from roles.logprob import token_log_probs
-from roles.models import build_tokenizer
+from roles.modeling.logprob import token_log_probs
+from roles.modeling.models import build_tokenizer
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.roles.test_training import token_batch
 from transport.batch import TensorBatch

@@ -13,11 +13,11 @@ import torch
 from pydantic import ValidationError
 
 from controller.tasks import arithmetic
-from roles.generation.engine import GenerationError, SamplingConfig, samples_to_batch
-from roles.generation.hf import HFEngine
-from roles.generation.native import NativeEngine, filtered_probs
-from roles.logprob import token_log_probs
-from roles.models import init_model, load_causal_lm, load_tokenizer
+from roles.engines.generation.hf import HFEngine
+from roles.engines.generation.interface import GenerationError, SamplingConfig, samples_to_batch
+from roles.engines.generation.native import NativeEngine, filtered_probs
+from roles.modeling.logprob import token_log_probs
+from roles.modeling.models import init_model, load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 
-from roles.links import fanout_links, worker_link
+from roles.runtime.links import fanout_links, worker_link
 from tests.conftest import TEST_TIMEOUTS
 from transport.codec import decode, encode
 from transport.errors import RegistrationError

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import torch
 
-from roles.losses import (
+from roles.modeling.losses import (
     PolicyLossConfig,
     ValueLossConfig,
     aggregate,

@@ -17,8 +17,8 @@ from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
 from transport.errors import CallTimeoutError, RemoteError, RoleDeadError
 
-ECHO = "roles.testing:Echo"
-FAULTY = "roles.testing:Faulty"
+ECHO = "tests.fixtures.roles:Echo"
+FAULTY = "tests.fixtures.roles:Faulty"
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from deploy.model_cli import add_model_commands, run_model_command
-from roles.models import (
+from roles.modeling.models import (
     ModelError,
     build_tokenizer,
     count_parameters,

@@ -9,8 +9,8 @@ import pytest
 from controller.client import RoleClient
 from controller.tasks import arithmetic
 from deploy.session import local_session
-from roles.models import init_model
-from roles.text import block_causal_mask, pack_rows, segment_positions
+from roles.modeling.models import init_model
+from roles.modeling.text import block_causal_mask, pack_rows, segment_positions
 from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
 

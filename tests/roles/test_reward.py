@@ -10,8 +10,8 @@ import torch
 
 from controller.client import RoleClient
 from deploy.session import local_session
-from roles.models import init_model, load_tokenizer
-from roles.text import encode_rows
+from roles.modeling.models import init_model, load_tokenizer
+from roles.modeling.text import encode_rows
 from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
@@ -37,7 +37,7 @@ def test_rule_rewards_score_rows_split_over_ranks(tiny: Path) -> None:
     async def main() -> None:
         placement = [
             rule("exact", "roles.rules:arithmetic_reward"),
-            rule("length", "roles.testing:length_reward", tokenizer=str(tiny)),
+            rule("length", "tests.fixtures.roles:length_reward", tokenizer=str(tiny)),
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
             exact = await RoleClient(c, "exact").call(
@@ -63,15 +63,15 @@ def test_rule_rewards_score_rows_split_over_ranks(tiny: Path) -> None:
 def test_a_raising_reward_function_names_itself_and_the_row_and_the_role_carries_on() -> None:
     async def main() -> None:
         placement = [
-            rule("flaky", "roles.testing:failing_reward"),
-            rule("wrong", "roles.testing:text_reward"),
+            rule("flaky", "tests.fixtures.roles:failing_reward"),
+            rule("wrong", "tests.fixtures.roles:text_reward"),
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
             flaky = RoleClient(c, "flaky")
             with pytest.raises(RemoteError) as err:
                 await flaky.call("compute_reward", text(PROMPTS, RESPONSES))
             message = str(err.value)
-            assert "roles.testing:failing_reward raised ZeroDivisionError" in message
+            assert "tests.fixtures.roles:failing_reward raised ZeroDivisionError" in message
             assert "prompt='3+3='" in message and "response='boom'" in message
             ok = await flaky.call("compute_reward", text(PROMPTS[:2], RESPONSES[:2]))
             assert ok["scores"].tolist() == [1.0, 1.0]  # same processes, state intact
@@ -84,9 +84,9 @@ def test_a_raising_reward_function_names_itself_and_the_row_and_the_role_carries
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        ("roles.testing", "must look like package.module:function"),
+        ("tests.fixtures.roles", "must look like package.module:function"),
         ("no_such_module:fn", "cannot import 'no_such_module'"),
-        ("roles.testing:missing", "roles.testing has no function 'missing'"),
+        ("tests.fixtures.roles:missing", "tests.fixtures.roles has no function 'missing'"),
     ],
 )
 def test_a_bad_function_path_fails_the_group_with_the_reason(path: str, expected: str) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from controller.client import RoleClient
 from deploy.session import local_session
-from roles.models import init_model
+from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.roles.test_training import token_batch
 from transport.batch import TensorBatch

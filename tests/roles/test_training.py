@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from controller.client import RoleClient
 from controller.tasks import preference
 from deploy.session import local_session
-from roles.logprob import token_log_probs
-from roles.models import init_model
+from roles.modeling.logprob import token_log_probs
+from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
@@ -78,7 +78,7 @@ def placement(model: Path, dtype: str) -> list[Any]:
             dp * tp,
             tp=tp,
             **{
-                f"actor_{name}": ("roles.testing_actor:ProbedActor", config(mode)),
+                f"actor_{name}": ("tests.fixtures.actor:ProbedActor", config(mode)),
                 f"critic_{name}": ("roles.critic:Critic", config(mode)),
                 f"rm_{name}": ("roles.reward:ModelReward", config(mode)),
             },

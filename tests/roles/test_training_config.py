@@ -7,7 +7,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from roles.training.config import EngineConfig, OptimConfig
+from roles.engines.training.config import EngineConfig, OptimConfig
 
 
 def test_warmup_then_cosine_by_hand() -> None:

@@ -31,8 +31,8 @@ def test_curve_admits_listed_keys_and_refuses_others(
 
     async def main() -> None:
         placement = [
-            group("good", 1, echo="roles.testing:Echo"),
-            group("bad", 1, other="roles.testing:Echo"),
+            group("good", 1, echo="tests.fixtures.roles:Echo"),
+            group("bad", 1, other="tests.fixtures.roles:Echo"),
         ]
         controller = Controller(placement, timeouts)
         address = controller.bind("tcp://127.0.0.1:0", CurveServer(server_secret, allowed))
@@ -94,7 +94,7 @@ def test_a_coordinator_does_not_join_a_controller_with_another_key(
     timeouts = TEST_TIMEOUTS.model_copy(update={"connect_s": 3})
 
     async def main() -> None:
-        placement = [group("main", 1, echo="roles.testing:Echo")]
+        placement = [group("main", 1, echo="tests.fixtures.roles:Echo")]
         controller = Controller(placement, timeouts)
         address = controller.bind("tcp://127.0.0.1:0", CurveServer(impostor_secret, allowed))
         monkeypatch.setenv("HYBRIDFLOW_CURVE_SECRET", str(secret))

@@ -1,6 +1,6 @@
 """The torch.distributed.rpc fan-out backend (select with ``HYBRIDFLOW_FANOUT=rpc``).
 
-The default backend is ZeroMQ (``roles.coordinator`` sends each rank its share over the fan-out
+The default backend is ZeroMQ (``roles.runtime.coordinator`` sends each rank its share over the fan-out
 ROUTER; big tensors ride in shared memory). This one sends shares with ``rpc_async`` instead:
 pickle is acceptable here because it never leaves the group's own trusted process group. Workers
 still keep their ZeroMQ link for the hello, liveness and shutdown. RPC runs requests on a thread
@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from roles.base import RoleHost
-from roles.calls import run_call
+from roles.runtime.calls import run_call
+from roles.runtime.host import RoleHost
 from transport.channel import spare_port
 from transport.protocol import Message, MsgType
 

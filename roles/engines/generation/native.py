@@ -13,8 +13,8 @@ Where the time goes in generation on a CPU, and what this engine does about it:
 
 Sampling is per sample: each draws its uniforms from its own generator (seeded from the request
 seed, the request index and the sample index), so a sample's tokens do not depend on the batch it
-ran in. The reported log-probs follow ``roles/logprob.py``. With tensor parallel (the model's
-projections split by ``roles/training/fsdp.py``'s plan), each rank runs the same loop on its heads;
+ran in. The reported log-probs follow ``roles/modeling/logprob.py``. With tensor parallel (the model's
+projections split by ``roles/engines/training/fsdp.py``'s plan), each rank runs the same loop on its heads;
 the row-parallel projections all-reduce, so every rank samples the same tokens.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from roles.generation.engine import (
+from roles.engines.generation.interface import (
     GenerationEngine,
     LogitsProcessor,
     Sample,
@@ -35,7 +35,7 @@ from roles.generation.engine import (
     check_prompts,
     sample_seed,
 )
-from roles.text import segment_positions
+from roles.modeling.text import segment_positions
 
 COMPACT_FRACTION = 0.25  # compact the caches once this share of the rows has finished
 

@@ -15,33 +15,17 @@ from typing import Any
 import torch.distributed as dist
 import zmq
 
-from roles.base import RoleHost
-from roles.calls import error_body, run_call
-from roles.fanout import init_rpc, serve_rpc_worker
-from roles.links import worker_link
-from roles.runtime import GroupEnv
+from roles.runtime.calls import error_body, run_call
+from roles.runtime.env import FANOUT_KEY, GroupEnv, hello_body
+from roles.runtime.fanout import init_rpc, serve_rpc_worker
+from roles.runtime.host import RoleHost
+from roles.runtime.links import worker_link
 from transport.channel import host_id
 from transport.codec import Encoded, decode, encode, frame_buffer
-from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError
+from transport.protocol import Message, MsgType, ProtocolError
 from transport.shm import ShmArena, ShmReader
 
 log = logging.getLogger("hybridflow.worker")
-
-FANOUT_KEY = "hybridflow/fanout"
-
-
-def hello_body(env: GroupEnv) -> dict[str, Any]:
-    return {
-        "roles": env.roles,
-        "world_size": env.world_size,
-        "layout": env.layout.to_wire(),
-        "version": PROTOCOL_VERSION,
-        "token": env.token,
-        "host": host_id(),
-        "pid": os.getpid(),
-        "rank": env.rank,
-        "group": env.group,
-    }
 
 
 class Worker:

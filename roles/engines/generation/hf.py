@@ -16,7 +16,7 @@ import torch
 from transformers import LogitsProcessor as HFLogitsProcessor
 from transformers import LogitsProcessorList
 
-from roles.generation.engine import (
+from roles.engines.generation.interface import (
     GenerationEngine,
     LogitsProcessor,
     Sample,

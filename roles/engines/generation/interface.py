@@ -4,7 +4,7 @@ An engine turns prompts (token ids) into samples. Whatever the engine, a sample 
 
 * the prompt and response token ids,
 * the log-probability of each response token under the temperature-scaled, *unfiltered*
-  distribution (``roles/logprob.py``'s definition — top-k/top-p change what is sampled, not what
+  distribution (``roles/modeling/logprob.py``'s definition — top-k/top-p change what is sampled, not what
   is reported; greedy decoding reports temperature-1 log-probs),
 * why it ended: ``stop`` (a stop token, which is kept as the last response token) or ``length``.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-from roles.base import RoleHost
+from roles.runtime.host import RoleHost
 from transport.protocol import Message, MsgType
 
 

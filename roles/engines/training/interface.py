@@ -9,7 +9,7 @@ a batch plus a function of the model's output, and get tensors back.
 * ``train_step(batch, loss_fn)`` is one optimizer step on the *global* batch (all data-parallel
   shards together): ``loss_fn`` gets each micro-batch with the global count of tokens and
   sequences under ``count_key``, so the sum of its results over micro-batches and ranks is the loss
-  of the whole batch, whatever the split (see ``roles/losses.py``).
+  of the whole batch, whatever the split (see ``roles/modeling/losses.py``).
 * ``save`` / ``load`` a sharded checkpoint (model, optimizer, schedule, RNG), ``export`` a plain
   Hugging Face folder, ``param_layout`` which dim of each parameter is split over tp and dp (the
   reshard module reads it).
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from roles.training.config import EngineConfig, OptimConfig
+from roles.engines.training.config import EngineConfig, OptimConfig
 from transport.batch import TensorBatch
 
 Head = Literal["lm", "token"]

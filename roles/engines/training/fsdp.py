@@ -8,7 +8,7 @@ embeddings, norms and heads stay whole on the tp ranks. Then every layer and the
 
 Exactness matters more than anything here (the tests compare 1, dp = 2 and tp = 2 runs):
 
-* losses are normalised by global counts (``roles/losses.py``) and multiplied by ``dp`` because
+* losses are normalised by global counts (``roles/modeling/losses.py``) and multiplied by ``dp`` because
   FSDP averages gradients over its ranks;
 * every dp rank runs the same number of micro-batches — a rank with fewer rows runs a masked-out
   copy of its first row, since a forward pass is a sequence of collectives;
@@ -35,11 +35,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from roles.base import RoleContext
-from roles.losses import count
-from roles.models import check_model_dir, load_causal_lm, load_tokenizer
-from roles.text import block_causal_mask, segment_positions
-from roles.training.config import EngineConfig, OptimConfig
-from roles.training.engine import Head, LossFn, ParamLayout, Read, TrainingEngine
+from roles.engines.training.config import EngineConfig, OptimConfig
+from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
+from roles.modeling.losses import count
+from roles.modeling.models import check_model_dir, load_causal_lm, load_tokenizer
+from roles.modeling.text import block_causal_mask, segment_positions
 from transport.batch import TensorBatch
 
 # Column-wise splits the output features (heads), row-wise the input features; a row-wise layer

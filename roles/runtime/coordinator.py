@@ -31,13 +31,12 @@ from typing import Any
 import torch.distributed as dist
 import zmq
 
-from roles.base import RoleHost
-from roles.calls import error_body, run_call
-from roles.endpoint import TransferProtocol
-from roles.fanout import RpcFanOut, init_rpc
-from roles.links import fanout_links
-from roles.runtime import GroupEnv
-from roles.worker import FANOUT_KEY, hello_body
+from roles.runtime.calls import error_body, run_call
+from roles.runtime.endpoint import TransferProtocol
+from roles.runtime.env import FANOUT_KEY, GroupEnv, hello_body
+from roles.runtime.fanout import RpcFanOut, init_rpc
+from roles.runtime.host import RoleHost
+from roles.runtime.links import fanout_links
 from transport.channel import connect_dealer, host_id, readable, send_frames
 from transport.codec import decode, encode
 from transport.errors import RegistrationError

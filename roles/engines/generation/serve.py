@@ -4,7 +4,7 @@ A generation call carries a batch of prompts — text in a ``prompt`` column (to
 ``<s>`` + text) or token ids in a ``prompt_ids`` column — plus any other per-row columns (answers,
 data sources), and sampling settings. A ``seed`` column gives each request its own seed, so it
 samples the same on whichever dp rank it lands. It returns one row per sample in the training layout
-(``roles/generation/engine.py``), the request's other columns repeated for each of its samples,
+(``roles/engines/generation/interface.py``), the request's other columns repeated for each of its samples,
 the decoded ``response`` text, and the weight version in ``meta``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from roles.generation.engine import GenerationEngine, SamplingConfig, samples_to_batch
+from roles.engines.generation.interface import GenerationEngine, SamplingConfig, samples_to_batch
 from transport.batch import TensorBatch
 
 EngineName = Literal["native", "hf"]
@@ -20,10 +20,10 @@ EngineName = Literal["native", "hf"]
 
 def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngine:
     if name == "hf":
-        from roles.generation.hf import HFEngine
+        from roles.engines.generation.hf import HFEngine
 
         return HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    from roles.generation.native import NativeEngine
+    from roles.engines.generation.native import NativeEngine
 
     return NativeEngine(model, tokenizer.eos_token_id)
 

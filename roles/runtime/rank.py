@@ -1,0 +1,77 @@
+"""What every rank process runs (``python -m roles.runtime`` calls ``main``).
+
+A rank reads its place from the environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+``MASTER_PORT`` as torchrun sets them, or ``SLURM_PROCID``/``SLURM_NTASKS``, plus ``HYBRIDFLOW_*``
+variables the launcher sets), joins its torch.distributed group with a bounded timeout, and then
+either coordinates (rank 0: talks to the controller, fans calls out) or works (other ranks: run
+what the coordinator sends). Every rank runs every call SPMD-style on its own role instances.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from roles.runtime.coordinator import Coordinator
+from roles.runtime.env import GroupEnv
+from roles.runtime.host import RoleHost
+from roles.runtime.worker import Worker
+
+log = logging.getLogger("hybridflow.rank")
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (even by ``kill -9``); exit
+    now if the parent is already gone (the race between fork and this call)."""
+    parent = os.environ.get("HYBRIDFLOW_PARENT_PID")
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != int(parent):
+        os._exit(1)
+
+
+def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store]:
+    """Join the group's torch.distributed process group (gloo) with a bounded timeout; the
+    store also carries the coordinator's fan-out address to the other ranks."""
+    timeout = datetime.timedelta(seconds=env.timeouts.group_init_s)
+    # Under torchrun the agent already serves a store on MASTER_PORT; every rank joins it.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=env.rank == 0 and not agent_store,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
+    group = dist.group.WORLD
+    assert group is not None
+    return group, store
+
+
+def main() -> None:
+    die_with_parent()
+    torch.set_num_threads(int(os.environ.get("HYBRIDFLOW_THREADS", "1")))
+    env = GroupEnv.from_env()
+    logging.basicConfig(
+        level=os.environ.get("HYBRIDFLOW_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s {env.group}[{env.rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    pg, store = init_group(env)
+    host = RoleHost(env.group, env.rank, env.layout, pg)
+    if env.rank == 0:
+        Coordinator(env, host, store).serve()
+    else:
+        Worker(env, host, store).serve()
