@@ -14,6 +14,23 @@ share one encoding (and one shared-memory copy); rank 0's share is queued for th
 Results are gathered as they arrive, ``collect`` makes the reply, and the first error from any
 rank is replied at once as an ERROR naming that rank. Rank 0 starts its next call only after its
 last result has left (results may alias role state the next call mutates).
+
+Threads and what each may touch:
+
+- **the ``io`` holder** — the main thread while idle, the watchdog while the main thread computes
+  (never both: ``io`` is a lock). Only the holder touches the controller socket and its monitor,
+  the fan-out links, the poller, the outgoing shared-memory arena and the call book-keeping
+  (``calls``, ``held``, ``tasks``, ``trackers``).
+- **the main thread** runs rank 0's share of each call with ``io`` released and touches no socket
+  meanwhile; to get the sockets back it writes the wake pipe.
+- **the watchdog** reads the wake pipe (through the poller) while it holds ``io``.
+- **rpc threads** (rpc fan-out only) put results on ``rpc_done`` and write the rpc pipe; nothing
+  else.
+
+The process ends in one place, ``_end``: whoever decides the group is over (SHUTDOWN from the
+controller, the controller gone, a rank lost, an unexpected error) calls it while holding ``io``;
+it tells the other ranks, flushes the sockets and ``os._exit``s. A second caller (the other
+thread failing at the same moment) waits for the first to finish the job.
 """
 
 from __future__ import annotations
@@ -78,6 +95,7 @@ class Coordinator:
         self.arena = ShmArena(prefix="hfr")
         self.reader = ShmReader()
         self.io = threading.Lock()  # whoever holds it owns the sockets
+        self.ending = threading.Lock()  # taken once, by the thread that ends the process
         self.tasks: deque[_Task] = deque()  # rank 0's shares, in arrival order
         self.rpc_done: queue.SimpleQueue[tuple[int, Message]] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK)  # "compute finished"
@@ -152,7 +170,7 @@ class Coordinator:
                     self._service(None)
         except Exception:
             log.exception("coordinator failed")
-            self._shutdown(2)
+            self._end(2)
 
     def _compute(self, task: _Task) -> None:
         """Run rank 0's share with the sockets handed to the watchdog meanwhile."""
@@ -183,7 +201,7 @@ class Coordinator:
                     pass
             except Exception:
                 log.exception("coordinator watchdog failed")
-                self._shutdown(2)
+                self._end(2)
             finally:
                 self.io.release()
 
@@ -219,7 +237,7 @@ class Coordinator:
             self._drain_controller()  # a SHUTDOWN arrives before the disconnect
         if self.ctrl_monitor in ready:
             log.warning("lost the controller; shutting the group down")
-            self._shutdown(1)
+            self._end(1)
         return stop_fd is not None and stop_fd in ready
 
     def _drain_controller(self) -> None:
@@ -233,7 +251,7 @@ class Coordinator:
             if msg.type == MsgType.CALL:
                 self._start_call(msg.call_id, msg.body)
             elif msg.type == MsgType.SHUTDOWN:
-                self._shutdown(0)
+                self._end(0)
             else:
                 log.warning("unexpected %s from the controller; ignored", msg.type.name)
 
@@ -334,9 +352,12 @@ class Coordinator:
         self._send_ctrl(
             Message(MsgType.DEAD, 0, {"roles": self.env.roles, "rank": rank, "cause": cause})
         )
-        self._shutdown(3)
+        self._end(3)
 
-    def _shutdown(self, code: int) -> None:
+    def _end(self, code: int) -> None:
+        """End the process (the only exit of a coordinator; see the module docstring)."""
+        if not self.ending.acquire(blocking=False):
+            threading.Event().wait()  # the other thread is ending the process already
         encoded = encode(Message(MsgType.SHUTDOWN, 0, {"reason": "coordinator exiting"}))
         self.links.shutdown(encoded.frames)
         self.arena.close()
