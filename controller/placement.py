@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from transport.device import DeviceKind
+
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
 
@@ -43,6 +45,9 @@ class GroupSpec(BaseModel):
     pp: int = Field(1, ge=1)
     fanout: Literal["socket", "zmq", "rpc"] = Field(
         "socket", description="how rank 0 reaches the other ranks (python -m bench.transport)"
+    )
+    device: DeviceKind = Field(
+        DeviceKind.CPU, description="where the ranks compute: cpu (gloo) or cuda (NCCL)"
     )
 
     @field_validator("name")

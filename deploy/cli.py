@@ -34,6 +34,7 @@ from deploy.model_cli import add_model_commands, run_model_command
 from deploy.run_cli import add_run_commands, report_command, run_experiment_command
 from deploy.slurm_cli import add_slurm_command
 from deploy.train_cli import add_train_commands, run_train_command
+from transport.device import DeviceKind
 
 console = Console(stderr=True)
 
@@ -115,6 +116,7 @@ def run_as_rank(args: argparse.Namespace, roles: list[str], name: str) -> int:
         HYBRIDFLOW_TP=str(args.tp),
         HYBRIDFLOW_PP=str(args.pp),
         HYBRIDFLOW_FANOUT=args.fanout,
+        HYBRIDFLOW_DEVICE=args.device,
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )
     if args.token:
@@ -159,6 +161,7 @@ def cmd_role(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         tp=args.tp,
         pp=args.pp,
+        device=DeviceKind(args.device),
     )
     token = args.token or os.environ.get("HYBRIDFLOW_TOKEN", "")
 
@@ -248,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait", type=float, help="seconds to wait for the controller to answer (default 120)"
     )
     role.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
+    role.add_argument(
+        "--device",
+        choices=list(DeviceKind),
+        default=DeviceKind.CPU,
+        help="where the ranks compute (cuda: the GPU of each rank's LOCAL_RANK, NCCL)",
+    )
     role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
     role.add_argument(
         "--launcher",

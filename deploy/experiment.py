@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from controller.placement import GroupSpec, RoleSpec, check_placement
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig
+from transport.device import DeviceKind
 
 ROLE_CLASSES = {
     "actor": "roles.actor:Actor",
@@ -88,6 +89,7 @@ class GroupConfig(BaseModel):
     nproc: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
+    device: DeviceKind = Field(DeviceKind.CPU, description="cpu (gloo) or cuda (NCCL)")
 
 
 class LoggingConfig(BaseModel):
@@ -359,7 +361,12 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
         try:
             groups.append(
                 GroupSpec(
-                    name=gname, roles=specs, nproc=group.nproc, tp=group.tp, fanout=group.fanout
+                    name=gname,
+                    roles=specs,
+                    nproc=group.nproc,
+                    tp=group.tp,
+                    fanout=group.fanout,
+                    device=group.device,
                 )
             )
         except ValidationError as exc:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.placement import GroupSpec
+from roles.runtime.device import check_device
 from transport.channel import spare_port
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
@@ -78,6 +79,7 @@ class LocalLauncher:
             HYBRIDFLOW_CONTROLLER=self.controller_address,
             HYBRIDFLOW_TOKEN=self.token,
             HYBRIDFLOW_FANOUT=spec.fanout,
+            HYBRIDFLOW_DEVICE=spec.device,
             HYBRIDFLOW_SOCKET_DIR=str(self.socket_dir),
             HYBRIDFLOW_PARENT_PID=str(os.getpid()),
         )
@@ -86,6 +88,7 @@ class LocalLauncher:
 
     def start(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
         """Start the group's ranks; ``env`` adds to their environment (CURVE key files)."""
+        check_device(spec.device, spec.name, spec.nproc)  # ranks run here: fail now, not in each
         loop = asyncio.get_running_loop()
         port = spare_port()
         for rank in range(spec.nproc):

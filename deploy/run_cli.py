@@ -280,7 +280,7 @@ def _announce(groups: list[Any], address: str, token: str, keys: Path | None = N
     for g in groups:
         console.print(
             f"  HYBRIDFLOW_TOKEN={token} hybridflow role {','.join(g.roles)} --connect {address} "
-            f"--group {g.name} --nproc {g.nproc} --tp {g.tp}"
+            f"--group {g.name} --nproc {g.nproc} --tp {g.tp} --device {g.device}"
             + (f" --keys {keys} --client {g.name}" if keys else ""),
             soft_wrap=True,
         )

@@ -1,4 +1,4 @@
-"""What every role sees of its process: rank, group, layout.
+"""What every role sees of its process: rank, group, layout, device.
 
 A role is a plain class whose constructor takes a ``RoleContext`` plus its own config keywords and
 whose endpoints are marked with ``@endpoint`` (``roles/runtime/endpoint.py``). The controller names
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from roles.runtime.device import RankDevice
 from transport.protocol import Layout
 
 
@@ -26,6 +27,9 @@ class RoleContext:
     world_size: int
     layout: Layout
     process_group: dist.ProcessGroup | None
+    #: where this rank computes and its group's backend (``roles/runtime/device.py``); engines
+    #: take mesh and autocast device types from here
+    device: RankDevice
 
     @property
     def dp_rank(self) -> int:

@@ -46,7 +46,9 @@ class Rollout(Role):
 
             from roles.engines.training.fsdp import tensor_parallel
 
-            mesh = init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh(
+                ctx.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")
+            )
             tensor_parallel(self.model, mesh["tp"])
         self.engine = make_engine(self.cfg.engine, self.model, self.tokenizer)
         self.version = 0
@@ -63,8 +65,7 @@ class Rollout(Role):
         generated token is drawn from (a check that tp ranks agree with one rank)."""
         prompts = prompt_ids(batch, self.tokenizer)
         rows = pad_rows(prompts, [[0] * len(p) for p in prompts], self.tokenizer.pad_token_id)
-        ids, mask = rows["input_ids"], rows["attention_mask"]
-        assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        ids, mask = rows.tensor("input_ids"), rows.tensor("attention_mask")
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
         last = mask.sum(-1) - 1
         return TensorBatch.from_dict({"logits": logits[torch.arange(len(ids)), last]})

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from transport.batch import TensorBatch
+from transport.device import in_host_memory
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError, check_body
 from transport.shm import ShmArena, ShmReader
 
@@ -89,7 +90,7 @@ class _Encoder:
     def _pack_tensor(self, t: torch.Tensor) -> bytes:
         if t.is_quantized:
             raise TypeError("quantized tensors cannot travel on the wire; dequantize them first")
-        if t.device.type != "cpu":
+        if not in_host_memory(t):
             t = t.cpu()
         t = t.detach().resolve_conj().resolve_neg()
         if t.dtype.itemsize == 1 and t.dtype != torch.uint8:

@@ -39,6 +39,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from transport.device import in_host_memory
+
 SHM_DIR = "/dev/shm"
 MAX_READERS = 64
 DATA_OFFSET = mmap.PAGESIZE
@@ -114,7 +116,7 @@ class ShmArena:
         """Copy ``data``'s bytes into a free segment; return its descriptor, or None if full."""
         if not 1 <= readers <= MAX_READERS:
             raise ValueError(f"readers must be in [1, {MAX_READERS}], got {readers}")
-        if data.device.type != "cpu" or not data.is_contiguous():
+        if not in_host_memory(data) or not data.is_contiguous():
             raise ValueError("ShmArena.put needs a contiguous CPU tensor")
         src = data.detach().reshape(-1).view(torch.uint8)
         nbytes = src.numel()
@@ -379,7 +381,8 @@ if __name__ == "__main__":
 
             def shm(src: torch.Tensor = src) -> None:
                 desc = arena.put(src)
-                assert desc is not None
+                if desc is None:
+                    raise RuntimeError("the benchmark arena is full; raise its max_bytes")
                 reader.get(desc).view(torch.int64).sum()
 
             reps = max(4, (4 << 30) // n)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from transport.channel import host_id
+from transport.device import DeviceKind
 from transport.protocol import PROTOCOL_VERSION, Layout
 from transport.security import CurveClient
 from transport.settings import Timeouts
@@ -26,6 +27,8 @@ class GroupEnv:
     token: str
     rank: int
     world_size: int
+    local_rank: int  # the rank's index on its machine (which GPU it takes)
+    device: DeviceKind
     master_addr: str
     master_port: int
     layout: Layout
@@ -56,11 +59,8 @@ class GroupEnv:
         layout = Layout.for_world(
             world, tp=int(e.get("HYBRIDFLOW_TP", "1")), pp=int(e.get("HYBRIDFLOW_PP", "1"))
         )
-        fanout = e.get("HYBRIDFLOW_FANOUT", "socket")
-        if fanout not in FANOUT_BACKENDS:
-            raise ValueError(
-                f"HYBRIDFLOW_FANOUT={fanout!r}; use one of {', '.join(FANOUT_BACKENDS)}"
-            )
+        fanout = _one_of(e, "HYBRIDFLOW_FANOUT", "socket", FANOUT_BACKENDS)
+        device = _one_of(e, "HYBRIDFLOW_DEVICE", DeviceKind.CPU, tuple(DeviceKind))
         curve = None
         if e.get("HYBRIDFLOW_CURVE_SECRET"):
             curve = CurveClient(
@@ -73,6 +73,8 @@ class GroupEnv:
             token=e.get("HYBRIDFLOW_TOKEN", ""),
             rank=rank,
             world_size=world,
+            local_rank=int(e.get("LOCAL_RANK", e.get("SLURM_LOCALID", str(rank)))),
+            device=DeviceKind(device),
             master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(need("MASTER_PORT")),
             layout=layout,
@@ -81,6 +83,13 @@ class GroupEnv:
             socket_dir=Path(e.get("HYBRIDFLOW_SOCKET_DIR", "/tmp")),
             curve=curve,
         )
+
+
+def _one_of(e: dict[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = e.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; use one of {', '.join(choices)}")
+    return value
 
 
 def hello_body(env: GroupEnv) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from roles.base import RoleContext, import_path
+from roles.runtime.device import RankDevice
 from roles.runtime.endpoint import ONE_TO_ALL, EndpointSpec, endpoint, endpoints_of
 from transport.protocol import Layout
 
@@ -43,11 +44,19 @@ class GroupRole:
 class RoleHost:
     """The role instances of one rank and the endpoint table the coordinator dispatches by."""
 
-    def __init__(self, group: str, rank: int, layout: Layout, pg: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        layout: Layout,
+        pg: dist.ProcessGroup | None,
+        device: RankDevice,
+    ) -> None:
         self.group = group
         self.rank = rank
         self.layout = layout
         self.pg = pg
+        self.device = device
         self.instances: dict[str, Any] = {GROUP_ROLE: GroupRole(self)}
         self.endpoints: dict[str, dict[str, EndpointSpec]] = {GROUP_ROLE: endpoints_of(GroupRole)}
 
@@ -58,7 +67,13 @@ class RoleHost:
             if not table:
                 raise ValueError(f"role class {spec['cls']} declares no @endpoint methods")
             ctx = RoleContext(
-                name, self.group, self.rank, self.layout.world_size, self.layout, self.pg
+                name,
+                self.group,
+                self.rank,
+                self.layout.world_size,
+                self.layout,
+                self.pg,
+                self.device,
             )
             self.instances[name] = cls(ctx, **spec.get("config", {}))
             self.endpoints[name] = table

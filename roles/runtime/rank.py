@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from roles.runtime.coordinator import Coordinator
+from roles.runtime.device import RankDevice, rank_device
 from roles.runtime.env import GroupEnv
 from roles.runtime.host import RoleHost
 from roles.runtime.worker import Worker
@@ -39,9 +40,13 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store]:
-    """Join the group's torch.distributed process group (gloo) with a bounded timeout; the
-    store also carries the coordinator's fan-out address to the other ranks."""
+def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store, RankDevice]:
+    """Decide this rank's device (``roles/runtime/device.py``; a group asking for a device this
+    machine lacks fails here, before it waits on anyone), then join the group's torch.distributed
+    process group with that device's backend and a bounded timeout. The store also carries the
+    coordinator's fan-out address to the other ranks."""
+    device = rank_device(env.device, env.local_rank, env.group)
+    device.activate()
     timeout = datetime.timedelta(seconds=env.timeouts.group_init_s)
     # Under torchrun the agent already serves a store on MASTER_PORT; every rank joins it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -54,11 +59,12 @@ def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store]:
         wait_for_workers=False,
     )
     dist.init_process_group(
-        "gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+        device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
     group = dist.group.WORLD
-    assert group is not None
-    return group, store
+    if group is None:
+        raise RuntimeError("torch.distributed gave no WORLD group after init_process_group")
+    return group, store, device
 
 
 def main() -> None:
@@ -69,8 +75,8 @@ def main() -> None:
         level=os.environ.get("HYBRIDFLOW_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {env.group}[{env.rank}] %(levelname)s %(name)s: %(message)s",
     )
-    pg, store = init_group(env)
-    host = RoleHost(env.group, env.rank, env.layout, pg)
+    pg, store, device = init_group(env)
+    host = RoleHost(env.group, env.rank, env.layout, pg, device)
     if env.rank == 0:
         Coordinator(env, host, store).serve()
     else:

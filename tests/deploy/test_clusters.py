@@ -174,7 +174,10 @@ def test_the_role_command_for_a_group() -> None:
     argv = role_argv(group, "tcp://h:1", None, "/k")
     assert argv[:2] == ["role", "rollout"]
     assert argv[argv.index("--nproc") + 1] == "2" and argv[argv.index("--tp") + 1] == "2"
+    assert argv[argv.index("--device") + 1] == "cpu"
     assert argv[-4:] == ["--keys", "/k", "--client", "gen"]
+    on_gpus = role_argv(group.model_copy(update={"device": "cuda"}), "tcp://h:1", None, None)
+    assert on_gpus[on_gpus.index("--device") + 1] == "cuda"
 
 
 @pytest.mark.parametrize("name", ["here_and_slurm.yaml", "two_sites.yaml"])

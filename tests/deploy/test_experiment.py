@@ -67,6 +67,7 @@ def test_quick_and_set_override_in_that_order() -> None:
         (["stages.1.algorithm.loss={clip_ratio_low: -1}"], "stages.1.algorithm.loss"),
         (["models.base={init: tiny, path: /x}"], "exactly one of path, init, gguf"),
         (["logging.wandb=true"], "logging.wandb: the wandb package is not installed"),
+        (["placement.main.device=tpu"], "placement.main.device: Input should be 'cpu' or 'cuda'"),
     ],
 )
 def test_a_bad_config_names_the_field(overrides: list[str], message: str) -> None:
@@ -105,6 +106,21 @@ def test_role_settings_are_checked_with_the_roles_config_classes(tmp_path: Path)
     exp = parse(base(), ["placement.main.tp=3", "placement.main.nproc=3"])
     with pytest.raises(ExperimentError, match=r"roles\.actor"):
         build_groups(exp, tmp_path)
+
+
+def test_a_groups_device_is_placement_and_reaches_its_group_spec(tmp_path: Path) -> None:
+    from deploy.experiment import prepare_models
+
+    exp = parse(base(), ["placement.main={roles: [actor, reward], nproc: 2, device: cpu}"])
+    check(exp)
+    prepare_models(exp, tmp_path)
+    assert [(g.name, g.nproc, g.device) for g in build_groups(exp, tmp_path)] == [
+        ("main", 2, "cpu")
+    ]
+    assert [g.device for g in build_groups(parse(base()), tmp_path)] == ["cpu"]  # the default
+    # whether a machine has CUDA is checked where the ranks start, not in the config
+    on_gpus = build_groups(parse(base(), ["placement.main.device=cuda"]), tmp_path)
+    assert [g.device for g in on_gpus] == ["cuda"]
 
 
 def run_cli(argv: list[str]) -> int:

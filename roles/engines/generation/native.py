@@ -118,7 +118,8 @@ class NativeEngine(GenerationEngine):
         self.fused = []
         # Under a bf16 autocast the fused matrices are cast once here, not at every product
         # (autocast caches casts only of leaf weights that require grad).
-        cast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        where = _local(self.base.embed_tokens.weight).device.type  # where the weights are
+        cast = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else None
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)

@@ -116,12 +116,15 @@ class FSDPEngine(TrainingEngine):
         if layout.pp != 1:
             raise EngineError(f"the fsdp engine has no pipeline parallel; got pp={layout.pp}")
         self.cfg, self.head, self.step = cfg, head, 0
+        self.device = ctx.device  # mesh and autocast device type come from the device seam
         self.dp, self.tp, self.world = layout.dp, layout.tp, layout.world_size
         self.module = load_module(cfg, head)
         self.model_config = self.module.config
         self.mesh: DeviceMesh | None = None
         if self.world > 1:
-            self.mesh = init_device_mesh("cpu", (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+            self.mesh = init_device_mesh(
+                self.device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp")
+            )
             self._parallelize(self.mesh)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -186,8 +189,7 @@ class FSDPEngine(TrainingEngine):
             yield local[0], False
 
     def _forward(self, micro: TensorBatch) -> torch.Tensor:
-        ids, mask = micro["input_ids"], micro["attention_mask"]
-        assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        ids, mask = micro.tensor("input_ids"), micro.tensor("attention_mask")
         segments = micro.tensors.get("segment_ids")
         if segments is not None:  # packed rows: positions restart, no attention across sequences
             attention: torch.Tensor | None = block_causal_mask(segments)
@@ -221,7 +223,7 @@ class FSDPEngine(TrainingEngine):
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.cfg.dtype == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     # -- the interface -------------------------------------------------------------------------
@@ -269,8 +271,7 @@ class FSDPEngine(TrainingEngine):
         return result
 
     def _global_counts(self, batch: TensorBatch, count_key: str) -> tuple[float, float]:
-        mask = batch[count_key]
-        assert isinstance(mask, torch.Tensor)
+        mask = batch.tensor(count_key)
         counts = torch.tensor(count(mask), dtype=torch.float64)
         group = self._dp_group()
         if group is not None:
@@ -477,15 +478,12 @@ def split_dim(placement: Placement) -> int | None:
 
 
 def _width(batch: TensorBatch) -> int:
-    ids = batch["input_ids"]
-    assert isinstance(ids, torch.Tensor)
-    return ids.shape[1]
+    return batch.tensor("input_ids").shape[1]
 
 
 def trim(micro: TensorBatch) -> TensorBatch:
     """Drop columns past the last real token of any row (right padding costs nothing)."""
-    mask = micro["attention_mask"]
-    assert isinstance(mask, torch.Tensor)
+    mask = micro.tensor("attention_mask")
     width = mask.shape[1]
     used = int(mask.any(0).nonzero().max()) + 1 if bool(mask.any()) else 1
     if used == width:
