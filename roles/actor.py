@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from roles.base import RoleContext
-from roles.engine_role import TOKENS, EngineRole, require, tensor
+from roles.engine_role import TOKENS, EngineRole
 from roles.engines.generation.serve import make_engine, serve
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
@@ -38,11 +38,11 @@ class Reference(EngineRole):
         self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
     ) -> TensorBatch:
         """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
-        require(batch, "input_ids", "attention_mask")
+        batch.require_tensors("input_ids", "attention_mask")
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
-            mask = tensor(micro, "attention_mask")
-            logp = token_log_probs(logits, tensor(micro, "input_ids"), temperature) * mask
+            mask = micro.tensor("attention_mask")
+            logp = token_log_probs(logits, micro.tensor("input_ids"), temperature) * mask
             if not entropy:
                 return logp
             return torch.stack([logp, token_entropy(logits, temperature) * mask], dim=-1)
@@ -86,17 +86,17 @@ class Actor(Reference):
         ``ref_log_probs`` when ``loss.kl_coef`` > 0)."""
         cfg = PolicyLossConfig.model_validate(loss or {})
         needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.kl_coef else [])
-        require(batch, *TOKENS, *needed)
+        batch.require_tensors(*TOKENS, *needed)
 
         def loss_fn(
             logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            ids = tensor(micro, "input_ids")
+            ids = micro.tensor("input_ids")
             return policy_loss(
                 token_log_probs(logits, ids, temperature),
-                tensor(micro, "old_log_probs"),
-                tensor(micro, "advantages"),
-                tensor(micro, "response_mask"),
+                micro.tensor("old_log_probs"),
+                micro.tensor("advantages"),
+                micro.tensor("response_mask"),
                 cfg,
                 tokens,
                 seqs,
@@ -109,8 +109,7 @@ class Actor(Reference):
     def _sft_batch(
         self, batch: TensorBatch, response_only: bool, pack: bool
     ) -> tuple[TensorBatch, int]:
-        prompts, responses = batch["prompt"], batch["response"]
-        assert isinstance(prompts, list) and isinstance(responses, list)
+        prompts, responses = batch.non_tensor("prompt"), batch.non_tensor("response")
         limit = int(self.engine.model_config.max_position_embeddings)
         return encode_rows(self.tokenizer, prompts, responses, limit, response_only, pack)
 
@@ -146,12 +145,12 @@ class Actor(Reference):
         tokens_batch, _ = self._sft_batch(batch, response_only, pack)
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
-            nll = -token_log_probs(logits, tensor(micro, "input_ids")) * tensor(
-                micro, "response_mask"
+            nll = -token_log_probs(logits, micro.tensor("input_ids")) * micro.tensor(
+                "response_mask"
             )
             return nll.sum(-1)
 
-        mask = tensor(tokens_batch, "response_mask")
+        mask = tokens_batch.tensor("response_mask")
         totals = {"nll": self.engine.infer(tokens_batch, read).sum(), "tokens": mask.sum().float()}
         summed = self.sum_over_dp(totals)
         return {"loss": summed["nll"] / max(summed["tokens"], 1.0), "tokens": summed["tokens"]}
@@ -160,5 +159,5 @@ class Actor(Reference):
 def _nll(
     logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    nll = -token_log_probs(logits, tensor(micro, "input_ids"))
-    return aggregate(nll, tensor(micro, "response_mask"), "token-mean", tokens, seqs), {}
+    nll = -token_log_probs(logits, micro.tensor("input_ids"))
+    return aggregate(nll, micro.tensor("response_mask"), "token-mean", tokens, seqs), {}

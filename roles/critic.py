@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from roles.engine_role import TOKENS, EngineRole, require, tensor
+from roles.engine_role import TOKENS, EngineRole
 from roles.modeling.logprob import aligned
 from roles.modeling.losses import ValueLossConfig, aggregate, value_loss
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
@@ -20,7 +20,7 @@ from transport.batch import TensorBatch
 
 def values_of(scores: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
     """Per-position head outputs ``[B, T]`` → aligned values, zero on padding."""
-    return aligned(scores[:, :-1].float()) * tensor(micro, "attention_mask")
+    return aligned(scores[:, :-1].float()) * micro.tensor("attention_mask")
 
 
 class Critic(EngineRole):
@@ -29,7 +29,7 @@ class Critic(EngineRole):
     @endpoint(DP_SPLIT)
     def compute_values(self, batch: TensorBatch) -> TensorBatch:
         """``values`` ``[B, T]`` for the rows of a token batch."""
-        require(batch, "input_ids", "attention_mask")
+        batch.require_tensors("input_ids", "attention_mask")
         return TensorBatch.from_dict({"values": self.engine.infer(batch, values_of)})
 
     @endpoint(DP_REDUCED)
@@ -39,15 +39,15 @@ class Critic(EngineRole):
         """One optimizer step of the clipped value loss. Needs ``input_ids``,
         ``attention_mask``, ``response_mask``, ``values`` (the old ones) and ``returns``."""
         cfg = ValueLossConfig.model_validate(loss or {})
-        require(batch, *TOKENS, "values", "returns")
+        batch.require_tensors(*TOKENS, "values", "returns")
 
         def loss_fn(
             scores: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             values = values_of(scores, micro)
-            mask = tensor(micro, "response_mask")
-            returns = tensor(micro, "returns")
-            per_token = value_loss(values, tensor(micro, "values"), returns, cfg.clip)
+            mask = micro.tensor("response_mask")
+            returns = micro.tensor("returns")
+            per_token = value_loss(values, micro.tensor("values"), returns, cfg.clip)
             error = (values.detach() - returns) ** 2
             mse = aggregate(error, mask, "token-mean", tokens, seqs)
             return aggregate(per_token, mask, cfg.agg, tokens, seqs), {"value_mse": mse}

@@ -33,8 +33,7 @@ class LinearRegressor(Role):
     @endpoint(DP_SPLIT)
     def train_step(self, batch: TensorBatch) -> dict[str, float]:
         """One SGD step on the global batch; returns the global loss before the step."""
-        x, y = batch["x"], batch["y"]
-        assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+        x, y = batch.tensor("x"), batch.tensor("y")
         rows = self._all_reduce(torch.tensor(float(len(batch))))
         self.opt.zero_grad()
         loss = ((self.model(x) - y) ** 2).sum() / rows
@@ -48,9 +47,7 @@ class LinearRegressor(Role):
     @endpoint(DP_SPLIT)
     def predict(self, batch: TensorBatch) -> TensorBatch:
         with torch.no_grad():
-            x = batch["x"]
-            assert isinstance(x, torch.Tensor)
-            y_hat = self.model(x)
+            y_hat = self.model(batch.tensor("x"))
         return TensorBatch.from_dict({"y_hat": y_hat})
 
     @endpoint(RANK_ZERO)

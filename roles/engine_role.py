@@ -18,26 +18,8 @@ from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.fsdp import FSDPEngine
 from roles.engines.training.interface import Head, TrainingEngine
 from roles.runtime.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
-from transport.batch import TensorBatch
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")
-
-
-def require(batch: TensorBatch, *names: str) -> TensorBatch:
-    """Fail before any collective when a column is missing, so every rank fails alike."""
-    missing = [n for n in names if n not in batch.tensors]
-    if missing:
-        raise KeyError(
-            f"the batch lacks tensor column(s) {missing} (it has {sorted(batch.tensors)})"
-        )
-    return batch
-
-
-def tensor(batch: TensorBatch, name: str) -> torch.Tensor:
-    """A tensor column, or an error naming the column the caller forgot."""
-    if name not in batch.tensors:
-        raise KeyError(f"the batch has no tensor column {name!r} (it has {sorted(batch.tensors)})")
-    return batch.tensors[name]
 
 
 class EngineRole(Role):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from roles.base import Role, RoleContext, import_path
-from roles.engine_role import EngineRole, tensor
+from roles.engine_role import EngineRole
 from roles.modeling.losses import aggregate, bradley_terry_loss
 from roles.modeling.models import load_tokenizer
 from roles.modeling.text import decode_rows, encode_rows, last_token_index
@@ -147,9 +147,8 @@ class ModelReward(EngineRole):
 
     def _pairs(self, batch: TensorBatch) -> TensorBatch:
         """Text pairs (``prompt``, ``chosen``, ``rejected``) → token rows chosen0, rejected0, ..."""
-        prompts = batch["prompt"]
-        chosen, rejected = batch["chosen"], batch["rejected"]
-        assert isinstance(prompts, list) and isinstance(chosen, list) and isinstance(rejected, list)
+        prompts = batch.non_tensor("prompt")
+        chosen, rejected = batch.non_tensor("chosen"), batch.non_tensor("rejected")
         twice = [p for p in prompts for _ in range(2)]
         answers = [r for pair in zip(chosen, rejected, strict=True) for r in pair]
         limit = int(self.engine.model_config.max_position_embeddings)
@@ -184,5 +183,5 @@ class ModelReward(EngineRole):
 
 def last_score(scores: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
     """Per-position head outputs ``[B, T]`` → the output at each row's last real token ``[B]``."""
-    index = last_token_index(tensor(micro, "attention_mask"))
+    index = last_token_index(micro.tensor("attention_mask"))
     return scores.float().gather(1, index[:, None]).squeeze(1)

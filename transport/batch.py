@@ -12,6 +12,11 @@ replies back into one. ``pad_to_divisor``/``unpad`` make a batch divisible by th
 Row slicing (``split``, ``chunk``, slices, int indices, ``unpad``) returns views of the original
 tensors, so nothing is copied until a worker writes to the wire or gathers rows by index.
 
+Code that reads a batch it received (a role on a rank, the controller on a reply) takes columns
+with ``tensor(name)``, ``non_tensor(name)`` and ``require_tensors(*names)``: a missing column or one
+of the wrong kind raises ``BatchError`` naming the column and what the batch has, so bad input from
+the wire is an error the caller can read, not an assert.
+
 The class deliberately has no ``__eq__``: use ``equals`` for an exact column-by-column comparison.
 """
 
@@ -27,6 +32,10 @@ import torch
 #: Anything that selects rows: an int (one row, dims kept), a slice, a 1-D integer tensor or list
 #: of ints, or a 1-D bool mask tensor as long as the batch.
 RowIndex = int | slice | torch.Tensor | Sequence[int]
+
+
+class BatchError(ValueError):
+    """A batch lacks a column its reader needs, or holds it as the other kind (tensor or not)."""
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -137,6 +146,40 @@ class TensorBatch:
                 return self.non_tensors[item]
             raise KeyError(f"no column named {item!r}")
         return self.index(item)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor column ``name``; a ``BatchError`` if it is missing or a non-tensor column."""
+        found = self.tensors.get(name)
+        if found is None:
+            raise self._absent(name, "tensor")
+        return found
+
+    def non_tensor(self, name: str) -> list[Any]:
+        """The non-tensor (per-row list) column ``name``; a ``BatchError`` if it is missing or
+        a tensor column."""
+        found = self.non_tensors.get(name)
+        if found is None:
+            raise self._absent(name, "non-tensor")
+        return found
+
+    def require_tensors(self, *names: str) -> None:
+        """A ``BatchError`` listing every named tensor column the batch lacks (check before a
+        collective, so that every rank fails alike instead of some waiting on the others)."""
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise BatchError(f"the batch lacks tensor column(s) {missing}; {self._inventory()}")
+
+    def _absent(self, name: str, kind: str) -> BatchError:
+        if name in self.tensors or name in self.non_tensors:
+            other = "non-tensor" if kind == "tensor" else "tensor"
+            return BatchError(f"column {name!r} must be a {kind} column; got a {other} column")
+        return BatchError(f"the batch has no column {name!r}; {self._inventory()}")
+
+    def _inventory(self) -> str:
+        return (
+            f"it has tensor columns {sorted(self.tensors)} "
+            f"and non-tensor columns {sorted(self.non_tensors)}"
+        )
 
     def select(
         self,

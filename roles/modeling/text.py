@@ -109,9 +109,8 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def decode_rows(tokenizer: Any, batch: TensorBatch) -> tuple[list[str], list[str]]:
     """(prompt text, response text) of each row of a token batch, special tokens dropped."""
-    ids, attention, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
-    assert isinstance(ids, torch.Tensor)
-    assert isinstance(attention, torch.Tensor) and isinstance(response, torch.Tensor)
+    ids, attention = batch.tensor("input_ids"), batch.tensor("attention_mask")
+    response = batch.tensor("response_mask")
     prompts, responses = [], []
     for row, att, resp in zip(ids, attention.bool(), response.bool(), strict=True):
         prompts.append(tokenizer.decode(row[att & ~resp].tolist(), skip_special_tokens=True))

@@ -278,19 +278,18 @@ class Coordinator:
         except Exception as exc:
             self._send_ctrl(Message(MsgType.ERROR, call_id, error_body(role, 0, exc)))
             return
-        waiting = {r for r, share in enumerate(per_rank) if share is not None}
+        shares = {r: share for r, share in enumerate(per_rank) if share is not None}
+        waiting = set(shares)
         self.calls[call_id] = PendingCall(role, protocol, waiting, [None] * self.env.world_size)
         shared: dict[int, list[int]] = {}  # ranks given the very same arguments share an encoding
         for rank in sorted(waiting - {0}):
-            shared.setdefault(id(per_rank[rank]), []).append(rank)
+            shared.setdefault(id(shares[rank]), []).append(rank)
         for ranks in shared.values():
-            share = per_rank[ranks[0]]
-            assert share is not None
-            args, kwargs = share
+            args, kwargs = shares[ranks[0]]
             sub = {"role": role, "method": body["method"], "args": list(args), "kwargs": kwargs}
             self._send_workers(call_id, sub, ranks)
-        if 0 in waiting:
-            args, kwargs = per_rank[0]  # type: ignore[misc]
+        if 0 in shares:
+            args, kwargs = shares[0]
             self.tasks.append(_Task(call_id, {**body, "args": list(args), "kwargs": kwargs}))
         if not waiting:
             self._finish(call_id)

@@ -65,8 +65,9 @@ def serve_rpc_worker(host: RoleHost) -> None:
 
 
 def _run_task(seq: int, call_id: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    assert _worker_host is not None, "rpc task reached a process that is not a worker"
     host = _worker_host
+    if host is None:
+        raise RuntimeError("an rpc task reached a process that is not a worker (no role host)")
     reply = _sequencer.run(seq, lambda: run_call(host, call_id, body))
     return int(reply.type), reply.body
 

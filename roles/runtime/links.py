@@ -59,11 +59,11 @@ class FanOutLinks(abc.ABC):
             if got is None:
                 raise _missing_error(ranks - set(hellos), timeouts)
             peer, msg = got
-            rank = msg.body.get("rank") if msg is not None else None
-            if msg is not None and _is_hello(msg, token) and rank in ranks and rank not in hellos:
-                assert isinstance(rank, int)
+            body = msg.body if msg is not None and _is_hello(msg, token) else {}
+            rank = body.get("rank")  # from the wire: admitted only if it is one we wait for
+            if type(rank) is int and rank in ranks and rank not in hellos:
                 self._admit(rank, peer)
-                hellos[rank] = msg.body
+                hellos[rank] = body
             else:
                 self._turn_away(peer)
         self._admitted_all()

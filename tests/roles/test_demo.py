@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from controller.client import RoleClient
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
+from transport.errors import RemoteError
 
 
 def train(nproc: int, steps: int = 15) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -38,3 +40,23 @@ def test_two_rank_data_parallel_step_equals_one_rank() -> None:
     for key in w1:
         torch.testing.assert_close(w2[key], w1[key], atol=1e-6, rtol=0)
     assert abs(losses1[0] - losses2[0]) < 1e-6
+
+
+def test_a_batch_without_a_needed_column_is_an_error_naming_it_and_the_group_carries_on() -> None:
+    async def main() -> None:
+        placement = [group("g", 2, linear=("roles.demo:LinearRegressor", {"dim": 2}))]
+        async with local_session(placement, TEST_TIMEOUTS) as c:
+            model = RoleClient(c, "linear")
+            x = torch.zeros(4, 2)
+            with pytest.raises(RemoteError) as info:
+                await model.call("train_step", TensorBatch.from_dict({"x": x}))
+            assert info.value.exc_type == "BatchError"
+            assert "the batch has no column 'y'; it has tensor columns ['x']" in str(info.value)
+            as_list = TensorBatch.from_dict({"x": x}, {"y": [0.0] * 4})
+            with pytest.raises(RemoteError, match="column 'y' must be a tensor column"):
+                await model.call("train_step", as_list)
+            y = torch.zeros(4, 1)
+            metrics = await model.call("train_step", TensorBatch.from_dict({"x": x, "y": y}))
+            assert metrics[0]["loss"] >= 0.0
+
+    run(main)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from transport.batch import TensorBatch
+from transport.batch import BatchError, TensorBatch
 
 
 def make(n: int = 4) -> TensorBatch:
@@ -22,9 +22,7 @@ def make(n: int = 4) -> TensorBatch:
 
 
 def names(b: TensorBatch) -> list[str]:
-    col = b["name"]
-    assert isinstance(col, list)
-    return col
+    return b.non_tensor("name")
 
 
 # ---------------------------------------------------------------- construction / validation
@@ -349,3 +347,43 @@ def test_equals_handles_array_values_and_no_eq_magic() -> None:
     assert not a.equals(c)
     assert a != b  # identity comparison only: no __eq__ is defined
     assert "__eq__" not in TensorBatch.__dict__
+
+
+# ---------------------------------------------------------------- typed column access
+def test_tensor_and_non_tensor_return_the_columns_themselves() -> None:
+    b = make(3)
+    assert b.tensor("ids") is b.tensors["ids"]
+    assert b.non_tensor("name") == ["r0", "r1", "r2"]
+    assert b.non_tensor("name") is b.non_tensors["name"]
+    b.require_tensors("ids", "score")  # all present: no error
+
+
+def test_a_column_of_the_other_kind_is_a_batch_error_naming_it() -> None:
+    b = make(2)
+    with pytest.raises(BatchError) as info:
+        b.tensor("name")
+    assert str(info.value) == "column 'name' must be a tensor column; got a non-tensor column"
+    with pytest.raises(BatchError) as info:
+        b.non_tensor("ids")
+    assert str(info.value) == "column 'ids' must be a non-tensor column; got a tensor column"
+
+
+def test_a_missing_column_is_a_batch_error_listing_what_the_batch_has() -> None:
+    b = make(2)
+    with pytest.raises(BatchError) as info:
+        b.tensor("input_ids")
+    assert str(info.value) == (
+        "the batch has no column 'input_ids'; it has tensor columns ['ids', 'score'] "
+        "and non-tensor columns ['name']"
+    )
+    with pytest.raises(BatchError, match="no column 'prompt'"):
+        b.non_tensor("prompt")
+    assert isinstance(info.value, ValueError)  # bad input, as callers catch it
+
+
+def test_require_tensors_names_every_missing_column_at_once() -> None:
+    with pytest.raises(BatchError) as info:
+        make(2).require_tensors("ids", "mask", "name", "returns")
+    message = str(info.value)
+    assert message.startswith("the batch lacks tensor column(s) ['mask', 'name', 'returns'];")
+    assert "tensor columns ['ids', 'score']" in message

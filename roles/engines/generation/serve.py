@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from roles.engines.generation.interface import GenerationEngine, SamplingConfig, samples_to_batch
-from transport.batch import TensorBatch
+from transport.batch import BatchError, TensorBatch
 
 EngineName = Literal["native", "hf"]
 
@@ -30,11 +30,13 @@ def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngin
 
 def prompt_ids(batch: TensorBatch, tokenizer: Any) -> list[list[int]]:
     if "prompt_ids" in batch.non_tensors:
-        return [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
+        return [list(map(int, p)) for p in batch.non_tensor("prompt_ids")]
     if "prompt" not in batch.non_tensors:
-        raise KeyError("a generation batch needs a 'prompt' (text) or 'prompt_ids' column")
+        raise BatchError("a generation batch needs a 'prompt' (text) or 'prompt_ids' column")
     bos = tokenizer.bos_token_id
-    return [[bos, *tokenizer.encode(p, add_special_tokens=False)] for p in batch["prompt"]]
+    return [
+        [bos, *tokenizer.encode(p, add_special_tokens=False)] for p in batch.non_tensor("prompt")
+    ]
 
 
 def serve(
