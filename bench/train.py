@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from bench.transport import BUSY_WARN_PCT, OtherLoad
-from controller.client import RoleClient
+from controller.clients import ActorClient
 from controller.placement import GroupSpec, RoleSpec
 from controller.server import Controller
 from controller.supervised import text_batch
@@ -130,11 +130,11 @@ class ActorSteps:
     """hybridflow: ``sft_step`` on one actor role, the text batch sent from the controller."""
 
     def __init__(self, controller: Controller, role: str, rows: list[dict[str, Any]]) -> None:
-        self.actor = RoleClient(controller, role)
+        self.actor = ActorClient(controller, role)
         self.batch = text_batch(rows, ("prompt", "response"))
 
     async def step(self) -> float:
-        metrics = await self.actor.call("sft_step", self.batch)
+        metrics = await self.actor.sft_step(self.batch)
         return float(metrics["loss"])
 
 

@@ -71,10 +71,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from controller.client import RoleClient
 from controller.placement import GroupSpec, RoleSpec
 from deploy.cli import run_async
 from deploy.session import local_session
+from tests.fixtures.clients import EchoClient
 
 BACKENDS = ("socket", "zmq", "rpc")
 DEFAULT_FANOUT = GroupSpec.model_fields["fanout"].default
@@ -200,10 +200,10 @@ async def measure_rtt(plan: Plan) -> dict[str, dict[str, float]]:
     started = time.perf_counter()
     async with local_session([backend_group(b) for b in BACKENDS]) as controller:
         err.print(f"  {len(BACKENDS)} groups of 2 ready in {time.perf_counter() - started:.1f} s")
-        clients = {b: RoleClient(controller, f"echo_{b}") for b in BACKENDS}
+        clients = {b: EchoClient(controller, f"echo_{b}") for b in BACKENDS}
         for _ in range(plan.warmup_calls):
             for echo in clients.values():
-                await echo.call("ping")
+                await echo.ping()
         gc.collect()
         samples: dict[str, list[int]] = {b: [] for b in BACKENDS}
         clock = time.perf_counter_ns
@@ -211,15 +211,15 @@ async def measure_rtt(plan: Plan) -> dict[str, dict[str, float]]:
             for backend, echo in clients.items():
                 for i in range(BLOCK + BLOCK_WARMUP):
                     t0 = clock()
-                    await echo.call("ping")
+                    await echo.ping()
                     if i >= BLOCK_WARMUP:  # the first calls after a switch find ranks asleep
                         samples[backend].append(clock() - t0)
         results = {b: rtt_summary(samples[b]) for b in BACKENDS}
         for backend, echo in clients.items():
-            await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))  # warm-up
+            await asyncio.gather(*(echo.ping() for _ in range(CONCURRENCY)))  # warm-up
             t0 = clock()
             for _ in range(plan.concurrent_rounds):
-                replies = await asyncio.gather(*(echo.call("ping") for _ in range(CONCURRENCY)))
+                replies = await asyncio.gather(*(echo.ping() for _ in range(CONCURRENCY)))
                 assert replies == [None] * CONCURRENCY
             elapsed_s = (clock() - t0) / 1e9
             results[backend]["calls_per_s_concurrent"] = (
@@ -248,7 +248,7 @@ async def measure_bulk(plan: Plan) -> dict[str, float]:
     results: dict[str, float] = {}
     async with local_session([echo_group(1, "bulk")]) as controller:
         err.print(f"  [bulk] group of 1 ready in {time.perf_counter() - started:.1f} s")
-        echo = RoleClient(controller, "echo")
+        echo = EchoClient(controller, "echo")
         for key, nbytes in BULK_SIZES.items():
             payload = torch.empty(nbytes, dtype=torch.uint8).random_()  # plain heap tensor
             expected = checksum(payload)
@@ -257,7 +257,7 @@ async def measure_bulk(plan: Plan) -> dict[str, float]:
             transfers: list[int] = []
             copies: list[int] = []
             t0 = time.perf_counter_ns()  # warm-up: creates and pre-faults the segment
-            await echo.call("checksum", payload)
+            await echo.checksum(payload)
             first_ns = time.perf_counter_ns() - t0
             # Blocks of transfers and blocks of memcpys, alternating: each runs in its own
             # steady state (a memcpy between two transfers would evict the segment from the
@@ -265,7 +265,7 @@ async def measure_bulk(plan: Plan) -> dict[str, float]:
             for _ in range(plan.bulk_reps):
                 for _ in range(BULK_BLOCK):
                     t0 = time.perf_counter_ns()
-                    got = await echo.call("checksum", payload)
+                    got = await echo.checksum(payload)
                     transfers.append(time.perf_counter_ns() - t0)
                     if got != expected:
                         raise RuntimeError(

@@ -21,13 +21,22 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller import advantages as adv
-from controller.client import RoleClient
+from controller.clients import (
+    ActorClient,
+    CriticClient,
+    EngineClient,
+    ReferenceClient,
+    RewardClient,
+    RoleClient,
+    RolloutClient,
+)
+from controller.server import Controller
 from transport.batch import TensorBatch
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")
@@ -153,21 +162,53 @@ class AlgorithmConfig(BaseModel):
         return needed
 
 
+C = TypeVar("C", bound=RoleClient)
+
+
 @dataclass
 class Roles:
-    """The role clients a step talks to; a role the algorithm does not use may be None."""
+    """The role clients a step talks to; a role the algorithm does not use may be None. A reward
+    or cost role may be a rule function or a model: steps only ask it for scores."""
 
-    actor: RoleClient
-    reward: RoleClient
-    rollout: RoleClient | None = None
-    reference: RoleClient | None = None
-    critic: RoleClient | None = None
-    cost: RoleClient | None = None
-    cost_critic: RoleClient | None = None
+    actor: ActorClient
+    reward: RewardClient
+    rollout: RolloutClient | None = None
+    reference: ReferenceClient | None = None
+    critic: CriticClient | None = None
+    cost: RewardClient | None = None
+    cost_critic: CriticClient | None = None
+
+    @classmethod
+    def placed(cls, controller: Controller) -> Roles:
+        """Clients for the roles the controller's placement names, by their names in an
+        experiment (``actor``, ``reward``, ``rollout``, ...); absent optional roles are None."""
+
+        def optional(kind: type[C], name: str) -> C | None:
+            return kind(controller, name) if name in controller.role_group else None
+
+        return cls(
+            actor=ActorClient(controller, "actor"),
+            reward=RewardClient(controller, "reward"),
+            rollout=optional(RolloutClient, "rollout"),
+            reference=optional(ReferenceClient, "reference"),
+            critic=optional(CriticClient, "critic"),
+            cost=optional(RewardClient, "cost"),
+            cost_critic=optional(CriticClient, "cost_critic"),
+        )
 
     @property
-    def generator(self) -> RoleClient:
+    def generator(self) -> ActorClient | RolloutClient:
         return self.rollout or self.actor
+
+    def engines(self) -> dict[str, EngineClient]:
+        """The model-holding roles a trainer configures, re-bases and checkpoints, by name."""
+        found = {
+            "actor": self.actor,
+            "reference": self.reference,
+            "critic": self.critic,
+            "cost_critic": self.cost_critic,
+        }
+        return {name: client for name, client in found.items() if client is not None}
 
 
 @dataclass
@@ -209,7 +250,7 @@ class _Span:
         self.into[self.name] = self.into.get(self.name, 0.0) + time.perf_counter() - self.start
 
 
-def need(client: RoleClient | None, name: str) -> RoleClient:
+def need(client: C | None, name: str) -> C:
     if client is None:
         raise ValueError(f"this algorithm needs a {name!r} role; define and place one")
     return client
@@ -222,16 +263,13 @@ async def generate(
     roles: Roles, prompts: TensorBatch, cfg: AlgorithmConfig, seed: int, greedy: bool = False
 ) -> TensorBatch:
     """n samples per prompt (one greedy sample with ``greedy``) from the generator's weights."""
-    out: TensorBatch = await roles.generator.call(
-        "generate", prompts, sampling=cfg.sampling(seed, greedy)
-    )
-    return out
+    return await roles.generator.generate(prompts, sampling=cfg.sampling(seed, greedy))
 
 
-async def log_probs(role: RoleClient | None, batch: TensorBatch, temperature: float) -> Any:
+async def log_probs(role: ReferenceClient | None, batch: TensorBatch, temperature: float) -> Any:
     if role is None:
         return None
-    out = await role.call("compute_log_prob", batch.select(TOKENS, []), temperature=temperature)
+    out = await role.compute_log_prob(batch.select(TOKENS, []), temperature=temperature)
     return out["log_probs"]
 
 
@@ -243,17 +281,17 @@ async def old_log_probs(roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig) 
     return found
 
 
-async def values(role: RoleClient | None, batch: TensorBatch) -> Any:
+async def values(role: CriticClient | None, batch: TensorBatch) -> Any:
     if role is None:
         return None
-    out = await role.call("compute_values", batch.select(TOKENS, []))
+    out = await role.compute_values(batch.select(TOKENS, []))
     return out["values"]
 
 
-async def scores(role: RoleClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
+async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """One score per row, plus the batch means of any ``reward/<key>`` extras."""
     text = [k for k in batch.non_tensors if k not in ("finish", "request")]
-    out: TensorBatch = await role.call("compute_reward", batch.select(TOKENS, text, []))
+    out = await role.compute_reward(batch.select(TOKENS, text, []))
     extras = {k: float(v.float().mean()) for k, v in out.tensors.items() if k.startswith("reward/")}
     return out.tensors["scores"].float(), extras
 
@@ -273,7 +311,7 @@ async def learn(
     cfg: AlgorithmConfig,
     state: State,
     step: int,
-    critics: tuple[tuple[RoleClient, str, str], ...] = (),
+    critics: tuple[tuple[CriticClient, str, str], ...] = (),
 ) -> dict[str, float]:
     """``ppo_epochs`` passes of ``mini_batches`` optimizer steps each, actor and critics together.
     ``critics``: (client, values column, returns column) — each critic trains on its own pair."""
@@ -286,9 +324,8 @@ async def learn(
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in batch.index(order).chunk(cfg.mini_batches):
-            calls: list[Awaitable[Any]] = [
-                roles.actor.call(
-                    "update_policy",
+            calls: list[Awaitable[dict[str, float]]] = [
+                roles.actor.update_policy(
                     mini.select(actor_columns, []),
                     loss=cfg.policy_loss(state.kl.value),
                     temperature=cfg.temperature,
@@ -302,7 +339,7 @@ async def learn(
                         "returns": mini.tensors[returns_key],
                     }
                 )
-                calls.append(critic.call("update_critic", part, loss=cfg.value_loss))
+                calls.append(critic.update_critic(part, loss=cfg.value_loss))
             results = await asyncio.gather(*calls)
             names = ["actor"] + [c.role for c, _, _ in critics]
             for name, result in zip(names, results, strict=True):

@@ -2,9 +2,9 @@
 
 The whole controller side of a distributed training job, as hybridflow programs read::
 
-    model = RoleClient(controller, "linear")
+    model = LinearRegressorClient(controller, "linear")
     for step in range(steps):
-        metrics = await model.call("train_step", next_batch())
+        metrics = await model.train_step(next_batch())
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from controller.client import RoleClient
+from controller.clients import LinearRegressorClient
 from controller.placement import GroupSpec, RoleSpec
 from controller.server import Controller
 from transport.batch import TensorBatch
@@ -31,20 +31,20 @@ def demo_placement(nproc: int = 2, dim: int = 8, fanout: str = "socket") -> list
 async def train_linear(
     controller: Controller, steps: int = 60, dim: int = 8, batch: int = 256, seed: int = 0
 ) -> dict[str, Any]:
-    model = RoleClient(controller, "linear")
+    model = LinearRegressorClient(controller, "linear")
     gen = torch.Generator().manual_seed(seed)
     w_true = torch.randn(dim, 1, generator=gen)
     losses = []
     for _ in range(steps):
         x = torch.randn(batch, dim, generator=gen)
         y = x @ w_true + 0.01 * torch.randn(batch, 1, generator=gen)
-        metrics = await model.call("train_step", TensorBatch.from_dict({"x": x, "y": y}))
+        metrics = await model.train_step(TensorBatch.from_dict({"x": x, "y": y}))
         losses.append(metrics[0]["loss"])  # dp-split: one dict per dp rank, all equal
-    weights = await model.call("weights")
+    weights = await model.weights()
     return {
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "weight_error": float((weights["weight"].T - w_true).abs().max()),
-        "replicas_agree": await model.call("replicas_agree"),
+        "replicas_agree": await model.replicas_agree(),
         "steps": steps,
     }

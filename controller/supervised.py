@@ -4,9 +4,9 @@ Both are the same short loop — batches of text rows to a dp-split training end
 evaluation every ``eval_every`` steps and at the end — and hold no model code: the roles tokenize
 their own shard. ``deploy/train_cli.py`` wraps them as ``hybridflow sft`` and ``hybridflow rm``.
 
-    actor = RoleClient(controller, "actor")
+    actor = ActorClient(controller, "actor")
     for rows in batches(train, cfg):
-        metrics = await actor.call("sft_step", text_batch(rows, ("prompt", "response")))
+        metrics = await actor.sft_step(text_batch(rows, ("prompt", "response")))
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from controller.client import RoleClient
+from controller.clients import ActorClient, RewardModelClient
 from transport.batch import TensorBatch
 
 Log = Callable[[dict[str, Any]], None]
@@ -72,7 +72,7 @@ async def supervised(
 
 
 async def sft(
-    actor: RoleClient,
+    actor: ActorClient,
     train: Sequence[dict[str, Any]],
     val: Sequence[dict[str, Any]],
     cfg: LoopConfig,
@@ -86,22 +86,17 @@ async def sft(
     held_out = text_batch(val, columns)
 
     async def step(batch: TensorBatch) -> dict[str, float]:
-        result: dict[str, float] = await actor.call(
-            "sft_step", batch, response_only=response_only, pack=pack
-        )
-        return result
+        return await actor.sft_step(batch, response_only=response_only, pack=pack)
 
     async def evaluate() -> dict[str, float]:
-        result: dict[str, float] = await actor.call(
-            "sft_eval", held_out, response_only=response_only
-        )
+        result = await actor.sft_eval(held_out, response_only=response_only)
         return {"loss": result["loss"]}
 
     return await supervised(train, cfg, step, evaluate, columns, log)
 
 
 async def reward_model(
-    model: RoleClient,
+    model: RewardModelClient,
     train: Sequence[dict[str, Any]],
     val: Sequence[dict[str, Any]],
     cfg: LoopConfig,
@@ -113,14 +108,11 @@ async def reward_model(
     held_out = text_batch(val, columns)
 
     async def step(batch: TensorBatch) -> dict[str, float]:
-        result: dict[str, float] = await model.call("train_pairs", batch)
-        return result
+        return await model.train_pairs(batch)
 
     async def evaluate() -> dict[str, float]:
-        scores = await model.call("score_pairs", held_out)
-        chosen, rejected = scores["chosen"], scores["rejected"]
-        assert isinstance(chosen, torch.Tensor) and isinstance(rejected, torch.Tensor)
-        margin = chosen - rejected
+        scores = await model.score_pairs(held_out)
+        margin = scores.tensor("chosen") - scores.tensor("rejected")
         found = {"accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean())}
         for kind in sorted({str(row["kind"]) for row in val if "kind" in row}):
             rows = torch.tensor([row.get("kind") == kind for row in val])

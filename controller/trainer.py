@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, Timer, generate, scores
-from controller.client import RoleClient
+from controller.clients import EngineClient
 from controller.supervised import text_batch
 from transport.batch import TensorBatch
 
@@ -186,7 +186,7 @@ class Trainer:
         cfg: TrainerConfig,
         stages: Sequence[SFTStage | RLStage],
         roles: Roles,
-        clients: dict[str, RoleClient],
+        clients: dict[str, EngineClient],
         data: dict[str, Rows],
         run_dir: Path,
         trainable: Sequence[str],
@@ -239,9 +239,7 @@ class Trainer:
                 await self._save(index, stage.steps)
         final = await self._validate("final")
         if self.cfg.export:
-            await self.roles.actor.call(
-                "export", str((self.run_dir / "export" / "actor").resolve())
-            )
+            await self.roles.actor.export(str((self.run_dir / "export" / "actor").resolve()))
         return self._summary(final)
 
     def _summary(self, final: dict[str, Any]) -> dict[str, Any]:
@@ -272,16 +270,16 @@ class Trainer:
             effective.update(stage.optims())
         for role, optim in effective.items():
             if role in self.clients:
-                await self.clients[role].call("configure_optim", optim)
+                await self.clients[role].configure_optim(optim)
 
     async def _init_from_actor(self) -> None:
         """The reference becomes the actor as it is now; critics take its backbone."""
         targets = [r for r in ("reference", "critic", "cost_critic") if r in self.clients]
         if not targets or self.global_step == 0:
             return
-        weights = await self.roles.actor.call("state_dict")
+        weights = await self.roles.actor.state_dict()
         for role in targets:
-            await self.clients[role].call("load_state", weights, strict=role == "reference")
+            await self.clients[role].load_state(weights, strict=role == "reference")
 
     async def _sft(self, index: int, stage: SFTStage, first: int) -> None:
         rows = self.data[stage.data]
@@ -290,8 +288,8 @@ class Trainer:
             (picked,) = epoch_batches(len(rows), stage.batch_size, seed, k, 1, stage.shuffle)
             batch = text_batch([rows[i] for i in picked], ("prompt", "response"))
             start = time.perf_counter()
-            metrics = await self.roles.actor.call(
-                "sft_step", batch, response_only=stage.response_only, pack=stage.pack
+            metrics = await self.roles.actor.sft_step(
+                batch, response_only=stage.response_only, pack=stage.pack
             )
             self.stale = True
             self.global_step += 1
@@ -299,9 +297,7 @@ class Trainer:
             record["time/step_s"] = time.perf_counter() - start
             if stage.val_data and stage.val_every and (k + 1) % stage.val_every == 0:
                 held_out = text_batch(self.data[stage.val_data], ("prompt", "response"))
-                found = await self.roles.actor.call(
-                    "sft_eval", held_out, response_only=stage.response_only
-                )
+                found = await self.roles.actor.sft_eval(held_out, response_only=stage.response_only)
                 record["val/loss"] = float(found["loss"])
             self._emit(record)
             await self._maybe_save(index, stage, k)
@@ -362,7 +358,7 @@ class Trainer:
         size = min(len(rows), stage.algorithm.prompts_per_step)
         (picked,) = epoch_batches(len(rows), size, seed + 1, k, 1)
         batch = text_batch([rows[i] for i in picked], ("prompt", "response"))
-        await self.roles.actor.call("sft_step", batch, scale=stage.algorithm.safe.ptx_coef)
+        await self.roles.actor.sft_step(batch, scale=stage.algorithm.safe.ptx_coef)
         self.state.version += 1
 
     def _prompts(self, rows: Rows, size: int, seed: int, k: int, shuffle: bool) -> TensorBatch:
@@ -394,8 +390,8 @@ class Trainer:
         """Weights to a separate rollout group when the actor has trained since the last sync."""
         if self.roles.rollout is None or not self.stale:
             return
-        weights = await self.roles.actor.call("state_dict")
-        await self.roles.rollout.call("load_weights", weights, self.state.version)
+        weights = await self.roles.actor.state_dict()
+        await self.roles.rollout.load_weights(weights, self.state.version)
         self.stale = False
 
     # -- validation -----------------------------------------------------------------------------
@@ -413,7 +409,7 @@ class Trainer:
         await self._sync()
         start = time.perf_counter()
         sampling = {"temperature": 0.0, "n": 1, "max_new_tokens": self.cfg.val_max_new_tokens}
-        answers = await self.roles.generator.call("generate", prompts, sampling=sampling)
+        answers = await self.roles.generator.generate(prompts, sampling=sampling)
         score, _ = await scores(self.roles.reward, answers)
         record: dict[str, Any] = {
             "val/score": float(score.mean()),
@@ -456,7 +452,7 @@ class Trainer:
         shutil.rmtree(aside, ignore_errors=True)
         aside.mkdir()
         for role in self.trainable:  # colocated roles would queue anyway; keep the order fixed
-            await self.clients[role].call("save", str((aside / role).resolve()))
+            await self.clients[role].save(str((aside / role).resolve()))
         state = {
             "stage": stage,
             "stage_step": stage_step,
@@ -489,7 +485,7 @@ class Trainer:
         stage, stage_step = int(saved["stage"]), int(saved["stage_step"])
         await self._configure(stage)
         for role in self.trainable:
-            await self.clients[role].call("load", str((latest / role).resolve()))
+            await self.clients[role].load(str((latest / role).resolve()))
         self.global_step = int(saved["global_step"])
         self.state.load_state_dict(saved["algorithm"])
         self.validations = list(saved["validations"])

@@ -195,7 +195,6 @@ def _run(
     exp: Any, run_dir: Path, data: dict[str, Any], groups: list[Any], args: argparse.Namespace
 ) -> dict[str, Any]:
     from controller.algorithms import Roles
-    from controller.client import RoleClient
     from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
     from controller.trainer import Trainer, checkpoints
     from deploy.cli import console, run_async
@@ -240,13 +239,12 @@ def _run(
         start = time.perf_counter()
         async with session() as controller:
             ready = time.perf_counter() - start
-            clients = {r: RoleClient(controller, r) for r in exp.roles}
-            roles = Roles(**{k: v for k, v in clients.items() if k in Roles.__dataclass_fields__})
+            roles = Roles.placed(controller)
             trainer = Trainer(
                 exp.trainer,
                 exp.stages,
                 roles,
-                clients,
+                roles.engines(),
                 data,
                 run_dir,
                 checkpointed_roles(exp),

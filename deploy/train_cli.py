@@ -135,7 +135,7 @@ def _train(
     val: list[dict[str, Any]],
     run_dir: Path,
 ) -> dict[str, Any]:
-    from controller.client import RoleClient
+    from controller.clients import ActorClient, RewardModelClient
     from controller.supervised import LoopConfig, reward_model, sft
     from deploy.cli import console, run_async
     from deploy.session import local_session
@@ -154,12 +154,15 @@ def _train(
         start = time.perf_counter()
         async with local_session([group], run_dir=run_dir) as controller:
             ready = time.perf_counter() - start
-            role = RoleClient(controller, JOBS[args.command][1])
+            name = JOBS[args.command][1]
+            role: ActorClient | RewardModelClient
             if args.command == "sft":
+                role = ActorClient(controller, name)
                 result = await sft(role, train, val, loop, log, not args.full_sequence, args.pack)
             else:
+                role = RewardModelClient(controller, name)
                 result = await reward_model(role, train, val, loop, log)
-            await role.call("export", str(Path(args.out).resolve()))
+            await role.export(str(Path(args.out).resolve()))
         wall = time.perf_counter() - start
         return {**result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
 

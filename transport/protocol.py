@@ -38,6 +38,19 @@ class MsgType(enum.IntEnum):
     SHUTDOWN = 8
 
 
+class Transfer(enum.StrEnum):
+    """Names of the transfer protocols: how a role group's coordinator splits a call's arguments
+    over its ranks and collects their results. The role side (``roles/runtime/endpoint.py``)
+    implements them; the controller's clients name the one each endpoint uses; a group reports
+    these names, as they are, for every endpoint it serves."""
+
+    ONE_TO_ALL = "one-to-all"  # same args to every rank, rank 0's result
+    DP_SPLIT = "dp-split"  # batches split over dp ranks; results concatenated (or listed) by dp
+    RANK_ZERO = "rank-zero"  # only rank 0 runs
+    DP_REDUCED = "dp-split/reduced"  # dp-split in, rank 0's (already reduced) result out
+    DP_RAGGED = "dp-split/ragged"  # dp-split, ragged [B, T] columns right-padded and concatenated
+
+
 class ProtocolError(ValueError):
     """A message that cannot be accepted: the receiver logs the reason and carries on."""
 

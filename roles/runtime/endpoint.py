@@ -9,7 +9,8 @@ A transfer protocol is a pair of plain functions (the paper's distribute + colle
 
 ``@endpoint(DP_SPLIT)`` marks a method; the marker is an ordinary attribute on the function, the
 method stays a normal method, so IDEs and type checkers see exactly what the class defines. A new
-protocol is a new ``TransferProtocol(...)`` value, not a string.
+protocol is a new ``TransferProtocol(...)`` value with a new name in ``transport.protocol.Transfer``
+(the vocabulary the controller's clients share), not a string.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from transport.batch import TensorBatch
-from transport.protocol import Layout
+from transport.protocol import Layout, Transfer
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -33,7 +34,7 @@ _MARK = "__hybridflow_endpoint__"
 
 @dataclass(frozen=True)
 class TransferProtocol:
-    name: str
+    name: Transfer
     distribute: Distribute
     collect: Collect
 
@@ -102,14 +103,14 @@ def _dp_gather_ragged(results: list[Any], layout: Layout) -> Any:
     return TensorBatch.concat(picked)
 
 
-ONE_TO_ALL = TransferProtocol("one-to-all", _broadcast, _first)
-DP_SPLIT = TransferProtocol("dp-split", _dp_scatter, _dp_gather)
-RANK_ZERO = TransferProtocol("rank-zero", _rank_zero_only, _first)
+ONE_TO_ALL = TransferProtocol(Transfer.ONE_TO_ALL, _broadcast, _first)
+DP_SPLIT = TransferProtocol(Transfer.DP_SPLIT, _dp_scatter, _dp_gather)
+RANK_ZERO = TransferProtocol(Transfer.RANK_ZERO, _rank_zero_only, _first)
 #: dp-split in, rank 0's result out: for calls whose ranks already reduced their result over the
 #: group (a training step's metrics), so the controller gets one value, not one per dp rank.
-DP_REDUCED = TransferProtocol("dp-split/reduced", _dp_scatter, _first)
+DP_REDUCED = TransferProtocol(Transfer.DP_REDUCED, _dp_scatter, _first)
 #: dp-split in, rows concatenated out after right-padding ``[B, T]`` columns to a common width.
-DP_RAGGED = TransferProtocol("dp-split/ragged", _dp_scatter, _dp_gather_ragged)
+DP_RAGGED = TransferProtocol(Transfer.DP_RAGGED, _dp_scatter, _dp_gather_ragged)
 
 
 @dataclass(frozen=True)

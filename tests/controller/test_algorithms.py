@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -9,6 +11,7 @@ from pydantic import ValidationError
 from controller.advantages import AdaptiveKL, FixedKL
 from controller.algorithms import (
     AlgorithmConfig,
+    Roles,
     State,
     _group_stats,
     first_of_each,
@@ -16,6 +19,8 @@ from controller.algorithms import (
     kl_of,
     summarize,
 )
+from controller.clients import ActorClient, CriticClient, RewardClient, RolloutClient
+from controller.server import Controller
 from transport.batch import TensorBatch
 
 
@@ -83,3 +88,28 @@ def test_state_round_trip() -> None:
     other = State(kl=FixedKL(0.0))
     other.load_state_dict(state.state_dict())
     assert (other.kl.value, other.version, other.lagrange) == (0.1, 3, 0.7)
+
+
+class _Placed:
+    """Stands in for a controller: which roles its placement names."""
+
+    def __init__(self, *roles: str) -> None:
+        self.role_group = {role: "g" for role in roles}
+
+    def group_of(self, role: str) -> object:
+        if role not in self.role_group:
+            raise KeyError(f"no role {role!r} in this placement")
+        return object()
+
+
+def test_placed_roles_get_the_client_of_their_kind_and_absent_ones_none() -> None:
+    placed = _Placed("actor", "reward", "critic", "cost_critic", "rollout")
+    roles = Roles.placed(cast(Controller, placed))
+    assert type(roles.actor) is ActorClient and type(roles.reward) is RewardClient
+    assert type(roles.critic) is CriticClient and roles.critic.role == "critic"
+    assert type(roles.rollout) is RolloutClient and roles.generator is roles.rollout
+    assert roles.reference is None and roles.cost is None
+    assert sorted(roles.engines()) == ["actor", "cost_critic", "critic"]
+    assert Roles.placed(cast(Controller, _Placed("actor", "reward"))).generator.role == "actor"
+    with pytest.raises(KeyError, match="no role 'reward'"):
+        Roles.placed(cast(Controller, _Placed("actor")))

@@ -12,17 +12,28 @@ from transport.batch import TensorBatch
 
 
 class FakeRole:
-    """Answers like the actor / reward-model roles and records every call."""
+    """Answers like the actor / reward-model clients and records every call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, dict[str, Any]]] = []
 
-    async def call(self, method: str, batch: TensorBatch, **kwargs: Any) -> Any:
+    def _metrics(self, method: str, batch: TensorBatch, kwargs: dict[str, Any]) -> dict[str, float]:
         self.calls.append((method, len(batch), kwargs))
-        if method == "score_pairs":
-            chosen = torch.tensor([1.0, 0.0, 2.0, 3.0])[: len(batch)]
-            return TensorBatch.from_dict({"chosen": chosen, "rejected": torch.ones(len(batch))})
         return {"loss": 1.0 / len(self.calls)}
+
+    async def sft_step(self, batch: TensorBatch, **kwargs: Any) -> dict[str, float]:
+        return self._metrics("sft_step", batch, kwargs)
+
+    async def sft_eval(self, batch: TensorBatch, **kwargs: Any) -> dict[str, float]:
+        return self._metrics("sft_eval", batch, kwargs)
+
+    async def train_pairs(self, batch: TensorBatch, **kwargs: Any) -> dict[str, float]:
+        return self._metrics("train_pairs", batch, kwargs)
+
+    async def score_pairs(self, batch: TensorBatch, **kwargs: Any) -> TensorBatch:
+        self.calls.append(("score_pairs", len(batch), kwargs))
+        chosen = torch.tensor([1.0, 0.0, 2.0, 3.0])[: len(batch)]
+        return TensorBatch.from_dict({"chosen": chosen, "rejected": torch.ones(len(batch))})
 
 
 ROWS = [

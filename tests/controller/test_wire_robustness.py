@@ -12,10 +12,10 @@ import msgpack
 import pytest
 import zmq
 
-from controller.client import RoleClient
 from controller.server import Controller
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.fixtures.clients import EchoClient
 from transport.codec import encode
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType
 
@@ -36,14 +36,14 @@ def test_garbage_wrong_version_unknown_type_and_oversized_are_rejected(
 
     async def main() -> Controller:
         async with local_session([group("g", 2, echo=ECHO)], timeouts) as c:
-            echo = RoleClient(c, "echo")
+            echo = EchoClient(c, "echo")
             ctx = zmq.Context.instance()
             intruder = ctx.socket(zmq.DEALER)
             intruder.connect(c.addresses[0])
             for frames in bad_messages:
                 intruder.send_multipart(frames)
                 # the real group keeps working between every bad message
-                assert (await echo.call("where"))["ranks"] == [0, 1]
+                assert (await echo.where())["ranks"] == [0, 1]
             for _ in range(100):
                 if len(c.rejected) >= len(bad_messages):
                     break
@@ -93,7 +93,7 @@ def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
                 outputs.append(b" ".join(out.split()))  # rich wraps long lines
             good = _role_cli(address, "echo", controller.token, "--nproc", "2")
             await controller.wait_ready(60)
-            assert (await RoleClient(controller, "echo").call("where"))["ranks"] == [0, 1]
+            assert (await EchoClient(controller, "echo").where())["ranks"] == [0, 1]
         finally:
             await controller.shutdown()
         assert await asyncio.to_thread(good.wait, 30) == 0  # SHUTDOWN ends the group cleanly

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller.client import RoleClient
 from deploy.session import local_session
 from roles.runtime.device import DeviceError, decide
 from roles.runtime.env import GroupEnv
 from roles.runtime.rank import init_group
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.fixtures.clients import DeviceProbeClient
 from transport.device import DeviceKind
 
 NEEDS_NO_CUDA = pytest.mark.skipif(
@@ -105,7 +105,7 @@ def test_ranks_get_the_seam_decision_and_their_group_uses_its_backend() -> None:
     async def main() -> dict[str, str]:
         placement = [group("g", 2, probe="tests.fixtures.roles:DeviceProbe")]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            seen: dict[str, str] = await RoleClient(c, "probe").call("device")
+            seen: dict[str, str] = await DeviceProbeClient(c, "probe").device()
             return seen
 
     seen = run(main)

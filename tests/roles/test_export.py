@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from controller.client import RoleClient
+from controller.clients import ActorClient
 from deploy.session import local_session
 from roles.modeling.logprob import token_log_probs
 from roles.modeling.models import build_tokenizer
@@ -43,12 +43,12 @@ def test_tied_embeddings_survive_training_and_export(tmp_path: Path) -> None:
         async with local_session(
             [group("g", 2, actor=("roles.actor:Actor", config))], TEST_TIMEOUTS
         ) as c:
-            actor = RoleClient(c, "actor")
-            old = (await actor.call("compute_log_prob", batch))["log_probs"]
+            actor = ActorClient(c, "actor")
+            old = (await actor.compute_log_prob(batch))["log_probs"]
             step = batch.union(TensorBatch.from_dict({"old_log_probs": old}))
-            await actor.call("update_policy", step)
-            await actor.call("export", str(tmp_path / "export"))
-            trained: torch.Tensor = (await actor.call("compute_log_prob", batch))["log_probs"]
+            await actor.update_policy(step)
+            await actor.export(str(tmp_path / "export"))
+            trained: torch.Tensor = (await actor.compute_log_prob(batch))["log_probs"]
             assert (trained - old).abs().max() > 1e-3
             return trained
 

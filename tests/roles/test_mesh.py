@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 
-from controller.client import RoleClient
+from controller.clients import ProtocolMismatchError
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.fixtures.clients import EchoClient, FaultyClient
 from transport.batch import TensorBatch
 from transport.errors import CallTimeoutError, RemoteError, RoleDeadError
+from transport.protocol import Transfer
 
 ECHO = "tests.fixtures.roles:Echo"
 FAULTY = "tests.fixtures.roles:Faulty"
@@ -35,15 +37,15 @@ def pid_alive(pid: int) -> bool:
 def test_one_to_all_runs_spmd_on_every_rank(fanout: str) -> None:
     async def main() -> None:
         async with local_session([group("g", 2, fanout=fanout, echo=ECHO)], TEST_TIMEOUTS) as c:
-            echo = RoleClient(c, "echo")
-            seen = await echo.call("where")
+            echo = EchoClient(c, "echo")
+            seen = await echo.where()
             assert seen["rank"] == 0  # one-to-all collects rank 0's result
             assert seen["ranks"] == [0, 1]
             assert len(set(seen["pids"])) == 2 and os.getpid() not in seen["pids"]
             value = {"a": [1, 2.5, "x"], "t": torch.arange(6).reshape(2, 3)}
-            back = await echo.call("echo", value)
+            back = await echo.echo(value)
             assert back["a"] == [1, 2.5, "x"] and torch.equal(back["t"], value["t"])
-            assert (await echo.call("where"))["calls"] == [1, 1]  # both ranks ran echo once
+            assert (await echo.where())["calls"] == [1, 1]  # both ranks ran echo once
 
     run(main)
 
@@ -53,9 +55,9 @@ def test_dp_split_shards_by_dp_rank_and_collects_tp_rank_zero(fanout: str) -> No
     async def main() -> None:
         placement = [group("g", 4, tp=2, fanout=fanout, echo=ECHO)]  # dp=2 x tp=2
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            echo = RoleClient(c, "echo")
+            echo = EchoClient(c, "echo")
             batch = TensorBatch.from_dict({"x": torch.arange(6)}, {"id": list("abcdef")})
-            out = await echo.call("shard_info", batch)
+            out = await echo.shard_info(batch)
             assert out["x"].tolist() == [0, 1, 2, 3, 4, 5]  # order kept
             assert out["id"] == list("abcdef")
             assert out["dp_rank"].tolist() == [0, 0, 0, 1, 1, 1]
@@ -63,7 +65,7 @@ def test_dp_split_shards_by_dp_rank_and_collects_tp_rank_zero(fanout: str) -> No
             assert out["seen_by"].tolist() == [0, 0, 0, 2, 2, 2]
             # non-TensorBatch results come back one per dp rank; uneven batches split 3 + 2
             uneven = TensorBatch.from_dict({"x": torch.arange(5)})
-            assert await echo.call("shard_sizes", uneven) == [3, 2]
+            assert await echo.shard_sizes(uneven) == [3, 2]
 
     run(main)
 
@@ -71,9 +73,9 @@ def test_dp_split_shards_by_dp_rank_and_collects_tp_rank_zero(fanout: str) -> No
 def test_rank_zero_runs_only_on_rank_zero() -> None:
     async def main() -> None:
         async with local_session([group("g", 2, echo=ECHO)], TEST_TIMEOUTS) as c:
-            echo = RoleClient(c, "echo")
-            assert await echo.call("only_zero") == 0
-            assert (await echo.call("where"))["calls"] == [1, 0]
+            echo = EchoClient(c, "echo")
+            assert await echo.only_zero() == 0
+            assert (await echo.where())["calls"] == [1, 0]
 
     run(main)
 
@@ -85,9 +87,9 @@ def test_colocated_roles_share_ranks_but_keep_their_own_state() -> None:
             group("alone", 1, c=(ECHO, {"tag": "c"})),
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            a, b, other = RoleClient(c, "a"), RoleClient(c, "b"), RoleClient(c, "c")
-            await a.call("echo", 1)
-            wa, wb, wc = await asyncio.gather(a.call("where"), b.call("where"), other.call("where"))
+            a, b, other = EchoClient(c, "a"), EchoClient(c, "b"), EchoClient(c, "c")
+            await a.echo(1)
+            wa, wb, wc = await asyncio.gather(a.where(), b.where(), other.where())
             assert (wa["tag"], wb["tag"], wc["tag"]) == ("a", "b", "c")
             assert wa["pids"] == wb["pids"]  # same processes host a and b
             assert not set(wa["pids"]) & set(wc["pids"])
@@ -102,16 +104,16 @@ def test_exception_on_a_rank_becomes_remote_error_and_group_stays_usable(fanout:
     async def main() -> None:
         placement = [group("g", 2, fanout=fanout, f=FAULTY, echo=ECHO)]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            faulty = RoleClient(c, "f")
+            faulty = FaultyClient(c, "f")
             for rank in (1, 0):
                 with pytest.raises(RemoteError) as info:
-                    await faulty.call("fail_on", rank, message="kaput")
+                    await faulty.fail_on(rank, message="kaput")
                 err = info.value
                 assert (err.role, err.rank, err.exc_type) == ("f", rank, "ValueError")
                 assert f"kaput on rank {rank}" in err.remote_traceback
                 assert "fail_on" in err.remote_traceback  # the remote frame, not ours
-            assert await faulty.call("fail_on", 5) == 0  # nobody fails: rank 0's result
-            assert (await RoleClient(c, "echo").call("where"))["ranks"] == [0, 1]
+            assert await faulty.fail_on(5) == 0  # nobody fails: rank 0's result
+            assert (await EchoClient(c, "echo").where())["ranks"] == [0, 1]
 
     run(main)
 
@@ -119,14 +121,19 @@ def test_exception_on_a_rank_becomes_remote_error_and_group_stays_usable(fanout:
 def test_unsendable_result_and_unknown_names_give_clear_errors() -> None:
     async def main() -> None:
         async with local_session([group("g", 2, f=FAULTY)], TEST_TIMEOUTS) as c:
-            faulty = RoleClient(c, "f")
+            faulty = FaultyClient(c, "f")
             with pytest.raises(RemoteError, match="no pickle"):
-                await faulty.call("unsendable")
+                await faulty.unsendable()
+            # the generic path, by name: the client checks before sending, the controller too
             with pytest.raises(AttributeError, match="no endpoint 'nope'"):
-                await faulty.call("nope")
+                await faulty._call(Transfer.ONE_TO_ALL, "nope")
+            with pytest.raises(AttributeError, match="no endpoint 'nope'"):
+                await c.call("f", "nope", [], {})
+            with pytest.raises(ProtocolMismatchError, match=r"'rank-zero'.*'one-to-all'"):
+                await faulty._call(Transfer.RANK_ZERO, "pid")
             with pytest.raises(KeyError, match="no role 'ghost'"):
-                RoleClient(c, "ghost")
-            assert await faulty.call("fail_on", -1) == 0
+                EchoClient(c, "ghost")
+            assert await faulty.fail_on(-1) == 0
 
     run(main)
 
@@ -134,12 +141,12 @@ def test_unsendable_result_and_unknown_names_give_clear_errors() -> None:
 def test_call_timeout_names_the_setting_and_group_survives() -> None:
     async def main() -> None:
         async with local_session([group("g", 2, f=FAULTY)], TEST_TIMEOUTS) as c:
-            faulty = RoleClient(c, "f")
+            faulty = FaultyClient(c, "f")
             started = time.monotonic()
             with pytest.raises(CallTimeoutError, match=r"timeouts\.call_s"):
-                await faulty.call("sleep", 2.0, timeout=0.3)
+                await faulty.sleep(2.0, timeout=0.3)
             assert time.monotonic() - started < 1.5
-            assert await faulty.call("fail_on", -1) == 0  # queued behind the sleep, then fine
+            assert await faulty.fail_on(-1) == 0  # queued behind the sleep, then fine
 
     run(main)
 
@@ -151,9 +158,9 @@ def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int, fanou
     async def main() -> list[int]:
         placement = [group("g", 2, fanout=fanout, f=FAULTY, echo=ECHO)]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            pids = (await RoleClient(c, "echo").call("where"))["pids"]
-            faulty = RoleClient(c, "f")
-            pending = asyncio.ensure_future(faulty.call("sleep", 30.0))
+            pids = (await EchoClient(c, "echo").where())["pids"]
+            faulty = FaultyClient(c, "f")
+            pending = asyncio.ensure_future(faulty.sleep(30.0))
             await asyncio.sleep(0.5)
             os.kill(pids[victim], signal.SIGKILL)
             killed = time.monotonic()
@@ -163,7 +170,7 @@ def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int, fanou
             assert info.value.role == "f" and info.value.rank == victim
             assert "SIGKILL" in str(info.value)
             with pytest.raises(RoleDeadError, match="SIGKILL"):  # sticky, for every role there
-                await RoleClient(c, "echo").call("where")
+                await EchoClient(c, "echo").where()
             return pids
 
     pids = run(main)
@@ -181,9 +188,9 @@ def test_long_compute_over_tcp_with_short_heartbeats_is_not_a_death() -> None:
         async with local_session(
             [group("g", 2, f=FAULTY)], timeouts, bind="tcp://127.0.0.1:0"
         ) as c:
-            took = await RoleClient(c, "f").call("sleep", 20.0)
+            took = await FaultyClient(c, "f").sleep(20.0)
             assert took >= 20.0
-            assert await RoleClient(c, "f").call("fail_on", -1) == 0
+            assert await FaultyClient(c, "f").fail_on(-1) == 0
 
     run(main)
 
@@ -191,13 +198,13 @@ def test_long_compute_over_tcp_with_short_heartbeats_is_not_a_death() -> None:
 def test_big_tensors_cross_in_both_directions_intact() -> None:
     async def main() -> None:
         async with local_session([group("g", 2, echo=ECHO)], TEST_TIMEOUTS) as c:
-            echo = RoleClient(c, "echo")
+            echo = EchoClient(c, "echo")
             for numel in (100, 70_000, 3_000_000):  # inline, zmq frame, shared memory
                 t = torch.randn(numel, dtype=torch.float32)
                 raw = t.view(torch.int32)
                 expected = int(raw.view(torch.uint8)[: numel * 4 // 8 * 8].view(torch.int64).sum())
-                assert await echo.call("checksum", t) == expected
-                back = await echo.call("echo", t)
+                assert await echo.checksum(t) == expected
+                back = await echo.echo(t)
                 assert torch.equal(back, t)
                 t.add_(1)  # after the call returned, mutating ours must not affect theirs
                 assert not torch.equal(back, t)
@@ -214,10 +221,10 @@ def test_a_silent_remote_peer_is_dropped_by_zeromq_heartbeats() -> None:
         async with local_session(
             [group("g", 1, echo=ECHO)], timeouts, bind="tcp://127.0.0.1:0"
         ) as c:
-            echo = RoleClient(c, "echo")
-            pid = (await echo.call("where"))["pids"][0]
+            echo = EchoClient(c, "echo")
+            pid = (await echo.where())["pids"][0]
             c.local_groups.clear()  # judge by the socket alone, as for a remote host
-            pending = asyncio.ensure_future(echo.call("echo", 1))
+            pending = asyncio.ensure_future(echo.echo(1))
             os.kill(pid, signal.SIGSTOP)
             stopped = time.monotonic()
             try:

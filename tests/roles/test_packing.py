@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.client import RoleClient
+from controller.clients import ActorClient
 from controller.tasks import arithmetic
 from deploy.session import local_session
 from roles.modeling.models import init_model
@@ -48,18 +48,16 @@ def test_packed_sft_equals_unpacked_on_two_ranks(tmp_path: Path) -> None:
             group("g", 2, plain=("roles.actor:Actor", config), packed=("roles.actor:Actor", config))
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            plain, packed = RoleClient(c, "plain"), RoleClient(c, "packed")
-            before = await plain.call("sft_eval", batch)
-            assert await packed.call("sft_eval", batch, pack=True) == pytest.approx(
-                before, abs=1e-5
-            )
-            step = await plain.call("sft_step", batch)
-            step_packed = await packed.call("sft_step", batch, pack=True)
+            plain, packed = ActorClient(c, "plain"), ActorClient(c, "packed")
+            before = await plain.sft_eval(batch)
+            assert await packed.sft_eval(batch, pack=True) == pytest.approx(before, abs=1e-5)
+            step = await plain.sft_step(batch)
+            step_packed = await packed.sft_step(batch, pack=True)
             for key in ("loss", "grad_norm", "tokens"):
                 assert step_packed[key] == pytest.approx(step[key], abs=1e-5), key
             assert step["seqs"] == 24 and step_packed["seqs"] < 24  # rows, not sequences, count
-            after = await plain.call("sft_eval", batch)
-            assert await packed.call("sft_eval", batch) == pytest.approx(after, abs=1e-5)
+            after = await plain.sft_eval(batch)
+            assert await packed.sft_eval(batch) == pytest.approx(after, abs=1e-5)
             assert after["loss"] < before["loss"]
 
     run(main)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from controller.client import RoleClient
+from controller.clients import ActorClient, ReferenceClient, RewardClient, RewardModelClient
 from deploy.session import local_session
 from roles.modeling.models import init_model, load_tokenizer
 from roles.modeling.text import encode_rows
@@ -40,12 +40,12 @@ def test_rule_rewards_score_rows_split_over_ranks(tiny: Path) -> None:
             rule("length", "tests.fixtures.roles:length_reward", tokenizer=str(tiny)),
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            exact = await RoleClient(c, "exact").call(
-                "compute_reward", text(PROMPTS, RESPONSES, answer=["3", "15", "14", "6"])
+            exact = await RewardClient(c, "exact").compute_reward(
+                text(PROMPTS, RESPONSES, answer=["3", "15", "14", "6"])
             )
             assert exact["scores"].tolist() == [1.0, 0.0, 1.0, 0.0]
-            scored = await RoleClient(c, "length").call(
-                "compute_reward", text(PROMPTS, RESPONSES, bonus=[1, 2, 3, 4])
+            scored = await RewardClient(c, "length").compute_reward(
+                text(PROMPTS, RESPONSES, bonus=[1, 2, 3, 4])
             )
             assert scored["scores"].tolist() == [1.0, 2.0, 2.0, 4.0]
             assert scored["reward/prompt_len"].tolist() == [4.0, 5.0, 4.0, 4.0]
@@ -54,7 +54,7 @@ def test_rule_rewards_score_rows_split_over_ranks(tiny: Path) -> None:
             # token rows are decoded with the role's tokenizer; metadata rides along
             tokens, _ = encode_rows(load_tokenizer(tiny), PROMPTS, RESPONSES, 64)
             tokens.non_tensors["bonus"] = [0, 0, 0, 0]
-            decoded = await RoleClient(c, "length").call("compute_reward", tokens)
+            decoded = await RewardClient(c, "length").compute_reward(tokens)
             assert decoded["scores"].tolist() == [1.0, 2.0, 2.0, 4.0]
 
     run(main)
@@ -67,16 +67,16 @@ def test_a_raising_reward_function_names_itself_and_the_row_and_the_role_carries
             rule("wrong", "tests.fixtures.roles:text_reward"),
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            flaky = RoleClient(c, "flaky")
+            flaky = RewardClient(c, "flaky")
             with pytest.raises(RemoteError) as err:
-                await flaky.call("compute_reward", text(PROMPTS, RESPONSES))
+                await flaky.compute_reward(text(PROMPTS, RESPONSES))
             message = str(err.value)
             assert "tests.fixtures.roles:failing_reward raised ZeroDivisionError" in message
             assert "prompt='3+3='" in message and "response='boom'" in message
-            ok = await flaky.call("compute_reward", text(PROMPTS[:2], RESPONSES[:2]))
+            ok = await flaky.compute_reward(text(PROMPTS[:2], RESPONSES[:2]))
             assert ok["scores"].tolist() == [1.0, 1.0]  # same processes, state intact
             with pytest.raises(RemoteError, match=r"returned score '3'.*not a number"):
-                await RoleClient(c, "wrong").call("compute_reward", text(PROMPTS, RESPONSES))
+                await RewardClient(c, "wrong").compute_reward(text(PROMPTS, RESPONSES))
 
     run(main)
 
@@ -112,23 +112,22 @@ def test_reward_model_scores_text_and_tokens_alike_and_the_reference_is_frozen(t
             )
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            rm = RoleClient(c, "rm")
-            by_text = await rm.call("compute_reward", text(PROMPTS, RESPONSES))
+            rm = RewardModelClient(c, "rm")
+            by_text = await rm.compute_reward(text(PROMPTS, RESPONSES))
             tokens, _ = encode_rows(load_tokenizer(tiny), PROMPTS, RESPONSES, 64)
-            by_tokens = await rm.call("compute_reward", tokens)
+            by_tokens = await rm.compute_reward(tokens)
             assert by_text["scores"].shape == (4,)
             torch.testing.assert_close(by_text["scores"], by_tokens["scores"], atol=1e-6, rtol=0)
             with pytest.raises(RemoteError, match="frozen"):
-                await rm.call(
-                    "train_pairs",
+                await rm.train_pairs(
                     TensorBatch.from_dict(
                         non_tensors={"prompt": PROMPTS, "chosen": RESPONSES, "rejected": RESPONSES}
                     ),
                 )
-            ref = await RoleClient(c, "ref").call("compute_log_prob", tokens)
-            actor = await RoleClient(c, "actor").call("compute_log_prob", tokens)
+            ref = await ReferenceClient(c, "ref").compute_log_prob(tokens)
+            actor = await ActorClient(c, "actor").compute_log_prob(tokens)
             assert torch.equal(ref["log_probs"], actor["log_probs"])
             with pytest.raises(Exception, match="no endpoint 'update_policy'"):
-                await RoleClient(c, "ref").call("update_policy", tokens)
+                await ActorClient(c, "ref").update_policy(tokens)  # not a reference endpoint
 
     run(main)

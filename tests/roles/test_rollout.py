@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from controller.client import RoleClient
+from controller.clients import ActorClient, RolloutClient
 from deploy.session import local_session
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
@@ -44,38 +44,36 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with local_session(placement, TEST_TIMEOUTS) as c:
-            actor, fsdp = RoleClient(c, "actor"), RoleClient(c, "actor_fsdp")
-            r1, r2 = RoleClient(c, "rollout"), RoleClient(c, "rollout_tp")
+            actor, fsdp = ActorClient(c, "actor"), ActorClient(c, "actor_fsdp")
+            r1, r2 = RolloutClient(c, "rollout"), RolloutClient(c, "rollout_tp")
             for name, role in (("actor", actor), ("fsdp", fsdp), ("r1", r1), ("r2", r2)):
-                out[f"{name}_before"] = await role.call("generate", prompts(), GREEDY)
+                out[f"{name}_before"] = await role.generate(prompts(), GREEDY)
             seeded = prompts()
             seeded.non_tensors["seed"] = [7 * i for i in range(len(PROMPTS))]
             for name, role in (("actor", actor), ("fsdp", fsdp)):  # 1 rank vs 2 dp ranks
-                out[f"{name}_seeded"] = await role.call("generate", seeded, {"n": 2, "seed": 3})
+                out[f"{name}_seeded"] = await role.generate(seeded, {"n": 2, "seed": 3})
             for name, role in (("r1", r1), ("r2", r2)):
-                out[f"{name}_logits"] = (await role.call("prompt_logits", prompts()))["logits"]
-            sampled = await actor.call("generate", prompts(), {"n": 2, "max_new_tokens": 8})
+                out[f"{name}_logits"] = (await role.prompt_logits(prompts()))["logits"]
+            sampled = await actor.generate(prompts(), {"n": 2, "max_new_tokens": 8})
             out["sampled"] = sampled
-            out["scored"] = await actor.call("compute_log_prob", sampled)
+            out["scored"] = await actor.compute_log_prob(sampled)
             batch = token_batch(6, seed=2)
-            old = (await actor.call("compute_log_prob", batch))["log_probs"]
-            await actor.call(
-                "update_policy", batch.union(TensorBatch.from_dict({"old_log_probs": old}))
-            )
-            out["actor_after"] = await actor.call("generate", prompts(), GREEDY)
-            state = await actor.call("state_dict")
-            out["versions"] = [await r.call("load_weights", state, 1) for r in (r1, r2)]
-            out["r1_after"] = await r1.call("generate", prompts(), GREEDY)
-            out["r2_after"] = await r2.call("generate", prompts(), GREEDY)
+            old = (await actor.compute_log_prob(batch))["log_probs"]
+            await actor.update_policy(batch.union(TensorBatch.from_dict({"old_log_probs": old})))
+            out["actor_after"] = await actor.generate(prompts(), GREEDY)
+            state = await actor.state_dict()
+            out["versions"] = [await r.load_weights(state, 1) for r in (r1, r2)]
+            out["r1_after"] = await r1.generate(prompts(), GREEDY)
+            out["r2_after"] = await r2.generate(prompts(), GREEDY)
             out["errors"] = {}
             for key, bad in (
                 ("empty", (prompts([]), GREEDY)),
                 ("sampling", (prompts(), {"top_p": 2})),
             ):
                 with pytest.raises(RemoteError) as err:
-                    await r1.call("generate", *bad)
+                    await r1.generate(*bad)
                 out["errors"][key] = str(err.value)
-            out["still_serving"] = await r1.call("generate", prompts(), GREEDY)
+            out["still_serving"] = await r1.generate(prompts(), GREEDY)
         return out
 
     found: dict[str, Any] = run(main)

@@ -16,12 +16,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from controller.client import RoleClient
+from controller.clients import CriticClient, RewardModelClient
 from controller.tasks import preference
 from deploy.session import local_session
 from roles.modeling.logprob import token_log_probs
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.fixtures.clients import ProbedActorClient
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
 
@@ -89,53 +90,51 @@ def placement(model: Path, dtype: str) -> list[Any]:
 
 async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[str, Any]:
     """Every engine method once, in order; returns what each produced."""
-    actor, critic = RoleClient(c, f"actor_{name}"), RoleClient(c, f"critic_{name}")
+    actor, critic = ProbedActorClient(c, f"actor_{name}"), CriticClient(c, f"critic_{name}")
     out: dict[str, Any] = {}
-    first = await actor.call("compute_log_prob", batch, entropy=True)
+    first = await actor.compute_log_prob(batch, entropy=True)
     out["log_probs"], out["entropy"] = first["log_probs"], first["entropy"]
     batch = batch.union(
         TensorBatch.from_dict(
             {"old_log_probs": first["log_probs"], "ref_log_probs": first["log_probs"] - 0.05}
         )
     )
-    out["values"] = (await critic.call("compute_values", batch))["values"]
-    await actor.call("save", str(ckpt / "actor"))
-    out["draw"] = await actor.call("draw")
-    out["policy"] = await actor.call("update_policy", batch, loss=POLICY_LOSS)
-    out["after"] = (await actor.call("compute_log_prob", batch))["log_probs"]
-    out["critic"] = await critic.call(
-        "update_critic",
+    out["values"] = (await critic.compute_values(batch))["values"]
+    await actor.save(str(ckpt / "actor"))
+    out["draw"] = await actor.draw()
+    out["policy"] = await actor.update_policy(batch, loss=POLICY_LOSS)
+    out["after"] = (await actor.compute_log_prob(batch))["log_probs"]
+    out["critic"] = await critic.update_critic(
         batch.union(TensorBatch.from_dict({"values": out["values"]})),
         loss={"clip": 0.5},
     )
-    out["values_after"] = (await critic.call("compute_values", batch))["values"]
+    out["values_after"] = (await critic.compute_values(batch))["values"]
     uneven = batch[:5]  # dp ranks get 3 and 2 rows: 2 vs 1 micro-batches
-    out["uneven"] = await actor.call("update_policy", uneven, loss=POLICY_LOSS)
+    out["uneven"] = await actor.update_policy(uneven, loss=POLICY_LOSS)
     # back to the checkpoint: the same step again must give the same weights, bit for bit
-    assert await actor.call("load", str(ckpt / "actor")) == 0
-    out["draw_again"] = await actor.call("draw")  # the random stream is restored too
-    out["policy_again"] = await actor.call("update_policy", batch, loss=POLICY_LOSS)
-    out["after_again"] = (await actor.call("compute_log_prob", batch))["log_probs"]
-    out["layout"] = await actor.call("param_layout")
-    await actor.call("export", str(ckpt / "export"))
+    assert await actor.load(str(ckpt / "actor")) == 0
+    out["draw_again"] = await actor.draw()  # the random stream is restored too
+    out["policy_again"] = await actor.update_policy(batch, loss=POLICY_LOSS)
+    out["after_again"] = (await actor.compute_log_prob(batch))["log_probs"]
+    out["layout"] = await actor.param_layout()
+    await actor.export(str(ckpt / "export"))
     # bad calls fail on every rank alike, before any collective, and leave the engine usable
     with pytest.raises(RemoteError, match=r"lacks tensor column\(s\) \['advantages'\]"):
-        await actor.call(
-            "update_policy",
+        await actor.update_policy(
             batch.select(["input_ids", "attention_mask", "response_mask", "old_log_probs"]),
             loss={},
         )
     if name.startswith("dp"):
         with pytest.raises(RemoteError, match="a data-parallel rank got no rows"):
-            await actor.call("compute_log_prob", batch[:1])
-    out["after_errors"] = (await actor.call("compute_log_prob", batch))["log_probs"]
+            await actor.compute_log_prob(batch[:1])
+    out["after_errors"] = (await actor.compute_log_prob(batch))["log_probs"]
     # text endpoints: SFT on (prompt, response), reward-model pairs (7 rows: uneven over dp)
     rows = TensorBatch.from_dict(non_tensors={k: [r[k] for r in ROWS] for k in ROWS[0]})
-    out["sft"] = await actor.call("sft_step", rows)
-    out["sft_eval"] = await actor.call("sft_eval", rows)
-    rm = RoleClient(c, f"rm_{name}")
-    out["rm_train"] = await rm.call("train_pairs", rows)
-    scored = await rm.call("score_pairs", rows)
+    out["sft"] = await actor.sft_step(rows)
+    out["sft_eval"] = await actor.sft_eval(rows)
+    rm = RewardModelClient(c, f"rm_{name}")
+    out["rm_train"] = await rm.train_pairs(rows)
+    scored = await rm.score_pairs(rows)
     out["rm_chosen"], out["rm_rejected"] = scored["chosen"], scored["rejected"]
     return out
 

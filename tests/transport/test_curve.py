@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.client import RoleClient
 from controller.server import Controller
 from deploy.local import LocalLauncher
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.fixtures.clients import EchoClient
 from transport.channel import bind_router
 from transport.errors import RegistrationError
 from transport.security import CurveServer, make_keypair
@@ -54,7 +54,7 @@ def test_curve_admits_listed_keys_and_refuses_others(
         try:
             async with asyncio.timeout(30):
                 await controller.groups["good"].ready.wait()
-            assert (await RoleClient(controller, "echo").call("where"))["ranks"] == [0]
+            assert (await EchoClient(controller, "echo").where())["ranks"] == [0]
             # the stranger's coordinator gives up on its own: no WELCOME ever comes
             async with asyncio.timeout(30):
                 while not exits:

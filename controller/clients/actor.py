@@ -1,0 +1,93 @@
+"""Clients of the actor and reference roles (``roles/actor.py``): log-probs, generation, PPO
+updates and supervised fine-tuning.
+
+``ActorClient`` is a ``ReferenceClient``: wherever a program needs log-probs of a frozen model it
+can take the actor too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from controller.clients.engine import EngineClient
+from transport.batch import TensorBatch
+from transport.protocol import Transfer
+
+
+class ReferenceClient(EngineClient):
+    async def compute_log_prob(
+        self,
+        batch: TensorBatch,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
+        return await self._call(
+            Transfer.DP_SPLIT, "compute_log_prob", batch, temperature, entropy, timeout=timeout
+        )
+
+
+class ActorClient(ReferenceClient):
+    async def generate(
+        self,
+        batch: TensorBatch,
+        sampling: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        """Samples for the prompts of ``batch`` on the actor's own weights (colocated)."""
+        return await self._call(Transfer.DP_RAGGED, "generate", batch, sampling, timeout=timeout)
+
+    async def state_dict(self, *, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The full weights, e.g. for a rollout group's ``load_weights``."""
+        return await self._call(Transfer.ONE_TO_ALL, "state_dict", timeout=timeout)
+
+    async def update_policy(
+        self,
+        batch: TensorBatch,
+        loss: dict[str, Any] | None = None,
+        temperature: float = 1.0,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped surrogate on the whole batch; its metrics."""
+        return await self._call(
+            Transfer.DP_REDUCED, "update_policy", batch, loss, temperature, timeout=timeout
+        )
+
+    async def sft_step(
+        self,
+        batch: TensorBatch,
+        response_only: bool = True,
+        pack: bool = False,
+        scale: float = 1.0,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step of next-token loss on text rows (``prompt``, ``response``)."""
+        return await self._call(
+            Transfer.DP_REDUCED,
+            "sft_step",
+            batch,
+            response_only,
+            pack,
+            scale,
+            timeout=timeout,
+        )
+
+    async def sft_eval(
+        self,
+        batch: TensorBatch,
+        response_only: bool = True,
+        pack: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, float]:
+        """Token-mean next-token loss on text rows, no update: ``loss`` and ``tokens``."""
+        return await self._call(
+            Transfer.DP_REDUCED, "sft_eval", batch, response_only, pack, timeout=timeout
+        )

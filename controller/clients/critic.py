@@ -1,0 +1,27 @@
+"""Client of the critic role (``roles/critic.py``): values per position and value-loss updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controller.clients.engine import EngineClient
+from transport.batch import TensorBatch
+from transport.protocol import Transfer
+
+
+class CriticClient(EngineClient):
+    async def compute_values(
+        self, batch: TensorBatch, *, timeout: float | None = None
+    ) -> TensorBatch:
+        """``values`` ``[B, T]`` for the rows of a token batch."""
+        return await self._call(Transfer.DP_SPLIT, "compute_values", batch, timeout=timeout)
+
+    async def update_critic(
+        self,
+        batch: TensorBatch,
+        loss: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped value loss; its metrics."""
+        return await self._call(Transfer.DP_REDUCED, "update_critic", batch, loss, timeout=timeout)

@@ -1,0 +1,44 @@
+"""``EngineClient``: what every model-holding role answers (``roles/engine_role.py``).
+
+Checkpoints, a fresh optimizer per training stage, whole weights from another role, export to a
+Hugging Face folder and the parameter layout. The reference, actor, critic and reward-model
+clients extend it with the endpoints of their own role class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from controller.clients.base import RoleClient
+from transport.protocol import Transfer
+
+
+class EngineClient(RoleClient):
+    async def save(self, path: str, *, timeout: float | None = None) -> str:
+        """Sharded checkpoint (model, optimizer, schedule, RNG) under ``path``; returns it."""
+        return await self._call(Transfer.ONE_TO_ALL, "save", path, timeout=timeout)
+
+    async def configure_optim(self, optim: dict[str, Any], *, timeout: float | None = None) -> int:
+        """A fresh optimizer and schedule (an ``OptimConfig`` as a dict); returns the optimizer
+        steps taken so far."""
+        return await self._call(Transfer.ONE_TO_ALL, "configure_optim", optim, timeout=timeout)
+
+    async def load(self, path: str, *, timeout: float | None = None) -> int:
+        """Restore a checkpoint written by ``save`` at the same layout; returns its step."""
+        return await self._call(Transfer.ONE_TO_ALL, "load", path, timeout=timeout)
+
+    async def load_state(
+        self, state: dict[str, torch.Tensor], strict: bool = True, *, timeout: float | None = None
+    ) -> int:
+        """Whole weights from another role (``strict=False``: a backbone into a critic)."""
+        return await self._call(Transfer.ONE_TO_ALL, "load_state", state, strict, timeout=timeout)
+
+    async def export(self, path: str, *, timeout: float | None = None) -> str:
+        """The full weights as a plain Hugging Face folder at ``path``; returns it."""
+        return await self._call(Transfer.ONE_TO_ALL, "export", path, timeout=timeout)
+
+    async def param_layout(self, *, timeout: float | None = None) -> dict[str, dict[str, object]]:
+        """Per parameter: full shape, the dim split over tp and the dim split over dp."""
+        return await self._call(Transfer.RANK_ZERO, "param_layout", timeout=timeout)

@@ -1,0 +1,40 @@
+"""Client of the rollout role (``roles/rollout.py``): a generation group fed the actor's weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from controller.clients.base import RoleClient
+from transport.batch import TensorBatch
+from transport.protocol import Transfer
+
+
+class RolloutClient(RoleClient):
+    async def generate(
+        self,
+        batch: TensorBatch,
+        sampling: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        """Samples for the prompts of ``batch``; ``meta["weight_version"]`` says whose weights."""
+        return await self._call(Transfer.DP_RAGGED, "generate", batch, sampling, timeout=timeout)
+
+    async def prompt_logits(
+        self, batch: TensorBatch, *, timeout: float | None = None
+    ) -> TensorBatch:
+        """``logits`` ``[B, V]`` of the next token after each prompt."""
+        return await self._call(Transfer.DP_SPLIT, "prompt_logits", batch, timeout=timeout)
+
+    async def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, *, timeout: float | None = None
+    ) -> int:
+        """Replace every weight with ``state`` (full tensors); returns the new version."""
+        return await self._call(
+            Transfer.ONE_TO_ALL, "load_weights", state, version, timeout=timeout
+        )
+
+    async def weight_version(self, *, timeout: float | None = None) -> int:
+        return await self._call(Transfer.ONE_TO_ALL, "weight_version", timeout=timeout)
