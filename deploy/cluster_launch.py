@@ -26,9 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controller.placement import GroupSpec
-from deploy.clusters import RemoteCluster, SlurmCluster, run_there, slurm_problem
+from deploy.clusters import RemoteCluster, SlurmCluster
 from deploy.keys_cli import CONTROLLER
 from deploy.local import last_error
+from deploy.slurm import (
+    group_steps,
+    run_there,
+    sbatch_header,
+    slurm_problem,
+    tasks_per_node,
+    wait_steps,
+)
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
@@ -168,8 +176,6 @@ class SlurmJob:
         return f"{self.there}/slurm-%j.out"
 
     def script(self, address: str, token: str) -> str:
-        from deploy.slurm_cli import group_steps, sbatch_header, tasks_per_node, wait_steps
-
         c = self.cluster
         specs = {g.name: g for g in self.groups}
         lines = sbatch_header(

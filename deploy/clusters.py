@@ -27,16 +27,22 @@ munge are probed on each SLURM cluster at the same time.
 
 from __future__ import annotations
 
-import shlex
-import shutil
-import subprocess
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deploy.experiment import Experiment, ExperimentError, explain, placement, read_yaml
-from deploy.slurm_cli import overfull
+from deploy.experiment import (
+    Experiment,
+    ExperimentError,
+    GroupConfig,
+    explain,
+    placement,
+    read_yaml,
+)
+from deploy.keys_cli import client_files, server_files
+from deploy.slurm import overfull, slurm_cpus_per_node
+from transport.channel import is_local_address, split_tcp
 
 
 class LocalCluster(BaseModel):
@@ -159,95 +165,70 @@ def assign(spec: ClusterSpec, exp: Experiment) -> dict[str, str]:
 def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[str, str]:
     """Everything that can be known before a process starts; returns group -> cluster.
     ``probe`` asks each SLURM cluster (sinfo) whether it answers and how many CPUs a node has."""
-    from transport.channel import is_local_address, split_tcp
-
     where = assign(spec, exp)
-    bind = spec.controller.bind
-    for field in ("bind", "connect"):
-        try:
-            address = getattr(spec.controller, field)
-            host, _ = split_tcp(address) if address is not None else ("-", 0)
-        except ValueError as exc:
-            raise ExperimentError(f"cluster spec controller.{field}: {exc}") from None
-        if host in ("0.0.0.0", "::") and field == "bind" and spec.controller.connect is None:
-            raise ExperimentError(
-                f"cluster spec controller.bind={bind}: groups cannot dial {host}; set "
-                "controller.connect to the address they reach this host by"
-            )
-    off_host = not is_local_address(bind)
-    if off_host and spec.keys is None:
+    _check_addresses(spec.controller)
+    if not is_local_address(spec.controller.bind) and spec.keys is None:
         raise ExperimentError(
-            f"cluster spec: controller.bind {bind} leaves this host, so links need CURVE keys; "
-            f"make them with `hybridflow keys DIR --clients {','.join(where)}` and set keys: DIR"
+            f"cluster spec: controller.bind {spec.controller.bind} leaves this host, so links "
+            f"need CURVE keys; make them with `hybridflow keys DIR --clients {','.join(where)}` "
+            "and set keys: DIR"
         )
     if spec.keys is not None:
-        from deploy.keys_cli import client_files, server_files
-
-        needed = [*server_files(spec.keys)]
-        for group in where:
-            needed += [*client_files(spec.keys, group), spec.keys / "allowed" / f"{group}.key"]
-        missing = [str(p) for p in needed if not p.exists()]
-        if missing:
-            raise ExperimentError(
-                f"cluster spec: key files missing: {', '.join(missing[:3])}; make them with "
-                f"`hybridflow keys {spec.keys} --clients {','.join(where)}`"
-            )
+        _check_keys(spec.keys, list(where))
     groups = placement(exp)
     for name, cluster in spec.clusters.items():
         mine = {g: groups[g] for g, c in where.items() if c == name}
         if isinstance(cluster, SlurmCluster) and mine:
-            per_node = cluster.tasks_per_node or cluster.gpus_per_node or None
-            if probe:
-                cpus = slurm_cpus_per_node(f"cluster {name!r}", cluster.via, cluster.partition)
-                per_node = per_node or cpus
-            if per_node and (why := overfull(mine, cluster.nodes, per_node, controller=False)):
-                raise ExperimentError(f"cluster {name!r}: {why} (clusters.{name}.nodes)")
+            _check_job_fits(name, cluster, mine, probe)
         elif isinstance(cluster, LocalCluster | RemoteCluster) and cluster.slots:
-            ranks = sum(g.nproc for g in mine.values())
-            if ranks > cluster.slots:
-                raise ExperimentError(
-                    f"cluster {name!r}: groups {list(mine)} need {ranks} ranks but it has "
-                    f"slots: {cluster.slots}; raise clusters.{name}.slots or lower their nproc"
-                )
+            _check_slots(name, cluster.slots, mine)
     return where
 
 
-def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` on the host ``via`` reaches (here when empty)."""
-    command = [*via, shlex.join(argv)] if via else argv
-    return subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+def _check_addresses(controller: ControllerSpec) -> None:
+    """``bind`` and ``connect`` are ``tcp://HOST:PORT``, and groups can dial one of them."""
+    for field in ("bind", "connect"):
+        try:
+            address = getattr(controller, field)
+            host, _ = split_tcp(address) if address is not None else ("-", 0)
+        except ValueError as exc:
+            raise ExperimentError(f"cluster spec controller.{field}: {exc}") from None
+        if host in ("0.0.0.0", "::") and field == "bind" and controller.connect is None:
+            raise ExperimentError(
+                f"cluster spec controller.bind={controller.bind}: groups cannot dial {host}; set "
+                "controller.connect to the address they reach this host by"
+            )
 
 
-def slurm_problem(who: str, stderr: str) -> str:
-    """What to fix when a SLURM client command failed."""
-    text = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
-    if "munge" in stderr.lower():
-        return (
-            f"{who}: SLURM cannot authenticate ({text}): munged is not running or "
-            "not installed on this host; start it (e.g. `service munge start`)"
-        )
-    if "unable to contact" in stderr.lower() or "connection refused" in stderr.lower():
-        return f"{who}: slurmctld does not answer ({text}); is the cluster up?"
-    return f"{who}: {text}"
-
-
-def slurm_cpus_per_node(who: str, via: list[str], partition: str | None) -> int:
-    """The smallest CPU count of the partition's nodes; a clear error (starting with ``who``)
-    when SLURM's commands are missing or munge/slurmctld do not answer."""
-    if not via and shutil.which("sinfo") is None:
+def _check_keys(keys: Path, groups: list[str]) -> None:
+    """The controller's key pair, and each group's pair and accepted public key."""
+    needed = [*server_files(keys)]
+    for group in groups:
+        needed += [*client_files(keys, group), keys / "allowed" / f"{group}.key"]
+    missing = [str(p) for p in needed if not p.exists()]
+    if missing:
         raise ExperimentError(
-            f"{who}: SLURM's commands (sinfo, sbatch) are not on PATH; install the "
-            "SLURM client (Debian: slurm-client) or set via: to reach a login node"
+            f"cluster spec: key files missing: {', '.join(missing[:3])}; make them with "
+            f"`hybridflow keys {keys} --clients {','.join(groups)}`"
         )
-    argv = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
-    try:
-        done = run_there(via, argv, timeout=30)
-    except subprocess.TimeoutExpired:
-        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
-    if done.returncode != 0:
-        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
-    counts = [int(c.rstrip("+")) for c in done.stdout.split() if c.rstrip("+").isdigit()]
-    if not counts:
-        where = f"partition {partition!r}" if partition else "the default partition"
-        raise ExperimentError(f"{who}: sinfo lists no nodes in {where}")
-    return min(counts)
+
+
+def _check_job_fits(
+    name: str, cluster: SlurmCluster, mine: dict[str, GroupConfig], probe: bool
+) -> None:
+    """The SLURM cluster's groups fit its ``nodes`` (a node's size asked of sinfo if unknown)."""
+    per_node = cluster.tasks_per_node or cluster.gpus_per_node or None
+    if probe:
+        cpus = slurm_cpus_per_node(f"cluster {name!r}", cluster.via, cluster.partition)
+        per_node = per_node or cpus
+    if per_node and (why := overfull(mine, cluster.nodes, per_node, controller=False)):
+        raise ExperimentError(f"cluster {name!r}: {why} (clusters.{name}.nodes)")
+
+
+def _check_slots(name: str, slots: int, mine: dict[str, GroupConfig]) -> None:
+    ranks = sum(g.nproc for g in mine.values())
+    if ranks > slots:
+        raise ExperimentError(
+            f"cluster {name!r}: groups {list(mine)} need {ranks} ranks but it has "
+            f"slots: {slots}; raise clusters.{name}.slots or lower their nproc"
+        )

@@ -19,6 +19,14 @@ loss settings, tensor-parallel sizes against the model, and every dataset row (f
          algorithm: {name: grpo, n: 8}}
     trainer: {val_data: "builtin:arithmetic?n=500&split=test"}
     quick: {stages.0.steps: 20}            # what --quick overrides (a CI-sized run)
+
+Overrides — the ``quick:`` overlay (``--quick``) and ``--set a.b.0.c=value`` — are applied to the
+raw mapping by ``set_path`` before validation; values are YAML (``yaml.safe_load``). This is what
+OmegaConf's dotlist merge does, kept here on purpose: OmegaConf is not installed (not a dependency
+of hybridflow), pydantic already types and validates the merged mapping and names the field in
+its errors, the whole job is ``parse`` + ``set_path`` (about 35 lines), and an override's errors
+name the override and the part of its path that does not exist. OmegaConf's other features
+(interpolation, cross-references, structured configs) are what the config must not grow into.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
 from controller.placement import GroupSpec, RoleSpec, check_placement
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig
 from transport.device import DeviceKind
@@ -215,43 +224,10 @@ def placement(exp: Experiment) -> dict[str, GroupConfig]:
 
 def check(exp: Experiment) -> None:
     """Cross-field checks that need no files (files: ``prepare``)."""
-    groups = placement(exp)
-    placed: dict[str, str] = {}
-    for gname, group in groups.items():
-        for role in group.roles:
-            if role not in exp.roles:
-                raise ExperimentError(
-                    f"placement.{gname}.roles: {role!r} is not defined under roles "
-                    f"(defined: {sorted(exp.roles)})"
-                )
-            if role in placed:
-                raise ExperimentError(
-                    f"placement: role {role!r} is in both {placed[role]!r} and {gname!r}"
-                )
-            placed[role] = gname
-    for role in exp.roles:
-        if role not in placed:
-            raise ExperimentError(
-                f"placement: role {role!r} is in no group; add it to one group's roles"
-            )
-        role_class(role, exp.roles[role])
+    placed = _placed(exp)
     if "actor" not in exp.roles:
         raise ExperimentError("roles: every experiment needs an 'actor'")
-    for i, stage in enumerate(exp.stages):
-        if isinstance(stage, RLStage):
-            missing = stage.algorithm.needed_roles() - set(exp.roles)
-            if missing:
-                raise ExperimentError(
-                    f"stages.{i} ({stage.algorithm.name}): needs role(s) {sorted(missing)}; "
-                    "define them under roles" + _kl_hint(stage, missing)
-                )
-            if stage.algorithm.overlap and (
-                "rollout" not in exp.roles or placed["rollout"] == placed["actor"]
-            ):
-                raise ExperimentError(
-                    f"stages.{i}.algorithm.overlap: generation can only overlap training on a "
-                    "'rollout' role in a group apart from the actor's"
-                )
+    _check_stages(exp, placed)
     _check_settings(exp)
     if exp.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ExperimentError(
@@ -269,8 +245,53 @@ def check(exp: Experiment) -> None:
             )
 
 
+def _placed(exp: Experiment) -> dict[str, str]:
+    """role -> group: every role defined and placed exactly once, each with a class."""
+    placed: dict[str, str] = {}
+    for gname, group in placement(exp).items():
+        for role in group.roles:
+            if role not in exp.roles:
+                raise ExperimentError(
+                    f"placement.{gname}.roles: {role!r} is not defined under roles "
+                    f"(defined: {sorted(exp.roles)})"
+                )
+            if role in placed:
+                raise ExperimentError(
+                    f"placement: role {role!r} is in both {placed[role]!r} and {gname!r}"
+                )
+            placed[role] = gname
+    for role in exp.roles:
+        if role not in placed:
+            raise ExperimentError(
+                f"placement: role {role!r} is in no group; add it to one group's roles"
+            )
+        role_class(role, exp.roles[role])
+    return placed
+
+
+def _check_stages(exp: Experiment, placed: dict[str, str]) -> None:
+    """Each RL stage has the roles its algorithm needs, and overlap has a rollout apart."""
+    for i, stage in enumerate(exp.stages):
+        if not isinstance(stage, RLStage):
+            continue
+        missing = stage.algorithm.needed_roles() - set(exp.roles)
+        if missing:
+            raise ExperimentError(
+                f"stages.{i} ({stage.algorithm.name}): needs role(s) {sorted(missing)}; "
+                "define them under roles" + _kl_hint(stage, missing)
+            )
+        if stage.algorithm.overlap and (
+            "rollout" not in exp.roles or placed["rollout"] == placed["actor"]
+        ):
+            raise ExperimentError(
+                f"stages.{i}.algorithm.overlap: generation can only overlap training on a "
+                "'rollout' role in a group apart from the actor's"
+            )
+
+
 def _check_settings(exp: Experiment) -> None:
     """Optimizer and loss settings, with the roles' own config classes."""
+    # roles code (torch, transformers): loaded only when an experiment is checked
     from roles.engines.training.config import OptimConfig
     from roles.modeling.losses import PolicyLossConfig, ValueLossConfig
 
@@ -308,6 +329,7 @@ def model_path(exp: Experiment, name: str, run_dir: Path) -> Path:
 
 def prepare_models(exp: Experiment, run_dir: Path) -> None:
     """Create or import the named models into ``run_dir/models`` (kept on resume)."""
+    # roles code (transformers): loaded only when a run makes its models
     from roles.modeling.models import import_gguf, init_model
 
     for name, source in exp.models.items():
@@ -327,37 +349,9 @@ def prepare_models(exp: Experiment, run_dir: Path) -> None:
 def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
     """Placement → the GroupSpecs the launcher starts; role settings checked with the roles'
     own config classes, so a typo fails here, not in a rank."""
-    from roles.engines.training.config import EngineConfig
-    from roles.engines.training.fsdp import check_tp
-    from roles.modeling.models import check_model_dir
-    from roles.reward import load_function
-    from roles.rollout import RolloutConfig
-
     groups = []
     for gname, group in placement(exp).items():
-        specs = {}
-        for role in group.roles:
-            cfg = exp.roles[role]
-            cls = role_class(role, cfg)
-            settings = cfg.settings()
-            where = f"roles.{role}"
-            try:
-                if cfg.model is not None:
-                    path = model_path(exp, cfg.model, run_dir)
-                    model_config, _ = check_model_dir(path)
-                    check_tp(model_config, group.tp)
-                    settings["model"] = str(path.resolve())
-                if cls == RULE_CLASS:
-                    load_function(str(settings.get("function")))
-                elif cls == ROLE_CLASSES["rollout"]:
-                    RolloutConfig.model_validate(settings)
-                elif cls in ROLE_CLASSES.values():
-                    if role in ("reference", "reward", "cost"):
-                        settings.setdefault("optim", None)  # scoring only
-                    EngineConfig.model_validate(settings)
-            except (ValueError, ValidationError) as exc:
-                raise ExperimentError(f"{where}: {_short(exc)}") from None
-            specs[role] = RoleSpec(cls=cls, config=settings)
+        specs = {role: _role_spec(exp, role, group.tp, run_dir) for role in group.roles}
         try:
             groups.append(
                 GroupSpec(
@@ -375,6 +369,46 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
     return groups
 
 
+def _role_spec(exp: Experiment, role: str, tp: int, run_dir: Path) -> RoleSpec:
+    """The role's class and settings; its model folder checked (and against ``tp``) and
+    resolved to an absolute path."""
+    # roles code (transformers): loaded only when a run's groups are built
+    from roles.engines.training.fsdp import check_tp
+    from roles.modeling.models import check_model_dir
+
+    cfg = exp.roles[role]
+    cls = role_class(role, cfg)
+    settings = cfg.settings()
+    try:
+        if cfg.model is not None:
+            path = model_path(exp, cfg.model, run_dir)
+            model_config, _ = check_model_dir(path)
+            check_tp(model_config, tp)
+            settings["model"] = str(path.resolve())
+        _check_role_settings(role, cls, settings)
+    except (ValueError, ValidationError) as exc:
+        raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
+    return RoleSpec(cls=cls, config=settings)
+
+
+def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> None:
+    """Validate ``settings`` with the config class of the role's class (a scoring-only role
+    gets ``optim: None``); raises ValueError or ValidationError."""
+    # roles code (transformers): loaded only when a run's groups are built
+    from roles.engines.training.config import EngineConfig
+    from roles.reward import load_function
+    from roles.rollout import RolloutConfig
+
+    if cls == RULE_CLASS:
+        load_function(str(settings.get("function")))
+    elif cls == ROLE_CLASSES["rollout"]:
+        RolloutConfig.model_validate(settings)
+    elif cls in ROLE_CLASSES.values():
+        if role in ("reference", "reward", "cost"):
+            settings.setdefault("optim", None)  # scoring only
+        EngineConfig.model_validate(settings)
+
+
 def _short(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         return explain(exc)
@@ -383,8 +417,6 @@ def _short(exc: Exception) -> str:
 
 def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
     """Every dataset the stages name, read and checked row by row (file:line on error)."""
-    from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
-
     wanted: dict[str, Any] = {}
     for stage in exp.stages:
         if isinstance(stage, SFTStage):

@@ -20,6 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from transport.security import make_keypair
+
 CONTROLLER = "controller"
 
 
@@ -33,21 +35,24 @@ def add_keys_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def keys_command(args: argparse.Namespace) -> int:
-    from transport.security import make_keypair
+    return make_keys(args.dir, [n for n in args.clients.split(",") if n])
 
-    names = [n for n in args.clients.split(",") if n]
+
+def make_keys(folder: Path, names: list[str]) -> int:
+    """The controller's key pair and one per client in ``folder`` (existing pairs are kept),
+    each client's public key accepted; 2 when a client takes the controller's name."""
     if CONTROLLER in names:
         print(f"hybridflow keys: {CONTROLLER!r} is the controller's own name", file=sys.stderr)
         return 2
-    if not (args.dir / f"{CONTROLLER}.key_secret").exists():
-        make_keypair(args.dir, CONTROLLER)
-    allowed = args.dir / "allowed"
+    if not (folder / f"{CONTROLLER}.key_secret").exists():
+        make_keypair(folder, CONTROLLER)
+    allowed = folder / "allowed"
     allowed.mkdir(parents=True, exist_ok=True)
     for name in names:
-        if not (args.dir / f"{name}.key_secret").exists():
-            public, _ = make_keypair(args.dir, name)
+        if not (folder / f"{name}.key_secret").exists():
+            public, _ = make_keypair(folder, name)
             shutil.copy(public, allowed / public.name)
-    print(f"{args.dir}: controller and {len(names)} client key pair(s); accepted: {allowed}")
+    print(f"{folder}: controller and {len(names)} client key pair(s); accepted: {allowed}")
     return 0
 
 

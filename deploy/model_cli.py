@@ -13,9 +13,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """``hybridflow model ...`` options, typed (``from_args`` reads the parsed command line)."""
+
+    command: Literal["init", "import-gguf", "check"]
+    dir: Path
+    size: Literal["tiny", "small"] = "tiny"
+    seed: int = 0
+    gguf: Path | None = None
+    overwrite: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelOptions:
+        return cls(
+            command=args.model_command,
+            dir=args.dir,
+            size=getattr(args, "size", "tiny"),  # init's only
+            seed=getattr(args, "seed", 0),
+            gguf=getattr(args, "gguf", None),  # import-gguf's only
+            overwrite=getattr(args, "overwrite", False),
+        )
 
 
 def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +65,13 @@ def add_model_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def run_model_command(args: argparse.Namespace) -> int:
     """Run the parsed ``model`` sub-command; 0 on success, 2 on bad input."""
+    return run_model(ModelOptions.from_args(args))
+
+
+def run_model(opts: ModelOptions) -> int:
+    """Make (init, import-gguf) or find (check) the model directory and load it as the engines
+    do; print it with its parameter count."""
+    # roles code (transformers): loaded only when a model command runs
     from roles.modeling.models import (
         ModelError,
         count_parameters,
@@ -49,15 +81,15 @@ def run_model_command(args: argparse.Namespace) -> int:
     )
 
     try:
-        if args.model_command == "init":
-            path = init_model(args.dir, args.size, seed=args.seed, overwrite=args.overwrite)
-        elif args.model_command == "import-gguf":
-            path = import_gguf(args.dir, args.gguf, overwrite=args.overwrite)
+        if opts.command == "init":
+            path = init_model(opts.dir, opts.size, seed=opts.seed, overwrite=opts.overwrite)
+        elif opts.command == "import-gguf":
+            path = import_gguf(opts.dir, opts.gguf, overwrite=opts.overwrite)
         else:
-            path = args.dir
+            path = opts.dir
         parameters = count_parameters(load_causal_lm(path))
     except ModelError as e:
-        print(f"hybridflow model {args.model_command}: {e}", file=sys.stderr)
+        print(f"hybridflow model {opts.command}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"{path}: {parameters:,} parameters")
     return 0

@@ -28,56 +28,78 @@ def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]
 
 
 def write_report(run_dir: Path) -> list[Path]:
+    """Draw every plot whose metrics the run logged; the PNG files written, in order."""
+    rows = read_metrics(run_dir)
+    out = run_dir / "plots"
+    out.mkdir(exist_ok=True)
+    plt = _pyplot()
+    written = [
+        _lines(plt, rows, out / "reward.png", "reward", REWARD),
+        _lines(plt, rows, out / "kl.png", "KL to reference", KL),
+        _lines(plt, rows, out / "length.png", "response length (tokens)", LENGTH),
+        _lines(plt, rows, out / "sft.png", "SFT loss", SFT),
+        _time_split(plt, rows, out / "time.png"),
+    ]
+    return [path for path in written if path is not None]
+
+
+# (metric, label) per line of a plot
+REWARD = [("train/reward/mean", "train reward"), ("val/score", "validation")]
+KL = [("train/kl", "kl"), ("train/kl_coef", "kl coef")]
+LENGTH = [("train/response/length", "train")]
+SFT = [("train/loss", "train"), ("val/loss", "held-out")]
+TIME_PARTS = ("gen", "prepare", "update", "sync")
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot without a display (imported here: plotting is this command's only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
-    out = run_dir / "plots"
-    out.mkdir(exist_ok=True)
-    written: list[Path] = []
+    return plt
 
-    def plot(name: str, title: str, lines: list[tuple[str, str]]) -> None:
-        drawn = [(label, *series(rows, key)) for key, label in lines]
-        drawn = [d for d in drawn if d[1]]
-        if not drawn:
-            return
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, steps, values in drawn:
-            ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
 
-    plot("reward", "reward", [("train/reward/mean", "train reward"), ("val/score", "validation")])
-    plot("kl", "KL to reference", [("train/kl", "kl"), ("train/kl_coef", "kl coef")])
-    plot("length", "response length (tokens)", [("train/response/length", "train")])
-    plot("sft", "SFT loss", [("train/loss", "train"), ("val/loss", "held-out")])
+def _lines(
+    plt: Any, rows: list[dict[str, Any]], path: Path, title: str, lines: list[tuple[str, str]]
+) -> Path | None:
+    """One line per metric the run logged; None (nothing drawn) when it logged none of them."""
+    drawn = [(label, *series(rows, key)) for key, label in lines]
+    drawn = [d for d in drawn if d[1]]
+    if not drawn:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, steps, values in drawn:
+        ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)
 
-    parts = ("gen", "prepare", "update", "sync")
-    timed = [r for r in rows if any(f"time/{p}_s" in r for p in parts)]
-    if timed:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        bottom = [0.0] * len(timed)
-        steps = [r["step"] for r in timed]
-        for part in parts:
-            values = [float(r.get(f"time/{part}_s", 0.0)) for r in timed]
-            ax.bar(steps, values, bottom=bottom, label=part, width=1.0)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.set_xlabel("step")
-        ax.set_ylabel("seconds")
-        ax.set_title("time per RL step")
-        ax.legend()
-        fig.tight_layout()
-        path = out / "time.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+
+def _time_split(plt: Any, rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Stacked bars: each RL step's seconds in generation, preparation, update and sync."""
+    timed = [r for r in rows if any(f"time/{p}_s" in r for p in TIME_PARTS)]
+    if not timed:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(timed)
+    steps = [r["step"] for r in timed]
+    for part in TIME_PARTS:
+        values = [float(r.get(f"time/{part}_s", 0.0)) for r in timed]
+        ax.bar(steps, values, bottom=bottom, label=part, width=1.0)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("time per RL step")
+    ax.legend()
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

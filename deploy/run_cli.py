@@ -9,22 +9,114 @@ seconds with its role, rank and cause (exit 1); the last checkpoint resumes.
 
 ``report`` draws PNG plots from a run's ``metrics.jsonl``: reward, KL, response length,
 validation score and where each step's time went.
+
+The command line becomes one ``RunOptions`` at the edge (``run_experiment_command``); what
+``_load`` and ``_prepare`` validate becomes one ``Run``; the steps below take those, never the
+argparse Namespace.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
 import json
 import os
+import socket
 import sys
 import time
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from controller.algorithms import Roles
+from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
+from controller.placement import GroupSpec
+from controller.server import Controller
+from controller.trainer import Sink, Trainer, checkpoints
+from deploy.clusters import ClusterSpec, check_spec, load_spec
+from deploy.experiment import (
+    Experiment,
+    ExperimentError,
+    build_groups,
+    check,
+    checkpointed_roles,
+    load,
+    parse,
+    prepare_models,
+    read_data,
+)
+from deploy.keys_cli import server_files
+from deploy.live import LiveView
+from deploy.report import write_report
+from deploy.session import cluster_session, local_session, remote_session
+from deploy.terminal import console, run_async
+from transport.channel import is_local_address, split_tcp
+from transport.security import CurveServer
+from transport.settings import Timeouts
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+Rows = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """``hybridflow run`` and ``hybridflow controller`` options, typed; ``bind``, ``wait`` and
+    ``keys`` are the controller command's (``bind`` None: every group starts here)."""
+
+    command: str = "run"
+    experiment: Path | None = None
+    run_dir: Path | None = None
+    resume: bool = False
+    quick: bool = False
+    overrides: tuple[str, ...] = ()
+    stop_after: int | None = None
+    json: bool = False
+    clusters: Path | None = None
+    bind: str | None = None
+    wait: float = 120.0
+    keys: Path | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        return cls(
+            command=args.command,
+            experiment=args.experiment,
+            run_dir=args.run_dir,
+            resume=args.resume,
+            quick=args.quick,
+            overrides=tuple(args.set),
+            stop_after=args.stop_after,
+            json=args.json,
+            clusters=args.clusters,
+            bind=getattr(args, "bind", None),  # the controller command's only
+            wait=getattr(args, "wait", 120.0),
+            keys=getattr(args, "keys", None),
+        )
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """A checked cluster spec and the cluster each group runs on."""
+
+    spec: ClusterSpec
+    where: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run that passed every check: the experiment, where it writes, its datasets, the groups
+    to start and (``--clusters``) where each starts."""
+
+    exp: Experiment
+    run_dir: Path
+    data: dict[str, Rows]
+    groups: list[GroupSpec]
+    plan: ClusterPlan | None = None
 
 
 def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -70,29 +162,23 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
-    from deploy.experiment import ExperimentError
+    return run_experiment(RunOptions.from_args(args))
 
+
+def run_experiment(opts: RunOptions) -> int:
+    """Validate (exit 2 naming the field), run (exit 1 naming the cause and how to resume)."""
     try:
-        exp, run_dir = _load(args)
+        exp, run_dir, plan = _load(opts)
         data, groups = _prepare(exp, run_dir)
     except (ExperimentError, ValueError, FileNotFoundError) as exc:
         print(f"hybridflow run: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        summary = _run(exp, run_dir, data, groups, args)
+        summary = _run(Run(exp, run_dir, data, groups, plan), opts)
     except Exception as exc:  # the run failed: say what, where the checkpoints are
-        from controller.trainer import checkpoints
-        from deploy.cli import console
-
-        failed = f"[red]hybridflow {args.command} failed:[/] {type(exc).__name__}: {exc}"
-        console.print(failed, soft_wrap=True)
-        if checkpoints(run_dir / "checkpoints"):
-            resume = f"hybridflow {args.command} --resume --run-dir {run_dir}"
-            if args.clusters is not None:
-                resume += f" --clusters {args.clusters}"
-            console.print(f"resume from the last checkpoint: {resume}", soft_wrap=True)
+        _say_failed(opts, run_dir, exc)
         return EXIT_FAILED
-    if args.json:
+    if opts.json:
         print(json.dumps(summary))
     elif "stopped_at" in summary:
         print(
@@ -104,59 +190,77 @@ def run_experiment_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Path]:
-    from deploy.experiment import ExperimentError, load, parse
+def _say_failed(opts: RunOptions, run_dir: Path, exc: Exception) -> None:
+    failed = f"[red]hybridflow {opts.command} failed:[/] {type(exc).__name__}: {exc}"
+    console.print(failed, soft_wrap=True)
+    if checkpoints(run_dir / "checkpoints"):
+        resume = f"hybridflow {opts.command} --resume --run-dir {run_dir}"
+        if opts.clusters is not None:
+            resume += f" --clusters {opts.clusters}"
+        console.print(f"resume from the last checkpoint: {resume}", soft_wrap=True)
 
-    if args.resume:
-        if args.run_dir is None:
-            raise ExperimentError("--resume needs --run-dir (the run to continue)")
-        saved = args.run_dir / "config.yaml"
-        if not saved.is_file():
-            raise ExperimentError(f"--resume: {saved} does not exist; is this a run directory?")
-        exp = parse(yaml.safe_load(saved.read_text()), args.set, False, str(saved))
-        run_dir = args.run_dir
-    elif args.experiment is None:
+
+def _load(opts: RunOptions) -> tuple[Experiment, Path, ClusterPlan | None]:
+    """The experiment (saved config on ``--resume``), its run dir and cluster plan, with the
+    options checked in the order a user meets them."""
+    if opts.resume:
+        exp, run_dir = _resumed(opts)
+        _check_bind_option(opts)
+    elif opts.experiment is None:
         raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
-    if getattr(args, "bind", None) is not None:
-        from transport.channel import is_local_address
+    else:
+        _check_bind_option(opts)
+        exp, run_dir = _fresh(opts, opts.experiment)
+    plan = _cluster_plan(opts.clusters, exp) if opts.clusters is not None else None
+    return exp, run_dir, plan
 
-        if args.clusters is not None:
-            raise ExperimentError("give --bind or --clusters (its controller.bind), not both")
-        if args.bind.startswith("tcp://"):
-            check_bind(args.bind, "--bind")
-            if not is_local_address(args.bind) and not args.keys:
-                raise ExperimentError(
-                    f"--bind {args.bind} leaves this host: it needs CURVE keys; make them with "
-                    "`hybridflow keys DIR --clients GROUPS` and pass --keys DIR"
-                )
-    if not args.resume:
-        exp = load(args.experiment, args.set, args.quick)
-        run_dir = args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        from controller.trainer import checkpoints
 
-        if checkpoints(run_dir / "checkpoints"):
-            raise ExperimentError(
-                f"{run_dir} already holds a run's checkpoints; continue it with --resume, or "
-                "give another --run-dir"
-            )
-    if args.clusters is not None:
-        from deploy.clusters import check_spec, load_spec
+def _resumed(opts: RunOptions) -> tuple[Experiment, Path]:
+    """``--resume``: the config saved in ``--run-dir`` (``--set`` still applies)."""
+    if opts.run_dir is None:
+        raise ExperimentError("--resume needs --run-dir (the run to continue)")
+    saved = opts.run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ExperimentError(f"--resume: {saved} does not exist; is this a run directory?")
+    return parse(yaml.safe_load(saved.read_text()), opts.overrides, False, str(saved)), opts.run_dir
 
-        spec = load_spec(args.clusters)
-        check_bind(spec.controller.bind, "cluster spec controller.bind")
-        args.cluster_plan = (spec, check_spec(spec, exp))
+
+def _fresh(opts: RunOptions, experiment: Path) -> tuple[Experiment, Path]:
+    """A new run of ``experiment``: its run dir must hold no earlier run's checkpoints."""
+    exp = load(experiment, opts.overrides, opts.quick)
+    run_dir = opts.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if checkpoints(run_dir / "checkpoints"):
+        raise ExperimentError(
+            f"{run_dir} already holds a run's checkpoints; continue it with --resume, or "
+            "give another --run-dir"
+        )
     return exp, run_dir
+
+
+def _check_bind_option(opts: RunOptions) -> None:
+    """``--bind`` (controller command): not with ``--clusters``; bindable here; keys off-host."""
+    if opts.bind is None:
+        return
+    if opts.clusters is not None:
+        raise ExperimentError("give --bind or --clusters (its controller.bind), not both")
+    if opts.bind.startswith("tcp://"):
+        check_bind(opts.bind, "--bind")
+        if not is_local_address(opts.bind) and not opts.keys:
+            raise ExperimentError(
+                f"--bind {opts.bind} leaves this host: it needs CURVE keys; make them with "
+                "`hybridflow keys DIR --clients GROUPS` and pass --keys DIR"
+            )
+
+
+def _cluster_plan(path: Path, exp: Experiment) -> ClusterPlan:
+    spec = load_spec(path)
+    check_bind(spec.controller.bind, "cluster spec controller.bind")
+    return ClusterPlan(spec, check_spec(spec, exp))
 
 
 def check_bind(address: str, setting: str) -> None:
     """Fail before anything starts when ``tcp://HOST:PORT`` cannot be bound here: a port in
     use, a host that is not this machine's, a name that does not resolve."""
-    import errno
-    import socket
-
-    from deploy.experiment import ExperimentError
-    from transport.channel import split_tcp
-
     try:
         host, port = split_tcp(address)
         family, kind, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -178,9 +282,7 @@ def check_bind(address: str, setting: str) -> None:
             raise ExperimentError(f"{setting} {address}: {why}") from None
 
 
-def _prepare(exp: Any, run_dir: Path) -> tuple[dict[str, Any], list[Any]]:
-    from deploy.experiment import build_groups, check, prepare_models, read_data
-
+def _prepare(exp: Experiment, run_dir: Path) -> tuple[dict[str, Rows], list[GroupSpec]]:
     data = read_data(exp)  # before anything is written: a bad row costs nothing
     check(exp)  # after the data: stages given in epochs now have their steps
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,73 +293,14 @@ def _prepare(exp: Any, run_dir: Path) -> tuple[dict[str, Any], list[Any]]:
     return data, groups
 
 
-def _run(
-    exp: Any, run_dir: Path, data: dict[str, Any], groups: list[Any], args: argparse.Namespace
-) -> dict[str, Any]:
-    from controller.algorithms import Roles
-    from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
-    from controller.trainer import Trainer, checkpoints
-    from deploy.cli import console, run_async
-    from deploy.experiment import checkpointed_roles
-    from deploy.live import LiveView
-    from deploy.session import cluster_session, local_session, remote_session
-    from transport.settings import Timeouts
-
-    resume_step = None
-    if args.resume:
-        found = checkpoints(run_dir / "checkpoints")
-        if found:
-            saved = json.loads((found[-1] / "controller.json").read_text())
-            resume_step = int(saved["global_step"])
-    sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
-    if exp.logging.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-    if exp.logging.wandb:
-        sinks.append(WandbSink(run_dir, exp.logging.project, exp.model_dump(mode="json")))
-    live = LiveView(exp, console, enabled=exp.logging.live and not args.json)
+def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
+    """Start the groups, train with the live view and the metric sinks, write summary.json."""
+    exp, run_dir = run.exp, run.run_dir
+    live = LiveView(exp, console, enabled=exp.logging.live and not opts.json)
+    sinks: list[Sink] = [*_sinks(exp, run_dir, _resume_step(run_dir) if opts.resume else None)]
     sinks.append(live)
-
-    def session() -> Any:
-        if args.clusters is not None:
-            spec, where = args.cluster_plan
-            say = lambda g, command: _announce_one(g, command)  # noqa: E731
-            return cluster_session(groups, spec, where, run_dir, Timeouts.from_env(), say)
-        if getattr(args, "bind", None) is None:
-            return local_session(groups, run_dir=run_dir)
-        timeouts = Timeouts.from_env().model_copy(update={"connect_s": args.wait})
-        token = os.environ.get("HYBRIDFLOW_TOKEN") or None  # set by a launcher (SLURM script)
-        curve = None
-        if args.keys is not None:
-            from deploy.keys_cli import server_files
-            from transport.security import CurveServer
-
-            curve = CurveServer(*server_files(args.keys))
-        announce = lambda a, t: _announce(groups, a, t, args.keys)  # noqa: E731
-        return remote_session(groups, args.bind, timeouts, announce, token, curve)
-
-    async def main() -> dict[str, Any]:
-        start = time.perf_counter()
-        async with session() as controller:
-            ready = time.perf_counter() - start
-            roles = Roles.placed(controller)
-            trainer = Trainer(
-                exp.trainer,
-                exp.stages,
-                roles,
-                roles.engines(),
-                data,
-                run_dir,
-                checkpointed_roles(exp),
-                sinks,
-                args.stop_after,
-            )
-            with live:
-                result = await trainer.run(resume=args.resume)
-        wall = time.perf_counter() - start
-        return {"name": exp.name, **result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
-
     try:
-        summary: dict[str, Any] = run_async(main)
+        summary = run_async(lambda: _train(run, opts, sinks, live))
     finally:
         for sink in sinks:
             close = getattr(sink, "close", None)
@@ -270,10 +313,65 @@ def _run(
     return summary
 
 
-def _announce(groups: list[Any], address: str, token: str, keys: Path | None = None) -> None:
-    """How to start each group (stderr, so --json output stays one line)."""
-    from deploy.cli import console
+def _resume_step(run_dir: Path) -> int | None:
+    """The global step of the newest checkpoint (None: there is none)."""
+    found = checkpoints(run_dir / "checkpoints")
+    if not found:
+        return None
+    saved = json.loads((found[-1] / "controller.json").read_text())
+    return int(saved["global_step"])
 
+
+def _sinks(exp: Experiment, run_dir: Path, resume_step: int | None) -> list[Sink]:
+    """Where the records go: metrics.jsonl always, TensorBoard and W&B as logging says."""
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
+    if exp.logging.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if exp.logging.wandb:
+        sinks.append(WandbSink(run_dir, exp.logging.project, exp.model_dump(mode="json")))
+    return sinks
+
+
+async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) -> dict[str, Any]:
+    start = time.perf_counter()
+    async with _session(run, opts) as controller:
+        ready = time.perf_counter() - start
+        roles = Roles.placed(controller)
+        trainer = Trainer(
+            run.exp.trainer,
+            run.exp.stages,
+            roles,
+            roles.engines(),
+            run.data,
+            run.run_dir,
+            checkpointed_roles(run.exp),
+            sinks,
+            opts.stop_after,
+        )
+        with live:
+            result = await trainer.run(resume=opts.resume)
+    wall = time.perf_counter() - start
+    return {"name": run.exp.name, **result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
+
+
+def _session(run: Run, opts: RunOptions) -> AbstractAsyncContextManager[Controller]:
+    """Every group here (``run``), started on its cluster (``--clusters``), or joining by hand
+    (``controller --bind``)."""
+    if run.plan is not None:
+        spec, where = run.plan.spec, run.plan.where
+        timeouts = Timeouts.from_env()
+        return cluster_session(run.groups, spec, where, run.run_dir, timeouts, _announce_one)
+    if opts.bind is None:
+        return local_session(run.groups, run_dir=run.run_dir)
+    timeouts = Timeouts.from_env().model_copy(update={"connect_s": opts.wait})
+    token = os.environ.get("HYBRIDFLOW_TOKEN") or None  # set by a launcher (SLURM script)
+    curve = CurveServer(*server_files(opts.keys)) if opts.keys is not None else None
+    announce = functools.partial(_announce, run.groups, keys=opts.keys)
+    return remote_session(run.groups, opts.bind, timeouts, announce, token, curve)
+
+
+def _announce(groups: list[GroupSpec], address: str, token: str, keys: Path | None = None) -> None:
+    """How to start each group (stderr, so --json output stays one line)."""
     console.print(f"controller listening on {address}; start each group with:")
     for g in groups:
         console.print(
@@ -284,9 +382,7 @@ def _announce(groups: list[Any], address: str, token: str, keys: Path | None = N
         )
 
 
-def _announce_one(group: Any, command: str) -> None:
-    from deploy.cli import console
-
+def _announce_one(group: GroupSpec, command: str) -> None:
     console.print(f"start group {group.name} by hand with:\n  {command}", soft_wrap=True)
 
 
@@ -302,10 +398,13 @@ def _describe(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from deploy.report import write_report
+    return write_plots(args.run_dir)
 
+
+def write_plots(run_dir: Path) -> int:
+    """``hybridflow report RUN_DIR``: print each plot written; 2 when there is nothing to plot."""
     try:
-        written = write_report(args.run_dir)
+        written = write_report(run_dir)
     except (FileNotFoundError, ValueError) as exc:
         print(f"hybridflow report: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

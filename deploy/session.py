@@ -17,11 +17,21 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from controller.placement import GroupSpec
 from controller.server import Controller
+from deploy.cluster_launch import RemoteGroups, SlurmJob, client_env, role_argv
+from deploy.clusters import (
+    AnyCluster,
+    ClusterSpec,
+    LocalCluster,
+    ManualCluster,
+    RemoteCluster,
+    SlurmCluster,
+)
+from deploy.keys_cli import server_files
 from deploy.local import LocalLauncher
 from transport.channel import split_tcp
 from transport.errors import RegistrationError
@@ -29,8 +39,8 @@ from transport.security import CurveServer
 from transport.settings import Timeouts
 from transport.shm import sweep_dead
 
-if TYPE_CHECKING:
-    from deploy.clusters import ClusterSpec
+Launcher = LocalLauncher | RemoteGroups | SlurmJob
+Announce = Callable[[GroupSpec, str], None]  # a group, the command that starts it by hand
 
 
 @asynccontextmanager
@@ -109,57 +119,25 @@ async def cluster_session(
     where: dict[str, str],
     run_dir: Path,
     timeouts: Timeouts,
-    announce: Callable[[GroupSpec, str], None],
+    announce: Announce,
 ) -> AsyncIterator[Controller]:
     """One controller bound at ``spec.controller.bind`` (CURVE with ``spec.keys``); each group
     started on the cluster ``where`` names. A launch that fails part-way stops what it started;
     a group that never joins is named with its cluster's state (a SLURM job still pending)."""
-    from deploy.cluster_launch import RemoteGroups, SlurmJob, client_env, role_argv
-    from deploy.clusters import LocalCluster, ManualCluster, RemoteCluster, SlurmCluster
-    from deploy.keys_cli import server_files
-
     sweep_dead()
     timeouts = timeouts.model_copy(update={"connect_s": spec.controller.wait})
     controller = Controller(groups, timeouts)
     by_name = {g.name: g for g in groups}
-    launchers: list[Any] = []
+    launchers: list[Launcher] = []
     sock_dir = Path(tempfile.mkdtemp(prefix="hf-"))
     try:
-        curve = CurveServer(*server_files(spec.keys)) if spec.keys is not None else None
-        address = controller.bind(spec.controller.bind, curve)
-        if spec.controller.connect is not None:
-            host, port = split_tcp(spec.controller.connect)
-            address = f"tcp://{host}:{port or split_tcp(address)[1]}"  # :0: the port bound
-        dead = lambda g, r, c: controller.declare_dead(g, r, c, True)  # noqa: E731
+        start = _ClusterStart(
+            controller, _bind(controller, spec), spec, run_dir, sock_dir, announce
+        )
         for cname, cluster in spec.clusters.items():
             mine = [by_name[g] for g, c in where.items() if c == cname]
-            if not mine:
-                continue
-            if isinstance(cluster, LocalCluster):
-                local = LocalLauncher(
-                    address, controller.token, run_dir, sock_dir, timeouts, controller.report_exit
-                )
-                launchers.append(local)
-                controller.local_groups |= {g.name for g in mine}
-                for group in mine:
-                    local.start(group, client_env(spec.keys, group.name))
-            elif isinstance(cluster, RemoteCluster):
-                remote = RemoteGroups(cname, cluster, run_dir, spec.keys, timeouts, dead)
-                launchers.append(remote)
-                for group in mine:
-                    remote.start(group, address, controller.token)
-            elif isinstance(cluster, SlurmCluster):
-                job = SlurmJob(cname, cluster, mine, run_dir, spec.keys, timeouts, dead)
-                launchers.append(job)
-                job.submit(address, controller.token)
-            else:
-                assert isinstance(cluster, ManualCluster)
-                for group in mine:
-                    keys = str(spec.keys) if spec.keys is not None else None
-                    argv = role_argv(group, address, None, keys)
-                    announce(
-                        group, f"HYBRIDFLOW_TOKEN={controller.token} hybridflow {shlex.join(argv)}"
-                    )
+            if mine:
+                start.launch(cname, cluster, mine, launchers)
         try:
             await controller.wait_ready()
         except RegistrationError as exc:
@@ -173,3 +151,63 @@ async def cluster_session(
         for launcher in launchers:
             await launcher.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def _bind(controller: Controller, spec: ClusterSpec) -> str:
+    """Bind the controller; the address groups dial (``controller.connect`` when given)."""
+    curve = CurveServer(*server_files(spec.keys)) if spec.keys is not None else None
+    address = controller.bind(spec.controller.bind, curve)
+    if spec.controller.connect is not None:
+        host, port = split_tcp(spec.controller.connect)
+        address = f"tcp://{host}:{port or split_tcp(address)[1]}"  # :0: the port bound
+    return address
+
+
+@dataclass
+class _ClusterStart:
+    """What starting a cluster's groups needs: the controller, the address its groups dial."""
+
+    controller: Controller
+    address: str
+    spec: ClusterSpec
+    run_dir: Path
+    sock_dir: Path
+    announce: Announce
+
+    def dead(self, group: str, rank: int | None, cause: str) -> None:
+        self.controller.declare_dead(group, rank, cause, True)
+
+    def launch(
+        self, name: str, cluster: AnyCluster, mine: list[GroupSpec], launchers: list[Launcher]
+    ) -> None:
+        """Start ``mine`` on ``cluster``; its launcher joins ``launchers`` before anything
+        starts, so a launch that fails part-way is still stopped."""
+        controller, keys, timeouts = self.controller, self.spec.keys, self.controller.timeouts
+        if isinstance(cluster, LocalCluster):
+            local = LocalLauncher(
+                self.address,
+                controller.token,
+                self.run_dir,
+                self.sock_dir,
+                timeouts,
+                controller.report_exit,
+            )
+            launchers.append(local)
+            controller.local_groups |= {g.name for g in mine}
+            for group in mine:
+                local.start(group, client_env(keys, group.name))
+        elif isinstance(cluster, RemoteCluster):
+            remote = RemoteGroups(name, cluster, self.run_dir, keys, timeouts, self.dead)
+            launchers.append(remote)
+            for group in mine:
+                remote.start(group, self.address, controller.token)
+        elif isinstance(cluster, SlurmCluster):
+            job = SlurmJob(name, cluster, mine, self.run_dir, keys, timeouts, self.dead)
+            launchers.append(job)
+            job.submit(self.address, controller.token)
+        else:
+            assert isinstance(cluster, ManualCluster)  # the command to start each is printed
+            for group in mine:
+                argv = role_argv(group, self.address, None, str(keys) if keys is not None else None)
+                command = f"HYBRIDFLOW_TOKEN={controller.token} hybridflow {shlex.join(argv)}"
+                self.announce(group, command)

@@ -12,7 +12,8 @@ Groups are spread over the nodes in placement order, each on the nodes after the
 (a group of more ranks than a node has CPUs spans several). The controller's token is made in
 the script and passed by environment, never written to disk. ``--submit`` runs ``sbatch``,
 follows the job's output and exits with its status; ``scancel`` ends every step (slurmd kills
-each step's processes).
+each step's processes). The script's parts and the placement arithmetic are in
+``deploy/slurm.py``, shared with cluster specs (``deploy/clusters.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,62 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from deploy.experiment import (
+    Experiment,
+    ExperimentError,
+    GroupConfig,
+    check,
+    load,
+    placement,
+    read_data,
+)
+from deploy.slurm import (
+    group_steps,
+    overfull,
+    sbatch_header,
+    slurm_cpus_per_node,
+    slurm_problem,
+    tasks_per_node,
+    wait_steps,
+)
 
 EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """``hybridflow slurm``'s options, typed (``from_args`` reads the parsed command line)."""
+
+    experiment: Path
+    nodes: int = 1
+    gpus_per_node: int = 0
+    partition: str | None = None
+    time: str | None = None
+    run_dir: Path | None = None
+    quick: bool = False
+    overrides: tuple[str, ...] = ()
+    port: int | None = None
+    keys: Path | None = None
+    submit: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SlurmOptions:
+        return cls(
+            experiment=args.experiment,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            partition=args.partition,
+            time=args.time,
+            run_dir=args.run_dir,
+            quick=args.quick,
+            overrides=tuple(args.set),
+            port=args.port,
+            keys=args.keys,
+            submit=args.submit,
+        )
 
 
 def add_slurm_command(subparsers: argparse._SubParsersAction) -> None:
@@ -49,60 +102,79 @@ def add_slurm_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def slurm_command(args: argparse.Namespace) -> int:
-    from deploy.clusters import slurm_cpus_per_node
-    from deploy.experiment import ExperimentError, check, load, placement, read_data
+    return write_sbatch(SlurmOptions.from_args(args))
 
+
+def write_sbatch(opts: SlurmOptions) -> int:
+    """Check the experiment and the job's shape, write ``RUN_DIR/job.sbatch``, ``--submit`` it."""
     try:
-        exp = load(args.experiment, args.set, args.quick)
-        read_data(exp)
-        check(exp)
-        if args.nodes < 1:
-            raise ExperimentError(f"--nodes={args.nodes} must be >= 1")
-        groups = placement(exp)
-        gpus = args.gpus_per_node
-        if gpus and (why := overfull(groups, args.nodes, gpus, controller=False)):
-            raise ExperimentError(f"one rank per GPU: {why}")
-        if args.nodes > 1 and args.keys is None:
-            raise ExperimentError(
-                f"--nodes={args.nodes}: links between nodes need CURVE keys; make them with "
-                f"`hybridflow keys DIR --clients {','.join(groups)}` and pass --keys DIR"
-            )
-        if args.submit:  # the cluster answers (SLURM's commands, munge) and the job fits
-            cpus = slurm_cpus_per_node("--submit", [], args.partition)
-            if why := overfull(groups, args.nodes, cpus, controller=True):
-                raise ExperimentError(why)
+        exp, groups = _checked(opts)
     except (ExperimentError, ValueError) as exc:
         print(f"hybridflow slurm: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run_dir = (
-        args.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        opts.run_dir or Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     ).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     script = run_dir / "job.sbatch"
-    script.write_text(render(exp, groups, args, run_dir))
+    script.write_text(render(exp, groups, opts, run_dir))
     print(script)
-    if not args.submit:
+    if not opts.submit:
         return 0
     return submit(script, run_dir)
 
 
-def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: Path) -> str:
+def _checked(opts: SlurmOptions) -> tuple[Experiment, dict[str, GroupConfig]]:
+    """The experiment and its groups, once everything that can fail before sbatch has passed."""
+    exp = load(opts.experiment, opts.overrides, opts.quick)
+    read_data(exp)
+    check(exp)
+    if opts.nodes < 1:
+        raise ExperimentError(f"--nodes={opts.nodes} must be >= 1")
+    groups = placement(exp)
+    gpus = opts.gpus_per_node
+    if gpus and (why := overfull(groups, opts.nodes, gpus, controller=False)):
+        raise ExperimentError(f"one rank per GPU: {why}")
+    if opts.nodes > 1 and opts.keys is None:
+        raise ExperimentError(
+            f"--nodes={opts.nodes}: links between nodes need CURVE keys; make them with "
+            f"`hybridflow keys DIR --clients {','.join(groups)}` and pass --keys DIR"
+        )
+    if opts.submit:  # the cluster answers (SLURM's commands, munge) and the job fits
+        cpus = slurm_cpus_per_node("--submit", [], opts.partition)
+        if why := overfull(groups, opts.nodes, cpus, controller=True):
+            raise ExperimentError(why)
+    return exp, groups
+
+
+def render(
+    exp: Experiment, groups: dict[str, GroupConfig], opts: SlurmOptions, run_dir: Path
+) -> str:
     lines = sbatch_header(
         f"hybridflow-{exp.name}",
-        args.nodes,
-        tasks_per_node(groups, args.nodes, controller=True),
+        opts.nodes,
+        tasks_per_node(groups, opts.nodes, controller=True),
         f"{run_dir}/slurm-%j.out",
-        args.partition,
-        args.time,
-        args.gpus_per_node,
+        opts.partition,
+        opts.time,
+        opts.gpus_per_node,
     )
-    experiment = shlex.quote(str(Path(args.experiment).resolve()))
-    options = " --quick" if args.quick else ""
-    options += "".join(f" --set {shlex.quote(s)}" for s in args.set)
     python = shlex.quote(sys.executable)
-    keys = f" --keys {shlex.quote(str(Path(args.keys).resolve()))}" if args.keys else ""
-    port = str(args.port) if args.port else "$((40000 + SLURM_JOB_ID % 10000))"
-    lines += [
+    keys = f" --keys {shlex.quote(str(Path(opts.keys).resolve()))}" if opts.keys else ""
+    lines += _controller_step(opts, run_dir, python, keys)
+    connect = '"tcp://$head:$port"'
+    lines += group_steps(groups, opts.nodes, connect, run_dir, python, keys, controller=True)
+    lines += wait_steps(controller=True)
+    return "\n".join(lines)
+
+
+def _controller_step(opts: SlurmOptions, run_dir: Path, python: str, keys: str) -> list[str]:
+    """The script's set-up (nodes, the head's address, port, token) and the controller's step."""
+    experiment = shlex.quote(str(Path(opts.experiment).resolve()))
+    options = " --quick" if opts.quick else ""
+    options += "".join(f" --set {shlex.quote(s)}" for s in opts.overrides)
+    port = str(opts.port) if opts.port else "$((40000 + SLURM_JOB_ID % 10000))"
+    return [
         "",
         "# hybridflow: the controller on the first node, each process group on its node(s).",
         "set -euo pipefail",
@@ -110,7 +182,7 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         # one node: loopback (TCP that leaves a host needs CURVE keys, `hybridflow keys`);
         # more: the first node's address as SLURM knows it (NodeAddr; no DNS needed)
         "head=127.0.0.1"
-        if args.nodes == 1
+        if opts.nodes == 1
         else 'head=$(scontrol show node "${nodes[0]}" -o | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
         f"port={port}",
         f'export HYBRIDFLOW_TOKEN=$({python} -c "import secrets; print(secrets.token_hex(16))")',
@@ -123,127 +195,6 @@ def render(exp: Any, groups: dict[str, Any], args: argparse.Namespace, run_dir: 
         "controller=$!",
         "pids=($controller)",
     ]
-    connect = '"tcp://$head:$port"'
-    lines += group_steps(groups, args.nodes, connect, run_dir, python, keys, controller=True)
-    lines += wait_steps(controller=True)
-    return "\n".join(lines)
-
-
-def wait_steps(controller: bool) -> list[str]:
-    """The script's end, watching the steps in ``pids``: the first to fail ends the job with its
-    status (SLURM then ends the others), so nobody waits for a group that is gone. A clean exit
-    of the ``controller`` step ends the run; the groups leave on its SHUTDOWN."""
-    done = '[ "${pids[$i]}" = "$controller" ] && { wait; exit 0; }  # the run is over'
-    return [
-        "",
-        "# the first step to fail fails the job; the controller's end is the run's",
-        "set +e",
-        "while [ ${#pids[@]} -gt 0 ]; do",
-        '  for i in "${!pids[@]}"; do',
-        '    kill -0 "${pids[$i]}" 2>/dev/null && continue',
-        '    wait "${pids[$i]}"; status=$?',
-        '    [ $status -eq 0 ] || { echo "hybridflow: a step failed ($status)" >&2; exit $status; }',
-        *([f"    {done}"] if controller else []),
-        '    unset "pids[$i]"',
-        "  done",
-        "  sleep 1",
-        "done",
-        "",
-    ]
-
-
-def sbatch_header(
-    name: str,
-    nodes: int,
-    per_node: int,
-    output: str,
-    partition: str | None = None,
-    time_limit: str | None = None,
-    gpus_per_node: int = 0,
-    account: str | None = None,
-) -> list[str]:
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={name}",
-        f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks-per-node={per_node}",  # each group's step on one node
-        f"#SBATCH --output={output}",
-    ]
-    for option, value in (("partition", partition), ("time", time_limit), ("account", account)):
-        if value:
-            lines.append(f"#SBATCH --{option}={value}")
-    if gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    return lines
-
-
-def group_nodes(groups: dict[str, Any], nodes: int, controller: bool) -> list[int]:
-    """The node of each group, in order: round robin, starting after the controller's node
-    (node 0) when the job has more than one node."""
-    start = 1 if controller and nodes > 1 else 0
-    return [(i + start) % nodes for i in range(len(groups))]
-
-
-def node_ranks(groups: dict[str, Any], nodes: int, controller: bool) -> list[list[str]]:
-    """What runs on each node: group names, and "controller" on node 0 when there is one."""
-    where: list[list[str]] = [["controller"] if controller and n == 0 else [] for n in range(nodes)]
-    for node, name in zip(group_nodes(groups, nodes, controller), groups, strict=True):
-        where[node].append(name)
-    return where
-
-
-def tasks_per_node(groups: dict[str, Any], nodes: int, controller: bool) -> int:
-    """The job's ``--ntasks-per-node``: its fullest node (the controller is one task)."""
-    return max(
-        sum(1 if name == "controller" else groups[name].nproc for name in names)
-        for names in node_ranks(groups, nodes, controller)
-    )
-
-
-def overfull(groups: dict[str, Any], nodes: int, per_node: int, controller: bool) -> str | None:
-    """Why the groups (and the controller, 1 task on node 0) do not fit ``nodes`` nodes of
-    ``per_node`` tasks each, or None."""
-    for n, names in enumerate(node_ranks(groups, nodes, controller)):
-        ranks = sum(1 if name == "controller" else groups[name].nproc for name in names)
-        if ranks > per_node:
-            return (
-                f"node {n} of the job would run {ranks} tasks ({', '.join(names)}) but a node "
-                f"holds {per_node}; use more nodes or fewer ranks (placement nproc)"
-            )
-    return None
-
-
-def group_steps(
-    groups: dict[str, Any],
-    nodes: int,
-    connect: str,
-    run_dir: str | Path,
-    python: str,
-    keys: str,
-    controller: bool,
-) -> list[str]:
-    """One background srun step per group, on the node ``group_nodes`` gives it; each rank is
-    one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group stays on one node,
-    so its ranks meet on loopback."""
-    lines: list[str] = []
-    for node, (name, group) in zip(
-        group_nodes(groups, nodes, controller), groups.items(), strict=True
-    ):
-        roles = ",".join(group.roles)
-        where = f"${{nodes[{node}]}}"
-        lines += [
-            "",
-            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
-            f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
-            f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
-            f"  --group {name} --tp {group.tp} --device {group.device} --launcher env "
-            "--master-addr 127.0.0.1 "
-            f"--run-dir {shlex.quote(str(run_dir))}"
-            + (f"{keys} --client {name}" if keys else "")
-            + " &",
-            "pids+=($!)",
-        ]
-    return lines
 
 
 def submit(script: Path, run_dir: Path) -> int:
@@ -252,8 +203,6 @@ def submit(script: Path, run_dir: Path) -> int:
         ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
-        from deploy.clusters import slurm_problem
-
         print(f"hybridflow slurm: {slurm_problem('sbatch', done.stderr)}", file=sys.stderr)
         return 1
     job = done.stdout.strip().split(";")[0]

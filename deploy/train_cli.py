@@ -8,7 +8,7 @@ reported by file and line), the model folder, the engine settings. Then one grou
 ranks (``--tp`` of them per tensor-parallel group) trains; held-out loss (SFT) or pairwise
 accuracy (RM) is measured before, every ``--eval-every`` steps and after; the result is exported
 as a plain Hugging Face folder to ``--out``; ``metrics.jsonl`` and ``summary.json`` go to
-``--run-dir``.
+``--run-dir``. The command line becomes one ``TrainOptions`` at the edge (``run_train_command``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,19 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from controller.clients import ActorClient, RewardModelClient
+from controller.data import PREFERENCE_COLUMNS, SFT_COLUMNS, read_rows
+from controller.placement import GroupSpec
+from controller.server import Controller
+from controller.supervised import Log, LoopConfig, reward_model, sft
+from deploy.session import local_session
+from deploy.terminal import console, run_async
 
 EXIT_BAD_INPUT = 2
 
@@ -26,6 +37,61 @@ JOBS = {
     "sft": ("roles.actor:Actor", "actor"),
     "rm": ("roles.reward:ModelReward", "reward"),
 }
+Rows = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """``hybridflow sft`` / ``hybridflow rm`` options, typed (``from_args`` reads the parsed
+    command line); ``full_sequence`` and ``pack`` are SFT's only."""
+
+    job: Literal["sft", "rm"]
+    model: str
+    data: str
+    val: str
+    out: Path
+    run_dir: Path | None = None
+    steps: int = 200
+    batch_size: int = 32
+    eval_every: int = 50
+    lr: float = 1e-3
+    warmup: int = 10
+    schedule: str = "cosine"
+    micro_batch_size: int = 16
+    dtype: str = "fp32"
+    nproc: int = 1
+    tp: int = 1
+    dp_mode: str = "fsdp"
+    seed: int = 0
+    json: bool = False
+    full_sequence: bool = False
+    pack: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainOptions:
+        return cls(
+            job=args.command,
+            model=args.model,
+            data=args.data,
+            val=args.val,
+            out=args.out,
+            run_dir=args.run_dir,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            eval_every=args.eval_every,
+            lr=args.lr,
+            warmup=args.warmup,
+            schedule=args.schedule,
+            micro_batch_size=args.micro_batch_size,
+            dtype=args.dtype,
+            nproc=args.nproc,
+            tp=args.tp,
+            dp_mode=args.dp_mode,
+            seed=args.seed,
+            json=args.json,
+            full_sequence=getattr(args, "full_sequence", False),  # sft only
+            pack=getattr(args, "pack", False),
+        )
 
 
 def add_train_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -67,86 +133,80 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
 
-def _prepare(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]]]:
+def _prepare(opts: TrainOptions) -> tuple[GroupSpec, Rows, Rows]:
     """Datasets, placement and model checked up front; raises ValueError subclasses."""
-    from controller.data import PREFERENCE_COLUMNS, SFT_COLUMNS, read_rows
-    from controller.placement import GroupSpec
+    # roles code (transformers) loads only once a training job is being checked
     from roles.engines.training.config import EngineConfig
     from roles.engines.training.fsdp import check_tp
     from roles.modeling.models import check_model_dir
 
-    columns = SFT_COLUMNS if args.command == "sft" else PREFERENCE_COLUMNS
-    train, val = read_rows(args.data, columns), read_rows(args.val, columns)
-    cls, role = JOBS[args.command]
+    columns = SFT_COLUMNS if opts.job == "sft" else PREFERENCE_COLUMNS
+    train, val = read_rows(opts.data, columns), read_rows(opts.val, columns)
+    cls, role = JOBS[opts.job]
     engine = EngineConfig.model_validate(
         {
-            "model": str(args.model),
-            "dtype": args.dtype,
-            "micro_batch_size": args.micro_batch_size,
-            "dp_mode": args.dp_mode,
-            "seed": args.seed,
+            "model": str(opts.model),
+            "dtype": opts.dtype,
+            "micro_batch_size": opts.micro_batch_size,
+            "dp_mode": opts.dp_mode,
+            "seed": opts.seed,
             "optim": {
-                "lr": args.lr,
-                "warmup_steps": min(args.warmup, args.steps),
-                "schedule": args.schedule,
-                "total_steps": args.steps,
+                "lr": opts.lr,
+                "warmup_steps": min(opts.warmup, opts.steps),
+                "schedule": opts.schedule,
+                "total_steps": opts.steps,
             },
         }
     )
-    model_config, _ = check_model_dir(args.model)
-    check_tp(model_config, args.tp)
+    model_config, _ = check_model_dir(opts.model)
+    check_tp(model_config, opts.tp)
     group = GroupSpec.model_validate(
         {
-            "name": args.command,
+            "name": opts.job,
             "roles": {role: {"cls": cls, "config": engine.model_dump()}},
-            "nproc": args.nproc,
-            "tp": args.tp,
+            "nproc": opts.nproc,
+            "tp": opts.tp,
         }
     )
     return group, train, val
 
 
 def run_train_command(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
+    return run_training(TrainOptions.from_args(args))
 
+
+def run_training(opts: TrainOptions) -> int:
+    """Check, train, export; print the held-out metric before and after (or one JSON line)."""
     try:
-        group, train, val = _prepare(args)
+        group, train, val = _prepare(opts)
     except (ValueError, ValidationError) as e:
-        print(f"hybridflow {args.command}: {e}", file=sys.stderr)
+        print(f"hybridflow {opts.job}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    run_dir = args.run_dir or Path("runs") / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = opts.run_dir or Path("runs") / f"{opts.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = _train(args, group, train, val, run_dir)
+    summary = _train(opts, group, train, val, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    if args.json:
+    if opts.json:
         print(json.dumps(summary))
     else:
-        key = "loss" if args.command == "sft" else "accuracy"
+        key = "loss" if opts.job == "sft" else "accuracy"
         before, after = summary["before"][key], summary["after"][key]
-        print(f"{args.command}: held-out {key} {before:.4f} → {after:.4f} in {summary['wall_s']} s")
-        print(f"model: {args.out}  run: {run_dir}")
+        print(f"{opts.job}: held-out {key} {before:.4f} → {after:.4f} in {summary['wall_s']} s")
+        print(f"model: {opts.out}  run: {run_dir}")
     return 0
 
 
 def _train(
-    args: argparse.Namespace,
-    group: Any,
-    train: list[dict[str, Any]],
-    val: list[dict[str, Any]],
-    run_dir: Path,
+    opts: TrainOptions, group: GroupSpec, train: Rows, val: Rows, run_dir: Path
 ) -> dict[str, Any]:
-    from controller.clients import ActorClient, RewardModelClient
-    from controller.supervised import LoopConfig, reward_model, sft
-    from deploy.cli import console, run_async
-    from deploy.session import local_session
-
-    loop = LoopConfig(args.steps, args.batch_size, args.eval_every, args.seed)
+    """One local group, the job's loop, metrics.jsonl; the summary of the job."""
+    loop = LoopConfig(opts.steps, opts.batch_size, opts.eval_every, opts.seed)
     metrics = (run_dir / "metrics.jsonl").open("w")
 
     def log(record: dict[str, Any]) -> None:
         metrics.write(json.dumps(record) + "\n")
         metrics.flush()
-        if any(k.startswith("val/") for k in record) and not args.json:
+        if any(k.startswith("val/") for k in record) and not opts.json:
             shown = {k: round(v, 4) for k, v in record.items() if k.startswith("val/")}
             console.print(f"step {record['step']}: {shown}")
 
@@ -154,20 +214,33 @@ def _train(
         start = time.perf_counter()
         async with local_session([group], run_dir=run_dir) as controller:
             ready = time.perf_counter() - start
-            name = JOBS[args.command][1]
-            role: ActorClient | RewardModelClient
-            if args.command == "sft":
-                role = ActorClient(controller, name)
-                result = await sft(role, train, val, loop, log, not args.full_sequence, args.pack)
-            else:
-                role = RewardModelClient(controller, name)
-                result = await reward_model(role, train, val, loop, log)
-            await role.export(str(Path(args.out).resolve()))
+            result = await _job(opts, controller, train, val, loop, log)
         wall = time.perf_counter() - start
         return {**result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
 
     try:
-        result: dict[str, Any] = run_async(main)
+        result = run_async(main)
     finally:
         metrics.close()
-    return {"job": args.command, "model": str(args.out), **result}
+    return {"job": opts.job, "model": str(opts.out), **result}
+
+
+async def _job(
+    opts: TrainOptions,
+    controller: Controller,
+    train: Rows,
+    val: Rows,
+    loop: LoopConfig,
+    log: Log,
+) -> dict[str, Any]:
+    """The job's loop on its role, then the model exported to ``--out``."""
+    name = JOBS[opts.job][1]
+    role: ActorClient | RewardModelClient
+    if opts.job == "sft":
+        role = ActorClient(controller, name)
+        result = await sft(role, train, val, loop, log, not opts.full_sequence, opts.pack)
+    else:
+        role = RewardModelClient(controller, name)
+        result = await reward_model(role, train, val, loop, log)
+    await role.export(str(Path(opts.out).resolve()))
+    return result

@@ -18,7 +18,7 @@ from controller.placement import GroupSpec, RoleSpec
 from deploy.cluster_launch import SlurmJob, role_argv
 from deploy.clusters import ClusterSpec, SlurmCluster, assign, check_spec, load_spec
 from deploy.experiment import Experiment, ExperimentError, load
-from deploy.slurm_cli import wait_steps
+from deploy.slurm import wait_steps
 from tests.deploy.test_multicluster import WITH_ROLLOUT
 from transport.settings import Timeouts
 

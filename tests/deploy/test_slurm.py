@@ -3,7 +3,6 @@ a quick run completes and writes its metrics; a cancelled job leaves no process 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.experiment import load, placement
-from deploy.slurm_cli import job_state, render
+from deploy.slurm_cli import SlurmOptions, job_state, render
 from tests.conftest import require_system
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -44,18 +43,18 @@ def slurm() -> None:
 
 def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> None:
     exp = load(EXAMPLES / "ppo.yaml")
-    args = argparse.Namespace(
+    opts = SlurmOptions(
         experiment=EXAMPLES / "ppo.yaml",
         nodes=2,
         partition="gpu",
         time="01:00:00",
         gpus_per_node=1,
         quick=True,
-        set=["stages.1.steps=3"],
+        overrides=("stages.1.steps=3",),
         port=None,
         keys=Path("/k"),
     )
-    script = render(exp, placement(exp), args, tmp_path)
+    script = render(exp, placement(exp), opts, tmp_path)
     # the controller on node 0, then the groups round robin from node 1: main there, value on 0
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
     main, value = script.index("# group main"), script.index("# group value")

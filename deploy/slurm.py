@@ -1,0 +1,204 @@
+"""SLURM pieces shared by ``hybridflow slurm`` (``slurm_cli.py``) and cluster specs
+(``clusters.py`` checks a SLURM cluster, ``cluster_launch.py`` submits its job).
+
+- the batch script's parts: ``sbatch_header``, one ``srun`` step per group (``group_steps``) and
+  the end that watches the steps (``wait_steps``);
+- where groups go: round robin over the job's nodes (``group_nodes``, ``node_ranks``), how many
+  tasks a node needs (``tasks_per_node``) and why a placement does not fit (``overfull``);
+- SLURM's client commands: ``run_there`` (here or through ``via``, e.g. ssh), ``slurm_problem``
+  (what to fix when one failed) and ``slurm_cpus_per_node`` (asks ``sinfo``).
+
+A group is anything with ``roles``, ``nproc``, ``tp`` and ``device``: an experiment's placement
+(``GroupConfig``) or a launcher's ``GroupSpec``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from deploy.experiment import ExperimentError
+from transport.device import DeviceKind
+
+
+class Placed(Protocol):
+    """What a SLURM script needs of a process group."""
+
+    @property
+    def roles(self) -> Collection[str]: ...
+
+    @property
+    def nproc(self) -> int: ...
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def device(self) -> DeviceKind: ...
+
+
+Groups = Mapping[str, Placed]
+
+
+def sbatch_header(
+    name: str,
+    nodes: int,
+    per_node: int,
+    output: str,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    gpus_per_node: int = 0,
+    account: str | None = None,
+) -> list[str]:
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={per_node}",  # each group's step on one node
+        f"#SBATCH --output={output}",
+    ]
+    for option, value in (("partition", partition), ("time", time_limit), ("account", account)):
+        if value:
+            lines.append(f"#SBATCH --{option}={value}")
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    return lines
+
+
+def wait_steps(controller: bool) -> list[str]:
+    """The script's end, watching the steps in ``pids``: the first to fail ends the job with its
+    status (SLURM then ends the others), so nobody waits for a group that is gone. A clean exit
+    of the ``controller`` step ends the run; the groups leave on its SHUTDOWN."""
+    done = '[ "${pids[$i]}" = "$controller" ] && { wait; exit 0; }  # the run is over'
+    return [
+        "",
+        "# the first step to fail fails the job; the controller's end is the run's",
+        "set +e",
+        "while [ ${#pids[@]} -gt 0 ]; do",
+        '  for i in "${!pids[@]}"; do',
+        '    kill -0 "${pids[$i]}" 2>/dev/null && continue',
+        '    wait "${pids[$i]}"; status=$?',
+        '    [ $status -eq 0 ] || { echo "hybridflow: a step failed ($status)" >&2; exit $status; }',
+        *([f"    {done}"] if controller else []),
+        '    unset "pids[$i]"',
+        "  done",
+        "  sleep 1",
+        "done",
+        "",
+    ]
+
+
+def group_nodes(groups: Groups, nodes: int, controller: bool) -> list[int]:
+    """The node of each group, in order: round robin, starting after the controller's node
+    (node 0) when the job has more than one node."""
+    start = 1 if controller and nodes > 1 else 0
+    return [(i + start) % nodes for i in range(len(groups))]
+
+
+def node_ranks(groups: Groups, nodes: int, controller: bool) -> list[list[str]]:
+    """What runs on each node: group names, and "controller" on node 0 when there is one."""
+    where: list[list[str]] = [["controller"] if controller and n == 0 else [] for n in range(nodes)]
+    for node, name in zip(group_nodes(groups, nodes, controller), groups, strict=True):
+        where[node].append(name)
+    return where
+
+
+def _tasks(groups: Groups, names: list[str]) -> int:
+    """The tasks of one node's groups (the controller is one task)."""
+    return sum(1 if name == "controller" else groups[name].nproc for name in names)
+
+
+def tasks_per_node(groups: Groups, nodes: int, controller: bool) -> int:
+    """The job's ``--ntasks-per-node``: its fullest node (the controller is one task)."""
+    return max(_tasks(groups, names) for names in node_ranks(groups, nodes, controller))
+
+
+def overfull(groups: Groups, nodes: int, per_node: int, controller: bool) -> str | None:
+    """Why the groups (and the controller, 1 task on node 0) do not fit ``nodes`` nodes of
+    ``per_node`` tasks each, or None."""
+    for n, names in enumerate(node_ranks(groups, nodes, controller)):
+        ranks = _tasks(groups, names)
+        if ranks > per_node:
+            return (
+                f"node {n} of the job would run {ranks} tasks ({', '.join(names)}) but a node "
+                f"holds {per_node}; use more nodes or fewer ranks (placement nproc)"
+            )
+    return None
+
+
+def group_steps(
+    groups: Groups,
+    nodes: int,
+    connect: str,
+    run_dir: str | Path,
+    python: str,
+    keys: str,
+    controller: bool,
+) -> list[str]:
+    """One background srun step per group, on the node ``group_nodes`` gives it; each rank is
+    one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group stays on one node,
+    so its ranks meet on loopback."""
+    lines: list[str] = []
+    for node, (name, group) in zip(
+        group_nodes(groups, nodes, controller), groups.items(), strict=True
+    ):
+        roles = ",".join(group.roles)
+        where = f"${{nodes[{node}]}}"
+        lines += [
+            "",
+            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
+            f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
+            f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
+            f"  --group {name} --tp {group.tp} --device {group.device} --launcher env "
+            "--master-addr 127.0.0.1 "
+            f"--run-dir {shlex.quote(str(run_dir))}"
+            + (f"{keys} --client {name}" if keys else "")
+            + " &",
+            "pids+=($!)",
+        ]
+    return lines
+
+
+def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` on the host ``via`` reaches (here when empty)."""
+    command = [*via, shlex.join(argv)] if via else argv
+    return subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+
+
+def slurm_problem(who: str, stderr: str) -> str:
+    """What to fix when a SLURM client command failed."""
+    text = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
+    if "munge" in stderr.lower():
+        return (
+            f"{who}: SLURM cannot authenticate ({text}): munged is not running or "
+            "not installed on this host; start it (e.g. `service munge start`)"
+        )
+    if "unable to contact" in stderr.lower() or "connection refused" in stderr.lower():
+        return f"{who}: slurmctld does not answer ({text}); is the cluster up?"
+    return f"{who}: {text}"
+
+
+def slurm_cpus_per_node(who: str, via: list[str], partition: str | None) -> int:
+    """The smallest CPU count of the partition's nodes; a clear error (starting with ``who``)
+    when SLURM's commands are missing or munge/slurmctld do not answer."""
+    if not via and shutil.which("sinfo") is None:
+        raise ExperimentError(
+            f"{who}: SLURM's commands (sinfo, sbatch) are not on PATH; install the "
+            "SLURM client (Debian: slurm-client) or set via: to reach a login node"
+        )
+    argv = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
+    try:
+        done = run_there(via, argv, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
+    if done.returncode != 0:
+        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
+    counts = [int(c.rstrip("+")) for c in done.stdout.split() if c.rstrip("+").isdigit()]
+    if not counts:
+        where = f"partition {partition!r}" if partition else "the default partition"
+        raise ExperimentError(f"{who}: sinfo lists no nodes in {where}")
+    return min(counts)
