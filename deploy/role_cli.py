@@ -209,6 +209,7 @@ def _group_spec(opts: RoleOptions) -> GroupSpec:
         tp=opts.tp,
         pp=opts.pp,
         device=opts.device,
+        fanout=opts.fanout,
     )
 
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from deploy.cli import build_parser
+from deploy.role_cli import RoleOptions, _group_spec
 from tests.roles.test_mesh import pid_alive
 
 
@@ -85,3 +87,19 @@ def test_kill_9_of_the_controller_leaves_no_orphans(
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=5)
     assert wait_for(lambda: not any(pid_alive(p) for p in pids), 5), "ranks outlived their parent"
+
+
+def test_role_command_options_reach_the_group_it_launches() -> None:
+    """``hybridflow role`` with its own ranks sizes the group from its options: every one of them,
+    the fan-out backend included (it was once dropped, so ranks always used socket links)."""
+    argv = "role actor,reward --connect tcp://127.0.0.1:5555 --nproc 4 --tp 2 --fanout zmq"
+    args = build_parser().parse_args([*argv.split(), "--device", "cpu"])
+    spec = _group_spec(RoleOptions.from_args(args))
+    assert (spec.name, sorted(spec.roles), spec.nproc, spec.tp, spec.fanout, spec.device) == (
+        "actor+reward",
+        ["actor", "reward"],
+        4,
+        2,
+        "zmq",
+        "cpu",
+    )
