@@ -22,6 +22,7 @@ import socket
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.keys_cli import client_files
@@ -47,7 +48,7 @@ class RoleOptions:
     pp: int = 1
     token: str | None = None
     wait: float | None = None
-    fanout: str = "socket"
+    fanout: Literal["socket", "zmq", "rpc"] = "socket"
     device: DeviceKind = DeviceKind.CPU
     run_dir: Path = Path("runs/role")
     launcher: str = "auto"
