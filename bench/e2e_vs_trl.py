@@ -16,9 +16,11 @@ Runs, in turn:
 - **hybridflow** — on-policy fp32, semantics identical to TRL's: generation on the actor's own
   weights, pi_old = the generator's log-probs of the same weights (TRL detaches the current
   log-probs; in fp32 the two are equal), ranks in replicate data parallel;
-- **hybridflow_best** — bf16 autocast (fp32 master weights), same ranks, pi_old from the
-  generator's bf16 log-probs (the behaviour policy, no recompute); with ``--overlap`` also one rank
-  training while a second generates the next batch (one step off-policy; said in the JSON).
+- **hybridflow_best** — ``dtype: auto``, i.e. the dtype this machine runs fastest (bf16 autocast
+  with fp32 master weights where the CPU multiplies bf16 natively, fp32 where it does not; the JSON
+  says which and why), same ranks, pi_old from the generator's log-probs (the behaviour policy, no
+  recompute); with ``--overlap`` also one rank training while a second generates the next batch
+  (one step off-policy; said in the JSON).
 
 Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
 median step after the first, tok/s = median of tokens/step time. The last line is a JSON object
@@ -70,13 +72,19 @@ def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Pa
     argv = ["sft", "--model", str(base), "--out", str(out), "--run-dir", str(work / "sft-run")]
     argv += ["--data", SFT_DATA, "--val", "builtin:arithmetic?n=64&split=test&" + TASK]
     argv += ["--steps", str(steps), "--batch-size", "32", "--lr", "1e-3", "--warmup", "10"]
-    argv += ["--dtype", "bf16", "--nproc", "2", "--dp-mode", "replicate", "--eval-every", "0"]
+    argv += ["--dtype", "auto", "--nproc", "2", "--dp-mode", "replicate", "--eval-every", "0"]
     hybridflow_cli(argv)
     return out
 
 
 def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> dict[str, Any]:
-    actor: dict[str, Any] = {"model": "sft", "micro_batch_size": 64, "dp_mode": "replicate"}
+    # on-policy: fp32, the exact recompute; best: the dtype this machine runs fastest (auto)
+    actor: dict[str, Any] = {
+        "model": "sft",
+        "micro_batch_size": 64,
+        "dp_mode": "replicate",
+        "dtype": "auto" if best else "fp32",
+    }
     algorithm: dict[str, Any] = {
         "name": "grpo",
         "prompts_per_step": args.prompts,
@@ -92,13 +100,12 @@ def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> 
     }
     placement: dict[str, Any] = {"main": {"roles": ["actor", "reward"], "nproc": args.threads}}
     if best:
-        actor["dtype"] = "bf16"
         # pi_old stays the generator's log-probs: under bf16 they differ from a recompute by
         # rounding, so the ratio is taken against the behaviour policy as sampled (one forward
         # pass saved; the loss is the same clipped surrogate).
         if args.overlap:
             algorithm["overlap"] = True
-            roles["rollout"] = {"model": "sft", "dtype": "bf16"}
+            roles["rollout"] = {"model": "sft", "dtype": "auto"}
             placement = {
                 "train": {"roles": ["actor", "reward"], "nproc": 1},
                 "gen": {"roles": ["rollout"], "nproc": 1},
@@ -129,7 +136,7 @@ def run_hybridflow(work: Path, name: str, config: dict[str, Any]) -> dict[str, A
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     run_dir = work / f"run-{name}"
     start = time.perf_counter()
-    hybridflow_cli(["run", str(path), "--run-dir", str(run_dir)])
+    summary = hybridflow_cli(["run", str(path), "--run-dir", str(run_dir)])
     wall = time.perf_counter() - start
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     steps = [r for r in rows if "stage_step" in r]
@@ -150,6 +157,8 @@ def run_hybridflow(work: Path, name: str, config: dict[str, Any]) -> dict[str, A
             for k in ("time/gen_s", "time/prepare_s", "time/update_s", "time/sync_s")
         },
         "wall_s": round(wall, 1),
+        "dtype": summary["precision"]["actor"]["dtype"],
+        "dtype_reason": summary["precision"]["actor"]["reason"],
     }
 
 
@@ -243,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             "best": round(best["reward_second_half"], 4),
             "trl": round(statistics.fmean(trl["reward_per_step"][args.steps // 2 :]), 4),
         },
-        "best_config": "bf16" + (", overlap (one step off-policy)" if args.overlap else ""),
+        "best_config": best["dtype"] + (", overlap (one step off-policy)" if args.overlap else ""),
+        "dtype": {"hybridflow": hf["dtype"], "best": best["dtype"], "trl": "fp32"},
+        "best_dtype_reason": best["dtype_reason"],
         "split_s": {"hybridflow": hf["split_s"], "best": best["split_s"]},
     }
     print(json.dumps(report))

@@ -57,6 +57,7 @@ from deploy.cli import run_async
 from deploy.session import local_session
 from roles.modeling.models import ModelSize, count_parameters, init_model, load_tokenizer
 from roles.modeling.text import encode_rows
+from roles.runtime.device import bf16_speedup
 from transport.batch import TensorBatch
 
 BATCH, MICRO, WARMUP, LR, CLIP = 64, 16, 2, 1e-4, 1.0
@@ -296,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[yellow]warning: other processes used {other:.0f}% of a core meanwhile[/]")
     print_table(report, plan, args.quick)
     sys.stdout.flush()
+    report["bf16_speedup_probe"] = round(bf16_speedup(), 2)  # what dtype: auto decides by
     print(json.dumps(report), flush=True)
     return 0
 

@@ -115,15 +115,16 @@ def run_trl(
 
 
 def _bos_prefix(tokenizer: Any) -> str:
-    """TRL tokenizes plain-text prompts with add_special_tokens=True, which adds nothing for our
-    tokenizer; the literal bos token in front makes the prompt ``[bos, *text]`` as in
-    hybridflow (checked here)."""
+    """TRL tokenizes plain-text prompts with add_special_tokens=True. A tokenizer made or exported
+    by hybridflow adds BOS by itself (nothing to prefix); an older one adds nothing, and a literal
+    bos token in front gives the same ``[bos, *text]`` as hybridflow (checked here, either way)."""
     bos = tokenizer.bos_token or ""
     probe = "1+2="
     expected = [tokenizer.bos_token_id, *tokenizer.encode(probe, add_special_tokens=False)]
-    if bos and tokenizer(bos + probe)["input_ids"] != expected:
-        raise RuntimeError("the tokenizer does not encode '<bos>'+prompt as [bos_id, *prompt]")
-    return bos
+    for prefix in ("", bos):
+        if tokenizer(prefix + probe)["input_ids"] == expected:
+            return prefix
+    raise RuntimeError("the tokenizer encodes a prompt as neither [bos, *prompt] nor with '<bos>'")
 
 
 def _dataset(prompts: list[dict], bos: str) -> Any:

@@ -202,6 +202,7 @@ class Trainer:
         self.validations: list[dict[str, Any]] = []
         self.stale = False  # the rollout group's weights lag the actor's
         self.saved_step = -1
+        self.precision: dict[str, dict[str, str]] = {}
         first_rl = next((s for s in self.stages if isinstance(s, RLStage)), None)
         kl = (first_rl.algorithm if first_rl else AlgorithmConfig()).kl
         self.state = State(kl=kl.controller())
@@ -218,6 +219,7 @@ class Trainer:
 
     async def _run(self, resume: bool) -> dict[str, Any]:
         start_stage, start_step = 0, 0
+        self.precision = await self._precision()
         if resume:
             start_stage, start_step = await self._restore()
         else:
@@ -254,8 +256,17 @@ class Trainer:
             "val_acc_before": score("before:"),
             "val_acc_after": float(final["val/score"]) if final else None,
             "steps": self.global_step,
+            "precision": self.precision,
             "validations": self.validations,
         }
+
+    async def _precision(self) -> dict[str, dict[str, str]]:
+        """Per model-holding role: the dtype it computes in (``dtype: auto`` resolved on its
+        ranks) and why, so a result says what it ran in."""
+        found = {role: await client.precision() for role, client in self.clients.items()}
+        if self.roles.rollout is not None:
+            found["rollout"] = await self.roles.rollout.precision()
+        return found
 
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:

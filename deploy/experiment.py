@@ -9,7 +9,7 @@ loss settings, tensor-parallel sizes against the model, and every dataset row (f
     models:
       base: {init: tiny, seed: 0}           # or {path: DIR} or {gguf: smollm2}
     roles:
-      actor: {model: base, dtype: bf16}     # class from the name; other keys: its config
+      actor: {model: base, dtype: fp32}     # class from the name; other keys: its config
       reward: {function: roles.rules:arithmetic_reward}
     placement:                              # default: every role in one group of 1 rank
       main: {roles: [actor, reward], nproc: 2}

@@ -390,10 +390,12 @@ def _describe(summary: dict[str, Any], run_dir: Path) -> str:
     def fmt(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
 
+    actor = summary.get("precision", {}).get("actor")
+    dtype = f", actor in {actor['dtype']} ({actor['reason']})" if actor else ""
     return (
         f"{summary['name']}: validation score init {fmt(summary['val_acc_init'])}, "
         f"before RL {fmt(summary['val_acc_before'])}, after {fmt(summary['val_acc_after'])} "
-        f"in {summary['wall_s']} s ({summary['steps']} steps)\nrun: {run_dir}"
+        f"in {summary['wall_s']} s ({summary['steps']} steps{dtype})\nrun: {run_dir}"
     )
 
 

@@ -58,7 +58,7 @@ class TrainOptions:
     warmup: int = 10
     schedule: str = "cosine"
     micro_batch_size: int = 16
-    dtype: str = "fp32"
+    dtype: str = "auto"
     nproc: int = 1
     tp: int = 1
     dp_mode: str = "fsdp"
@@ -120,7 +120,12 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps")
     p.add_argument("--schedule", choices=("constant", "linear", "cosine"), default="cosine")
     p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="auto: bf16 where the hardware multiplies bf16 natively, else fp32",
+    )
     p.add_argument("--nproc", type=int, default=1, help="ranks in the training group")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument(

@@ -2,7 +2,7 @@
 
 Actor, reference, critic and reward-model roles subclass ``EngineRole``; their own files hold only
 what differs (which head, which loss). The placement config of such a role is an ``EngineConfig``
-(``roles/engines/training/config.py``): ``{"model": PATH, "dtype": "bf16", "micro_batch_size": 8,
+(``roles/engines/training/config.py``): ``{"model": PATH, "dtype": "auto", "micro_batch_size": 8,
 "optim": {"lr": 1e-5, ...}}``; ``optim: null`` freezes the weights.
 """
 
@@ -69,6 +69,11 @@ class EngineRole(Role):
         """The full weights as a plain Hugging Face folder."""
         self.engine.export(path)
         return str(Path(path))
+
+    @endpoint(RANK_ZERO)
+    def precision(self) -> dict[str, str]:
+        """The dtype the engine computes in (``dtype: auto`` resolved) and why."""
+        return {"dtype": self.engine.precision.dtype, "reason": self.engine.precision.reason}
 
     @endpoint(RANK_ZERO)
     def param_layout(self) -> dict[str, dict[str, object]]:

@@ -5,12 +5,12 @@ ranks of one dp rank run one tensor-parallel engine together). ``load_weights(st
 takes a full state dict — here sent from the actor through the controller, plain and correct; the
 reshard module makes this efficient later — and every generation reports the version it used.
 
-Config: ``{"model": PATH, "engine": "native" | "hf", "dtype": "fp32" | "bf16"}``.
+Config: ``{"model": PATH, "engine": "native" | "hf", "dtype": "auto" | "fp32" | "bf16"}``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,7 +19,8 @@ from roles.base import Role, RoleContext
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
 from roles.modeling.models import load_causal_lm, load_tokenizer
 from roles.modeling.text import pad_rows
-from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, endpoint
+from roles.runtime.device import Precision, group_dtype
+from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
 from transport.batch import TensorBatch
 
 
@@ -28,15 +29,17 @@ class RolloutConfig(BaseModel):
 
     model: str = Field(description="model folder the weights start from")
     engine: EngineName = "native"
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="weights' dtype while generating")
+    dtype: Precision = Field(
+        "auto", description="weights' dtype while generating (auto: roles/runtime/device.py)"
+    )
 
 
 class Rollout(Role):
     def __init__(self, ctx: RoleContext, **config: Any) -> None:
         super().__init__(ctx)
         self.cfg = RolloutConfig.model_validate(config)
-        dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
-        self.model = load_causal_lm(self.cfg.model, dtype=dtype).eval()
+        self.dtype = group_dtype(self.cfg.dtype, ctx.device, ctx.process_group)
+        self.model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype).eval()
         self.tokenizer = load_tokenizer(self.cfg.model)
         layout = ctx.layout
         if layout.tp > 1:
@@ -81,6 +84,11 @@ class Rollout(Role):
     @endpoint(ONE_TO_ALL)
     def weight_version(self) -> int:
         return self.version
+
+    @endpoint(RANK_ZERO)
+    def precision(self) -> dict[str, str]:
+        """The dtype the weights generate in (``dtype: auto`` resolved) and why."""
+        return {"dtype": self.dtype.dtype, "reason": self.dtype.reason}
 
 
 def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

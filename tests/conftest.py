@@ -10,7 +10,13 @@ import pytest
 import uvloop
 
 from controller.placement import GroupSpec, RoleSpec
+from roles.runtime.device import AUTO_DTYPE_ENV
 from transport.settings import Timeouts
+
+# ``dtype: auto`` picks bf16 or fp32 by the CPU it runs on; the suite's numbers must not depend on
+# the machine, so every rank it starts resolves auto to fp32 (tests/roles/test_precision.py
+# tests the probe itself).
+os.environ.setdefault(AUTO_DTYPE_ENV, "fp32")
 
 # Every wait in tests is bounded well below pytest-timeout; process groups get <= 60 s.
 TEST_TIMEOUTS = Timeouts(call_s=60, connect_s=60, group_init_s=30, shutdown_s=3)

@@ -39,6 +39,11 @@ class EngineClient(RoleClient):
         """The full weights as a plain Hugging Face folder at ``path``; returns it."""
         return await self._call(Transfer.ONE_TO_ALL, "export", path, timeout=timeout)
 
+    async def precision(self, *, timeout: float | None = None) -> dict[str, str]:
+        """``{"dtype": "fp32" | "bf16", "reason": ...}``: what the engine computes in (its
+        ``dtype: auto`` resolved on the ranks) and why."""
+        return await self._call(Transfer.RANK_ZERO, "precision", timeout=timeout)
+
     async def param_layout(self, *, timeout: float | None = None) -> dict[str, dict[str, object]]:
         """Per parameter: full shape, the dim split over tp and the dim split over dp."""
         return await self._call(Transfer.RANK_ZERO, "param_layout", timeout=timeout)

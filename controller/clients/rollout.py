@@ -38,3 +38,7 @@ class RolloutClient(RoleClient):
 
     async def weight_version(self, *, timeout: float | None = None) -> int:
         return await self._call(Transfer.ONE_TO_ALL, "weight_version", timeout=timeout)
+
+    async def precision(self, *, timeout: float | None = None) -> dict[str, str]:
+        """``{"dtype": "fp32" | "bf16", "reason": ...}``: the dtype the weights generate in."""
+        return await self._call(Transfer.RANK_ZERO, "precision", timeout=timeout)

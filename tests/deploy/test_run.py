@@ -14,9 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
+from controller.tasks import arithmetic
 from deploy.cli import build_parser
+from roles.rules import arithmetic_reward
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TIMING = ("time/", "perf/")
@@ -71,6 +75,31 @@ def test_quickstart_quick_runs_reports_and_exports(tmp_path: Path) -> None:
     assert job(["report", str(run_dir)]) == 0
     plots = {p.name for p in (run_dir / "plots").iterdir()}
     assert {"reward.png", "length.png", "time.png", "sft.png"} <= plots
+    assert result["precision"]["actor"] == {
+        "dtype": "fp32",
+        "reason": "auto: HYBRIDFLOW_AUTO_DTYPE=fp32",
+    }
+    check_export_in_plain_transformers(run_dir / "export" / "actor", result["val_acc_after"])
+
+
+def check_export_in_plain_transformers(export: Path, val_score: float) -> None:
+    """The exported model, asked the validation problems the way a Hugging Face user asks them
+    (default tokenizer call with padding, greedy ``generate``, then a ``pipeline``), answers
+    exactly as the run's own final validation did: the same exact-answer score."""
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    rows = arithmetic(64, "test")  # the quick run's trainer.val_data
+    prompts = [row["prompt"] for row in rows]
+    inputs = tok(prompts, return_tensors="pt", padding=True)
+    assert (inputs["input_ids"][:, 0] == tok.bos_token_id).any()  # BOS without being asked
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+    answers = tok.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    score = sum(arithmetic_reward(p, a, r) for p, a, r in zip(prompts, answers, rows, strict=True))
+    assert score / len(rows) == pytest.approx(val_score, abs=1e-6)
+    generate = pipeline("text-generation", model=model, tokenizer=tok)
+    piped = generate(prompts[:8], do_sample=False, max_new_tokens=8, return_full_text=False)
+    assert [p[0]["generated_text"] for p in piped] == answers[:8]
 
 
 @pytest.mark.slow

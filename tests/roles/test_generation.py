@@ -28,16 +28,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, list[list
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(30):  # enough to make answers end in </s>
         row = rows[step % len(rows)]
-        text = [tokenizer.bos_token_id, *tokenizer.encode(row["prompt"] + row["response"])]
+        text = tokenizer.encode(row["prompt"] + row["response"])  # [bos, *text]
         ids = torch.tensor([[*text, tokenizer.eos_token_id]])
         model(input_ids=ids, labels=ids).loss.backward()
         optim.step()
         optim.zero_grad()
-    prompts = [
-        [tokenizer.bos_token_id, *tokenizer.encode(p)]
-        for p in ["1+2=", "34+56=", "7+80=", "99+99=", "0+0="]
-    ]
-    prompts.append([tokenizer.bos_token_id, *tokenizer.encode("a longer prompt: 12+13=")])
+    texts = ["1+2=", "34+56=", "7+80=", "99+99=", "0+0=", "a longer prompt: 12+13="]
+    prompts = [tokenizer.encode(p) for p in texts]  # the tokenizer adds the BOS
     return model, tokenizer, prompts
 
 

@@ -50,28 +50,40 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("text", TRICKY)
 def test_tokenizer_round_trips(text: str) -> None:
     tokenizer = build_tokenizer()
-    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) == text.replace(
+        "<s>", ""
+    ).replace("</s>", "")
 
 
-def test_tokenizer_is_bytes_and_adds_no_specials() -> None:
+def test_tokenizer_is_bytes_and_adds_bos_as_training_rows_start() -> None:
     tokenizer = build_tokenizer()
-    assert tokenizer.encode("0123456789") == list(range(48, 58))  # each digit its own token
-    assert tokenizer.encode("é") == list("é".encode())
+    plain = tokenizer.encode("0123456789", add_special_tokens=False)
+    assert plain == list(range(48, 58))  # each digit its own token
+    assert tokenizer.encode("é", add_special_tokens=False) == list("é".encode())
     assert len(tokenizer) == 259
     ids = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     assert ids == (256, 257, 258)
-    assert tokenizer.padding_side == "right"
+    # what plain Hugging Face code gets: <s> first, as every training row (roles/modeling/text.py)
+    assert tokenizer("0123456789")["input_ids"] == [257, *plain]
+    assert tokenizer("12", "34")["input_ids"] == [257, 49, 50, 51, 52]  # prompt + response
+    assert tokenizer.padding_side == "left"  # decoder-only generation pads on the left
+    batch = tokenizer(["1", "123"], padding=True)["input_ids"]
+    assert batch == [[256, 256, 257, 49], [257, 49, 50, 51]]
 
 
 def test_tokenizer_reloads_by_path(tiny_dir: Path) -> None:
     built, loaded = build_tokenizer(), AutoTokenizer.from_pretrained(tiny_dir)
     for text in TRICKY:
         assert loaded.encode(text) == built.encode(text)
-        assert loaded.decode(loaded.encode(text)) == text
+        assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
     assert loaded.eos_token_id == built.eos_token_id and loaded.pad_token_id == built.pad_token_id
     chat = [{"role": "user", "content": "2+2?"}]
     prompt = loaded.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert prompt == "user: 2+2?\nassistant: "
+    assert prompt == "<s>user: 2+2?\nassistant: "
+    ids = loaded.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert ids == loaded(prompt, add_special_tokens=False)["input_ids"]  # one BOS, not two
+    assert ids == loaded("user: 2+2?\nassistant: ")["input_ids"]
     assert load_tokenizer(tiny_dir).encode("x 1") == built.encode("x 1")
 
 
@@ -216,7 +228,14 @@ def test_import_smollm2_gguf(tmp_path: Path) -> None:
     # The safetensors copy computes what the GGUF-loaded model computes.
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    ids = torch.tensor([tokenizer.encode(prompt)])
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
+    # Plain calls give what training rows hold: [bos, *text] (its bos is <|im_start|>, which
+    # its chat template already starts with: no second one), padded on the left.
+    assert tokenizer.bos_token == "<|im_start|>" and ids[0, 0] == tokenizer.bos_token_id
+    assert ids[0, 1] != tokenizer.bos_token_id
+    text = prompt.removeprefix("<|im_start|>")
+    assert tokenizer(text)["input_ids"] == ids[0].tolist()
+    assert tokenizer.padding_side == "left"
     original, _ = load_gguf(find_smollm2_gguf())
     with torch.no_grad():
         want, got = original(ids).logits[0, -1], model(ids).logits[0, -1]

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from roles.runtime.device import Precision
+
 
 class OptimConfig(BaseModel):
     """AdamW with linear warm-up, then a constant, linear or cosine schedule."""
@@ -66,8 +68,10 @@ class EngineConfig(BaseModel):
 
     model: str = Field(description="path of a Hugging Face model directory")
     backend: Literal["fsdp"] = Field("fsdp", description="training engine implementation")
-    dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="bf16: autocast the forward/backward, keep fp32 master weights"
+    dtype: Precision = Field(
+        "auto",
+        description="bf16: autocast the forward/backward, keep fp32 master weights; auto: bf16 "
+        "where the hardware multiplies bf16 natively, else fp32 (roles/runtime/device.py)",
     )
     micro_batch_size: int = Field(8, ge=1, description="rows per forward/backward on one rank")
     dp_mode: Literal["fsdp", "replicate"] = Field(

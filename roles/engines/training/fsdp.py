@@ -38,8 +38,14 @@ from roles.base import RoleContext
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
 from roles.modeling.losses import count
-from roles.modeling.models import check_model_dir, load_causal_lm, load_tokenizer
+from roles.modeling.models import (
+    check_model_dir,
+    faithful_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+)
 from roles.modeling.text import block_causal_mask, segment_positions
+from roles.runtime.device import group_dtype
 from transport.batch import TensorBatch
 
 # Column-wise splits the output features (heads), row-wise the input features; a row-wise layer
@@ -117,6 +123,7 @@ class FSDPEngine(TrainingEngine):
             raise EngineError(f"the fsdp engine has no pipeline parallel; got pp={layout.pp}")
         self.cfg, self.head, self.step = cfg, head, 0
         self.device = ctx.device  # mesh and autocast device type come from the device seam
+        self.precision = group_dtype(cfg.dtype, ctx.device, ctx.process_group)
         self.dp, self.tp, self.world = layout.dp, layout.tp, layout.world_size
         self.module = load_module(cfg, head)
         self.model_config = self.module.config
@@ -222,7 +229,7 @@ class FSDPEngine(TrainingEngine):
                 module.reshard()
 
     def autocast(self) -> AbstractContextManager[Any]:
-        if self.cfg.dtype == "bf16":
+        if self.precision.dtype == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -404,7 +411,7 @@ class FSDPEngine(TrainingEngine):
             aside.mkdir(parents=True)
             save_file(full, str(aside / "model.safetensors"), metadata={"format": "pt"})
             self.model_config.save_pretrained(aside)
-            load_tokenizer(self.cfg.model).save_pretrained(aside)
+            faithful_tokenizer(load_tokenizer(self.cfg.model)).save_pretrained(aside)
             _replace_dir(aside, final)
         self._barrier()
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from roles.engines.training.config import EngineConfig, OptimConfig
+from roles.runtime.device import DtypeChoice
 from transport.batch import TensorBatch
 
 Head = Literal["lm", "token"]
@@ -57,6 +58,7 @@ class TrainingEngine(ABC):
     cfg: EngineConfig
     model_config: Any  # the Hugging Face config of the model
     step: int  # optimizer steps taken
+    precision: DtypeChoice  # what ``autocast`` computes in, and why
 
     @abstractmethod
     def infer(self, batch: TensorBatch, read: Read) -> torch.Tensor: ...
