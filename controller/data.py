@@ -21,7 +21,7 @@ import os
 import tempfile
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -43,13 +43,14 @@ class Column:
     name: str
     kind: type | tuple[type, ...]
     required: bool = True
+    why: str = ""  # who needs it, said when it is missing (e.g. "the reward function f reads it")
 
     @property
     def kinds(self) -> tuple[type, ...]:
         return self.kind if isinstance(self.kind, tuple) else (self.kind,)
 
     def describe(self) -> str:
-        types = " | ".join(k.__name__ for k in self.kinds)
+        types = "any value" if object in self.kinds else " | ".join(k.__name__ for k in self.kinds)
         return f"{self.name} ({types})" if self.required else f"{self.name} ({types}, optional)"
 
     def accepts(self, value: object) -> bool:
@@ -66,6 +67,18 @@ PROMPT_COLUMNS = (
     Column("answer", (str, int, float), required=False),
     Column("data_source", str, required=False),
 )
+
+
+def require(columns: Sequence[Column], names: Iterable[str], why: str) -> tuple[Column, ...]:
+    """`columns` with each of `names` made required (a new column of any type when absent), so a
+    row without it fails at load time saying `why` it is needed."""
+    names = list(names)
+    out = [
+        replace(c, required=True, why=why) if c.name in names and not c.required else c
+        for c in columns
+    ]
+    known = {c.name for c in columns}
+    return (*out, *(Column(n, object, why=why) for n in names if n not in known))
 
 
 def read_rows(source: str | Path, columns: Sequence[Column]) -> list[dict[str, Any]]:
@@ -99,8 +112,10 @@ def check_row(row: Mapping[str, Any], columns: Sequence[Column], where: str) -> 
         if value is None:
             if column.required:
                 state = "is null" if column.name in row else "is missing"
+                why = f" ({column.why})" if column.why else ""
                 raise DatasetError(
-                    f"{where}: column {column.name!r} {state}; every row needs {_needs(columns)}"
+                    f"{where}: column {column.name!r} {state}{why}; every row needs "
+                    f"{_needs(columns)}"
                 )
         elif not column.accepts(value):
             raise DatasetError(

@@ -3,7 +3,8 @@
 Everything is checked before any process starts — field types and ranges (pydantic, which names
 the field), then what only the whole file can tell: every role placed exactly once, the roles each
 algorithm needs, model folders, role settings (validated with the roles' own config classes),
-loss settings, tensor-parallel sizes against the model, and every dataset row (file and line).
+loss settings, tensor-parallel sizes against the model, and every dataset row (file and line),
+including the columns a rule reward declared it reads (``roles.rules.needs``).
 
     name: quickstart
     models:
@@ -40,7 +41,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
+from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, Column, read_rows, require
 from controller.placement import GroupSpec, RoleSpec, check_placement
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig
 from transport.device import DeviceKind
@@ -415,20 +416,41 @@ def _short(exc: Exception) -> str:
     return str(exc)
 
 
+def scored_columns(exp: Experiment) -> tuple[Column, ...]:
+    """The columns of data a reward scores (RL prompts, held-out prompts): the prompt columns,
+    plus every column a rule reward declared with ``roles.rules.needs``."""
+    # roles code: a rule function is imported to read what it declared
+    from roles.reward import load_function
+    from roles.rules import needed_columns
+
+    columns: tuple[Column, ...] = PROMPT_COLUMNS
+    for name, cfg in exp.roles.items():
+        if role_class(name, cfg) != RULE_CLASS:
+            continue
+        path = str(cfg.settings().get("function"))
+        try:
+            names = needed_columns(load_function(path))
+        except (ValueError, TypeError) as exc:
+            raise ExperimentError(f"roles.{name}.function: {exc}") from None
+        columns = require(columns, names, f"the reward function {path} of role {name!r} reads it")
+    return columns
+
+
 def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
     """Every dataset the stages name, read and checked row by row (file:line on error)."""
     wanted: dict[str, Any] = {}
+    scored = scored_columns(exp)
     for stage in exp.stages:
         if isinstance(stage, SFTStage):
             wanted[stage.data] = SFT_COLUMNS
             if stage.val_data:
                 wanted[stage.val_data] = SFT_COLUMNS
         else:
-            wanted.setdefault(stage.data, PROMPT_COLUMNS)
+            wanted.setdefault(stage.data, scored)
             if stage.ptx_data:
                 wanted[stage.ptx_data] = SFT_COLUMNS
     if exp.trainer.val_data:
-        wanted.setdefault(exp.trainer.val_data, PROMPT_COLUMNS)
+        wanted.setdefault(exp.trainer.val_data, scored)
     data = {source: read_rows(source, columns) for source, columns in wanted.items()}
     for stage in exp.stages:
         stage.resolve_epochs(len(data[stage.data]))

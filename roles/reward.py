@@ -3,7 +3,9 @@
 * **Rule-based**: ``{"function": "package.module:function"}``. The function is called per row as
   ``fn(prompt, response, metadata)`` and returns a float or a dict with a ``score`` (other numeric
   keys come back as extra columns ``reward/<key>``). A function that raises fails the call with
-  its name and the row — the role stays up and the next call works.
+  its name and the row — the role stays up and the next call works. A function declares the
+  columns it reads with ``roles.rules.needs``; the experiment loader checks the data for them
+  before a run starts, and a row that still arrives without one (null) fails here, by name.
 * **Model-based**: an ``EngineConfig`` (``{"model": PATH, ...}``): an LM backbone with a scalar
   head, read on the last real token of each row. A cost model (Safe-RLHF) is the same role under
   another name. With an ``optim`` section the model trains on preference pairs by Bradley-Terry.
@@ -26,6 +28,7 @@ from roles.engine_role import EngineRole
 from roles.modeling.losses import aggregate, bradley_terry_loss
 from roles.modeling.models import load_tokenizer
 from roles.modeling.text import decode_rows, encode_rows, last_token_index
+from roles.rules import needed_columns
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from transport.batch import TensorBatch
 
@@ -71,6 +74,7 @@ class RuleReward(Role):
         super().__init__(ctx)
         self.path = function
         self.fn = load_function(function)
+        self.needs = needed_columns(self.fn)
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
 
     @endpoint(DP_SPLIT)
@@ -92,6 +96,12 @@ class RuleReward(Role):
         where = (
             f"row {row} of this rank's shard (prompt={prompt[:80]!r}, response={response[:80]!r})"
         )
+        missing = [c for c in self.needs if meta.get(c) is None]
+        if missing:
+            raise RewardError(
+                f"reward function {self.path} needs column(s) {missing} and {where} has none "
+                "(missing or null); give every row of the data a value"
+            )
         try:
             result = self.fn(prompt, response, meta)
         except Exception as exc:  # the user's code: report it with the row, keep serving

@@ -3,15 +3,43 @@
 A rule reward is ``fn(prompt, response, metadata) -> float | dict`` (see ``roles/reward.py``).
 ``roles.rules:arithmetic_reward`` scores the built-in arithmetic task (``controller/tasks.py``),
 whose rows carry the exact answer as ``metadata["answer"]``.
+
+A rule reward that reads a data column declares it with ``@needs("answer")``: the experiment
+loader (``deploy/experiment.py``) then checks, before anything starts, that every row of the
+data the reward scores has that column (not null), and names the file and row that lacks it;
+without the check such a row would reach the reward as ``None`` and score 0 silently. The
+reward role checks it again per row (``roles/reward.py``), for controllers started by hand.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+NEEDS = "needs_columns"  # the attribute ``needs`` sets; read it with ``needed_columns``
 
 
+def needs(*columns: str) -> Callable[[F], F]:
+    """Declare the data columns (row metadata) a rule reward cannot score without."""
+
+    def mark(fn: F) -> F:
+        setattr(fn, NEEDS, tuple(columns))
+        return fn
+
+    return mark
+
+
+def needed_columns(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The columns ``fn`` declared with ``needs`` (none when it declared nothing)."""
+    found = getattr(fn, NEEDS, ())
+    if not isinstance(found, tuple) or not all(isinstance(c, str) for c in found):
+        raise TypeError(f"{getattr(fn, '__name__', fn)}.{NEEDS} must be a tuple of column names")
+    return found
+
+
+@needs("answer")
 def arithmetic_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
     """1.0 when the response's first whitespace-separated token equals metadata["answer"], else 0.
 
@@ -36,6 +64,7 @@ def length_cost(prompt: str, response: str, metadata: Mapping[str, Any]) -> floa
     return float(len(response.strip()))
 
 
+@needs("answer")
 def last_number_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
     """1.0 when the last integer in the response equals metadata["answer"] ("7 + 6 = 13" scores
     for 13): the usual final-answer extraction for chatty models. 0.0 without a number."""
