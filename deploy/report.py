@@ -7,16 +7,17 @@ whose metric the run never logged (e.g. KL without a reference) is skipped.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from controller.metrics import read_records
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; is {run_dir} a run directory?")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [record for _, record in read_records(path)]  # a torn last line is dropped
     if not rows:
         raise ValueError(f"{path} holds no records yet")
     return rows
