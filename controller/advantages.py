@@ -24,7 +24,9 @@ Estimators (r = sequence score, r_t = per-token reward, V_t = critic value befor
   (no std division), then adds the KL penalties, takes the return-to-go (gamma = 1) and whitens.
 
 KL controllers set kl_coef between steps: FixedKL keeps it; AdaptiveKL (Ziegler et al. 2019)
-moves it proportionally towards a target KL.
+moves it proportionally towards a target KL, measured by ``kl_measure`` in the unit the config
+names: the KL summed over each response (``sequence``) or its mean per response token (``token``,
+verl's ``kl_ctrl.target_kl``); the two differ by the response length.
 """
 
 from __future__ import annotations
@@ -231,6 +233,18 @@ def reinforce_pp_baseline(
     size, total, _ = _group_stats(scores, group)
     rewards = token_rewards(scores - total / size, response_mask, kl, kl_coef)
     return masked_whiten(_return_to_go(rewards, response_mask, 1.0), response_mask)
+
+
+def kl_measure(kl: torch.Tensor, mask: torch.Tensor, unit: str) -> float:
+    """The batch's KL in the unit of the adaptive controller's target, averaged over rows:
+    ``sequence``: sum over each row's response tokens; ``token``: that sum / the row's response
+    length (a row with no response token counts 0), as verl measures it."""
+    per_row = (kl * mask).sum(-1)
+    if unit == "token":
+        per_row = per_row / mask.sum(-1).clamp(min=1)
+    elif unit != "sequence":
+        raise ValueError(f"KL unit {unit!r}: use 'sequence' or 'token'")
+    return float(per_row.mean())
 
 
 class FixedKL:

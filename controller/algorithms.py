@@ -57,7 +57,26 @@ class KLConfig(BaseModel):
         "low_var_kl", description="estimator of the loss term (mode: loss)"
     )
     target: float | None = Field(None, gt=0, description="adaptive controller's target KL")
+    target_unit: Literal["sequence", "token"] | None = Field(
+        None,
+        description="what target measures: 'sequence' (KL summed over each response) or "
+        "'token' (mean per response token, verl's kl_ctrl.target_kl); required with target",
+    )
     horizon: int = Field(10000, ge=1, description="adaptive controller's horizon, in samples")
+
+    @model_validator(mode="after")
+    def _unit_with_target(self) -> KLConfig:
+        if self.target is not None and self.target_unit is None:
+            raise ValueError(
+                f"kl.target={self.target} needs kl.target_unit: 'sequence' (the KL summed over "
+                "each response) or 'token' (its mean per response token, as verl's target_kl; "
+                "a target copied from verl is 'token'); they differ by the response length"
+            )
+        return self
+
+    def measure(self, kl: torch.Tensor, mask: torch.Tensor) -> float:
+        """The batch's KL in the target's unit (``advantages.kl_measure``)."""
+        return adv.kl_measure(kl, mask, self.target_unit or "sequence")
 
     def controller(self) -> adv.FixedKL | adv.AdaptiveKL:
         if self.target is not None:
@@ -409,7 +428,7 @@ async def ppo_step(
         critics = ((need(roles.critic, "critic"), "values", "returns"),)
         metrics = await learn(roles, batch, cfg, state, step, critics)
     if kl is not None:
-        state.kl.update(float(kl.sum(-1).mean()), len(batch))
+        state.kl.update(cfg.kl.measure(kl, mask), len(batch))
     return summarize(batch, score, kl, kl_coef=state.kl.value, **extras, **metrics)
 
 
@@ -482,7 +501,7 @@ async def safe_rlhf_step(
     lam = max(0.0, lam + cfg.safe.lambda_lr * (episode_cost - cfg.safe.cost_threshold))
     state.lagrange = min(lam, cfg.safe.lambda_max) if cfg.safe.lambda_max else lam
     if kl is not None:
-        state.kl.update(float(kl.sum(-1).mean()), len(batch))
+        state.kl.update(cfg.kl.measure(kl, mask), len(batch))
     return summarize(
         batch, score, kl, cost=episode_cost, **{"lambda": state.lagrange}, **extras, **metrics
     )
@@ -519,7 +538,7 @@ async def group_step(
     async with t("update"):
         metrics = await learn(roles, batch, cfg, state, step)
     if kl is not None:
-        state.kl.update(float(kl.sum(-1).mean()), len(batch))
+        state.kl.update(cfg.kl.measure(kl, mask), len(batch))
     solved = score.view(-1).gt(0.5).float()
     return summarize(batch, score, kl, **extras, **metrics, **_group_stats(solved, group))
 

@@ -41,7 +41,10 @@ def test_config_rules() -> None:
         "max_new_tokens": 32,
     }
     assert isinstance(
-        AlgorithmConfig.model_validate({"kl": {"target": 1.0}}).kl.controller(), AdaptiveKL
+        AlgorithmConfig.model_validate(
+            {"kl": {"target": 1.0, "target_unit": "token"}}
+        ).kl.controller(),
+        AdaptiveKL,
     )
 
 
