@@ -237,6 +237,7 @@ def check(exp: Experiment) -> None:
         )
     if exp.trainer.val_data is not None and "reward" not in exp.roles:
         raise ExperimentError("trainer.val_data: validation scores answers with a 'reward' role")
+    _check_model_sources(exp)
     for role, cfg in exp.roles.items():
         model = cfg.model
         if model is not None and model not in exp.models and not Path(model).exists():
@@ -244,6 +245,26 @@ def check(exp: Experiment) -> None:
                 f"roles.{role}.model: {model!r} is neither a name under models "
                 f"({sorted(exp.models)}) nor an existing folder"
             )
+
+
+def _check_model_sources(exp: Experiment) -> None:
+    """Each ``models.NAME.path`` is a usable model folder, named by its config key (the run
+    directory's link to it does not exist yet)."""
+    # roles code (transformers): loaded only when an experiment is checked
+    from roles.modeling.models import check_model_dir
+
+    for name, source in exp.models.items():
+        if source.path is None:
+            continue
+        if not Path(source.path).is_dir():
+            raise ExperimentError(
+                f"models.{name}.path: {source.path!r} is not a folder; give a Hugging Face model "
+                "folder, or use init: tiny / gguf: smollm2"
+            )
+        try:
+            check_model_dir(source.path)
+        except ValueError as exc:
+            raise ExperimentError(f"models.{name}.path: {exc}") from None
 
 
 def _placed(exp: Experiment) -> dict[str, str]:
@@ -336,15 +357,26 @@ def prepare_models(exp: Experiment, run_dir: Path) -> None:
     for name, source in exp.models.items():
         target = run_dir / "models" / name
         if source.path is not None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if not target.exists():
-                target.symlink_to(Path(source.path).resolve(), target_is_directory=True)
+            _link(target, Path(source.path).resolve())
         elif (target / "config.json").exists():
             continue
         elif source.init is not None:
             init_model(target, source.init, seed=source.seed)
         else:
             import_gguf(target)
+
+
+def _link(target: Path, folder: Path) -> None:
+    """``target`` → ``folder``; a link left by an earlier try (dangling, or to another folder)
+    is replaced, so a rerun with a corrected ``path`` and the same run dir works."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_symlink():
+        if target.readlink() == folder:
+            return
+        target.unlink()
+    elif target.exists():
+        return  # a folder the run made itself (an earlier init or gguf source): kept
+    target.symlink_to(folder, target_is_directory=True)
 
 
 def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:

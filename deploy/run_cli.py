@@ -22,6 +22,7 @@ import errno
 import functools
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -283,11 +284,20 @@ def check_bind(address: str, setting: str) -> None:
 
 
 def _prepare(exp: Experiment, run_dir: Path) -> tuple[dict[str, Rows], list[GroupSpec]]:
+    """Check, then write the run dir. The checks that need the models made (build_groups) come
+    after they are; when one fails, a run dir this call created is removed again, so a config
+    error leaves nothing behind, as the docs promise."""
     data = read_data(exp)  # before anything is written: a bad row costs nothing
     check(exp)  # after the data: stages given in epochs now have their steps
-    run_dir.mkdir(parents=True, exist_ok=True)
-    prepare_models(exp, run_dir)
-    groups = build_groups(exp, run_dir)
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_models(exp, run_dir)
+        groups = build_groups(exp, run_dir)
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)  # links inside are removed, not followed
+        raise
     resolved = exp.model_dump(mode="json", exclude={"quick"})
     (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     return data, groups
