@@ -8,6 +8,13 @@ call is a future in its group's table, keyed by call id; replies resolve it, err
 Deaths are learnt three ways — the ROUTER monitor (connection closed, or ZeroMQ heartbeats timed
 out), a coordinator's DEAD notice about one of its ranks, and the local launcher's process
 sentinels — and the most precise cause wins.
+
+Anyone who reaches a socket can send anything, so one message can never break the loop: a
+message from a peer that has not registered is checked by size before it is decoded (it may
+hold ``UNREGISTERED_MAX_BYTES`` in all, under small ``HeaderLimits`` and no tensors), a hello is
+read field by field (``controller.hello``), a refusal to a peer that already left is dropped, and
+whatever still goes wrong in handling one message is recorded as a rejection (bounded and
+rate-limited, ``controller.rejections``) while the drain goes on to the next.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from controller.hello import Hello, read_hello
 from controller.placement import GroupSpec, check_placement
+from controller.rejections import Rejections, short
 from transport.channel import PeerWatch, bind_router, host_id, readable, send_frames
-from transport.codec import decode, encode
+from transport.codec import HeaderLimits, decode, encode, frame_buffer
 from transport.errors import CallTimeoutError, RegistrationError, RemoteError, RoleDeadError
-from transport.protocol import PROTOCOL_VERSION, Layout, Message, MsgType, ProtocolError
+from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.security import CurveServer, new_token, token_ok
 from transport.settings import Timeouts
 from transport.shm import ShmArena, ShmReader
@@ -34,10 +43,17 @@ from transport.shm import ShmArena, ShmReader
 log = logging.getLogger("hybridflow.controller")
 
 GROUP_ROLE = "_group"
-LOCAL_DEATH_GRACE_S = 0.5
-_instances = (
-    itertools.count()
-)  # wait this long for a launcher's exit status before blaming a socket
+LOCAL_DEATH_GRACE_S = 0.5  # wait this long for a launcher's exit status before blaming a socket
+_instances = itertools.count()
+
+# A peer that has not registered may send only a hello: a few hundred bytes of names and
+# numbers. Anything bigger from it is dropped undecoded, and its header may not build more than
+# a few thousand small objects (a 32 MB header of empty maps once decoded to 2.3 GB).
+UNREGISTERED_MAX_BYTES = 64 << 10
+UNREGISTERED_LIMITS = HeaderLimits(
+    header_bytes=UNREGISTERED_MAX_BYTES, entries=256, str_bytes=4096, ext_bytes=0
+)
+DRAIN_BUDGET = 256  # messages per reader callback: a flood must not starve timers and calls
 
 
 @dataclass
@@ -84,7 +100,7 @@ class Controller:
         self.role_group = {role: g.name for g in groups for role in g.roles}
         self.by_identity: dict[bytes, Group] = {}
         self.local_groups: set[str] = set()
-        self.rejected: list[str] = []  # reasons, newest last (tests and diagnostics read it)
+        self.rejections = Rejections(log)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.arena = ShmArena(prefix=f"hfc{next(_instances)}")  # one arena per prefix per process
         self.reader = ShmReader()
@@ -94,6 +110,13 @@ class Controller:
         self._tasks: set[asyncio.Future[None]] = set()  # background work, kept referenced
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_pending = False
+
+    @property
+    def rejected(self) -> list[str]:
+        """Reasons for the newest refused messages, newest last (``rejections.total`` counts
+        all of them)."""
+        return self.rejections.reasons
 
     # -- sockets --------------------------------------------------------------------------------
     def bind(self, address: str, curve: CurveServer | None = None) -> str:
@@ -112,17 +135,50 @@ class Controller:
     def _send(self, sock: zmq.Socket[Any], identity: bytes, msg: Message, arena: bool) -> None:
         send_frames(sock, encode(msg, self.arena if arena else None), identity)
         assert self._loop is not None
-        self._loop.call_soon(self._drain_all)  # a send can swallow the FD's edge
+        if not self._drain_pending:  # a send can swallow the FD's edge
+            self._drain_pending = True
+            self._loop.call_soon(self._drain_all)
+
+    def _send_to_peer(self, sock: zmq.Socket[Any], identity: bytes, msg: Message) -> bool:
+        """Answer a peer that may have left already (ROUTER_MANDATORY then raises "Host
+        unreachable"); False, and nothing else happens, when it has."""
+        try:
+            self._send(sock, identity, msg, False)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("%s to %s dropped: the peer has left", msg.type.name, short(identity))
+            return False
+        return True
 
     def _drain_all(self) -> None:
+        self._drain_pending = False
         for sock, watch in self._sockets:
             self._drain(sock, watch)
             self._drain_monitor(watch)
 
     def _drain(self, sock: zmq.Socket[Any], watch: PeerWatch) -> None:
-        while not sock.closed and readable(sock):
-            identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            self._handle(sock, watch, identity, frames)
+        for _ in range(DRAIN_BUDGET):
+            if sock.closed or not readable(sock):
+                return
+            try:
+                identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle_one(sock, watch, identity, frames)
+        assert self._loop is not None  # more may be queued, and the FD's edge is spent
+        self._loop.call_soon(self._drain, sock, watch)
+
+    def _handle_one(
+        self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, frames: list[Any]
+    ) -> None:
+        """Handle one message; whatever goes wrong is this message's rejection, and the drain
+        goes on (before, one exception stopped it until the next message arrived)."""
+        try:
+            self._handle(sock, watch, ident, frames)
+        except Exception as exc:  # logged with its traceback, rate-limited; never re-raised
+            reason = f"{type(exc).__name__}: {exc}"
+            self._reject(f"message from {short(ident.bytes)} broke its handler ({reason})", exc)
 
     def _drain_monitor(self, watch: PeerWatch) -> None:
         if watch.monitor.closed:
@@ -143,80 +199,104 @@ class Controller:
     ) -> None:
         identity = ident.bytes
         group = self.by_identity.get(identity)
+        if group is None:
+            size = sum(frame_buffer(f).nbytes for f in frames)
+            if size > UNREGISTERED_MAX_BYTES:
+                self._reject(
+                    f"message of {size} bytes from {short(identity)}, which has not registered: "
+                    f"over the limit of {UNREGISTERED_MAX_BYTES} bytes before registration "
+                    "(dropped undecoded)"
+                )
+                return
         try:
-            msg = decode(
-                frames,
-                self.reader if group is not None and group.same_host else None,
-                0,
-                self.timeouts.max_frame_bytes,
-            )
+            msg = self._decode(group, frames)
         except ProtocolError as exc:
-            self._reject(f"message from {identity!r}: {exc}")
+            self._reject(f"message from {short(identity)}: {exc}")
             return
         if msg.type == MsgType.HELLO:
             self._hello(sock, watch, ident, msg.body)
         elif group is None:
-            self._reject(f"{msg.type.name} from {identity!r}, which has not registered")
+            self._reject(f"{msg.type.name} from {short(identity)}, which has not registered")
         elif msg.type in (MsgType.REPLY, MsgType.ERROR):
             self._resolve(group, msg)
         elif msg.type == MsgType.DEAD:
-            self.declare_dead(group.spec.name, int(msg.body["rank"]), str(msg.body["cause"]), False)
+            self._dead_notice(group, msg.body)
         else:
             self._reject(f"unexpected {msg.type.name} from group {group.spec.name!r}")
 
-    def _reject(self, reason: str) -> None:
-        log.warning("rejected %s", reason)
-        self.rejected.append(reason)
+    def _decode(self, group: Group | None, frames: list[Any]) -> Message:
+        if group is None:
+            return decode(frames, None, 0, UNREGISTERED_MAX_BYTES, UNREGISTERED_LIMITS)
+        reader = self.reader if group.same_host else None
+        return decode(frames, reader, 0, self.timeouts.max_frame_bytes)
+
+    def _dead_notice(self, group: Group, body: dict[str, Any]) -> None:
+        rank, cause = body["rank"], body["cause"]
+        if type(rank) is not int or not isinstance(cause, str):
+            self._reject(f"DEAD from group {group.spec.name!r} with rank {short(rank)}")
+            return
+        self.declare_dead(group.spec.name, rank, cause, False)
+
+    def _reject(self, reason: str, exc: BaseException | None = None) -> None:
+        self.rejections.add(reason, exc)
 
     def _hello(
         self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, body: dict[str, Any]
     ) -> None:
-        name = self._group_name(body)
-        reason = self._refusal(name, body)
+        try:
+            hello = read_hello(body)
+        except ProtocolError as exc:
+            self._refuse(sock, ident.bytes, f"hello from {short(ident.bytes)}", str(exc))
+            return
+        name = self._group_name(hello)
+        reason = self._refusal(name, hello)
         if reason is not None:
-            self._reject(f"group {name!r}: {reason}")
-            self._send(sock, ident.bytes, Message(MsgType.REFUSE, 0, {"reason": reason}), False)
+            self._refuse(sock, ident.bytes, f"group {short(name)}", reason)
+            return
+        welcome = {"group": name, "host": host_id()}
+        if not self._send_to_peer(sock, ident.bytes, Message(MsgType.WELCOME, 0, welcome)):
+            self._reject(f"group {name!r} left before its welcome; it may try again")
             return
         group = self.groups[name]
         group.identity, group.sock = ident.bytes, sock
-        group.same_host = body["host"] == host_id()
+        group.same_host = hello.host == host_id()
         self.by_identity[ident.bytes] = group
         watch.learn(ident.bytes, ident)
-        welcome = {"group": name, "host": host_id()}
-        self._send(sock, ident.bytes, Message(MsgType.WELCOME, 0, welcome), False)
         self._tasks.add(task := asyncio.ensure_future(self._build(group)))
         task.add_done_callback(self._tasks.discard)
 
-    def _group_name(self, body: dict[str, Any]) -> str:
+    def _refuse(self, sock: zmq.Socket[Any], identity: bytes, who: str, reason: str) -> None:
+        """Record the refusal and tell the peer why, in the clipped words that were kept."""
+        kept = self.rejections.add(f"{who}: {reason}").removeprefix(f"{who}: ")
+        self._send_to_peer(sock, identity, Message(MsgType.REFUSE, 0, {"reason": kept}))
+
+    def _group_name(self, hello: Hello) -> str:
         """The placed group a hello speaks for: by name, or (a group started by hand under
         another name) by the exact set of roles it hosts."""
-        name = str(body.get("group"))
-        if name in self.groups:
-            return name
-        roles = sorted(body.get("roles") or [])
+        if hello.group is not None and hello.group in self.groups:
+            return hello.group
+        roles = sorted(hello.roles)
         for group in self.groups.values():
             if sorted(group.spec.roles) == roles:
                 return group.spec.name
-        return name
+        return str(hello.group)
 
-    def _refusal(self, name: str, body: dict[str, Any]) -> str | None:
-        if body.get("version") != PROTOCOL_VERSION:
-            return f"protocol version {body.get('version')!r}; this controller speaks {PROTOCOL_VERSION}"
-        if not token_ok(self.token, body.get("token")):
+    def _refusal(self, name: str, hello: Hello) -> str | None:
+        if not token_ok(self.token, hello.token):
             return "bad token (the group was not started for this controller)"
         group = self.groups.get(name)
         if group is None:
             placed = {n: sorted(g.spec.roles) for n, g in self.groups.items()}
-            return f"unknown group {name!r} with roles {body.get('roles')}; this experiment places {placed}"
+            return (
+                f"unknown group {name!r} with roles {sorted(hello.roles)}; "
+                f"this experiment places {placed}"
+            )
         spec = group.spec
-        if sorted(body["roles"]) != sorted(spec.roles):
-            return f"roles {sorted(body['roles'])} but the placement puts {sorted(spec.roles)} in {spec.name!r}"
-        if body["world_size"] != spec.nproc:
-            return f"world size {body['world_size']} but the placement says nproc={spec.nproc}"
-        try:
-            layout = Layout.from_wire(body["layout"])
-        except ProtocolError as exc:
-            return str(exc)
+        if sorted(hello.roles) != sorted(spec.roles):
+            return f"roles {sorted(hello.roles)} but the placement puts {sorted(spec.roles)} in {spec.name!r}"
+        if hello.world_size != spec.nproc:
+            return f"world size {hello.world_size} but the placement says nproc={spec.nproc}"
+        layout = hello.layout
         if layout != Layout.for_world(spec.nproc, spec.tp, spec.pp):
             return f"layout {layout} but the placement says tp={spec.tp} pp={spec.pp}"
         if group.identity:

@@ -12,7 +12,11 @@ is one of
 
 ``decode`` rebuilds tensors zero-copy over the received frames (``torch.frombuffer``), validates
 every index and size against the frames actually received, and raises ``ProtocolError`` for
-anything malformed so the receiver can log it and carry on. Non-contiguous tensors are made
+anything malformed so the receiver can log it and carry on. ``HeaderLimits`` bounds what a header
+may make the receiver build (bytes, entries of one array or map, one string, tensor descriptors):
+a peer that has not proved who it is gets small ones, because one byte of msgpack can become a
+72-byte Python object. Extensions nest at most ``MAX_EXT_DEPTH`` deep for everyone: each level
+runs the C unpacker again on the stack, and a few hundred levels crash the process. Non-contiguous tensors are made
 contiguous; 0-d, empty and every non-quantized dtype (bf16, fp8, complex, bool, ...) round-trip.
 Tuples arrive as lists (msgpack has one array type).
 """
@@ -40,12 +44,27 @@ EXT_BATCH = 3
 INLINE_BYTES = 512  # tensors smaller than this travel inside the header
 SHM_MIN_BYTES = 1 << 20  # tensors at least this big use shared memory when the link has an arena
 MAX_HEADER_BYTES = 64 << 20
+MAX_EXT_DEPTH = 16  # a TensorBatch of tensors nests 2 deep; ~500 levels overflow the C stack
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in vars(torch).values()
     if isinstance(d, torch.dtype) and "qint" not in str(d) and "quint" not in str(d)
 }
+
+
+@dataclass(frozen=True)
+class HeaderLimits:
+    """What one header may make the receiver build. ``-1``: msgpack's own bound (the header's
+    length). ``ext_bytes=0`` refuses tensors, arrays and batches altogether."""
+
+    header_bytes: int = MAX_HEADER_BYTES
+    entries: int = -1  # entries of one array or map
+    str_bytes: int = -1  # one str or bin
+    ext_bytes: int = -1  # one tensor, array or batch descriptor
+
+
+DEFAULT_LIMITS = HeaderLimits()
 
 
 @dataclass
@@ -134,14 +153,30 @@ def frame_buffer(frame: Any) -> memoryview:
 
 class _Decoder:
     def __init__(
-        self, frames: Sequence[Any], reader: ShmReader | None, reader_index: int, max_bytes: int
+        self,
+        frames: Sequence[Any],
+        reader: ShmReader | None,
+        reader_index: int,
+        max_bytes: int,
+        limits: HeaderLimits,
     ) -> None:
         self.frames = frames
         self.reader = reader
         self.reader_index = reader_index
         self.max_bytes = max_bytes
+        self.limits = limits
+        self.depth = 0
 
     def ext_hook(self, code: int, data: bytes) -> Any:
+        if self.depth >= MAX_EXT_DEPTH:
+            raise ProtocolError(f"extensions nested deeper than {MAX_EXT_DEPTH}")
+        self.depth += 1
+        try:
+            return self._ext(code, data)
+        finally:
+            self.depth -= 1
+
+    def _ext(self, code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
             dtype_name, shape, where = self.unpack(data)
             dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
@@ -172,8 +207,18 @@ class _Decoder:
         raise ProtocolError(f"unknown msgpack extension type {code}")
 
     def unpack(self, data: bytes | memoryview) -> Any:
+        limits = self.limits
         return msgpack.unpackb(
-            data, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
+            data,
+            ext_hook=self.ext_hook,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            max_str_len=limits.str_bytes,
+            max_bin_len=limits.str_bytes,
+            max_array_len=limits.entries,
+            max_map_len=limits.entries,
+            max_ext_len=limits.ext_bytes,
         )
 
     def _bytes(self, where: Any, nbytes: int) -> torch.Tensor:
@@ -221,21 +266,26 @@ def decode(
     reader: ShmReader | None = None,
     reader_index: int = 0,
     max_frame_bytes: int = 1 << 40,
+    limits: HeaderLimits = DEFAULT_LIMITS,
 ) -> Message:
     """Rebuild a message from received frames (``zmq.Frame`` or bytes-like). Raises
-    ``ProtocolError`` with the reason for anything malformed."""
+    ``ProtocolError`` with the reason for anything malformed or over ``limits``."""
     if not frames:
         raise ProtocolError("empty message")
     for i, frame in enumerate(frames):
         size = frame_buffer(frame).nbytes
-        limit = MAX_HEADER_BYTES if i == 0 else max_frame_bytes
+        limit = limits.header_bytes if i == 0 else max_frame_bytes
         if size > limit:
             raise ProtocolError(f"frame {i} has {size} bytes, over the limit of {limit}")
-    dec = _Decoder(frames, reader, reader_index, max_frame_bytes)
+    dec = _Decoder(frames, reader, reader_index, max_frame_bytes, limits)
     try:
         header = dec.unpack(frame_buffer(frames[0]))
     except ProtocolError:
         raise
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):  # msgpack names the limit: "9 exceeds max_map_len(8)"
+            raise ProtocolError(f"header is over a decode limit ({exc})") from exc
+        raise ProtocolError(f"header is not valid msgpack (ValueError: {exc})") from exc
     except Exception as exc:  # msgpack raises many types for garbage; all mean "not ours"
         raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__}: {exc})") from exc
     if not isinstance(header, list) or len(header) != 4:
