@@ -28,7 +28,7 @@ from pathlib import Path
 from controller.placement import GroupSpec
 from deploy.clusters import RemoteCluster, SlurmCluster
 from deploy.keys_cli import CONTROLLER
-from deploy.local import last_error
+from deploy.local import begin_log, last_error
 from deploy.slurm import (
     group_steps,
     run_there,
@@ -101,6 +101,7 @@ class RemoteGroups:
 
     def start(self, group: GroupSpec, address: str, token: str) -> None:
         log_path = self.run_dir / "logs" / f"{self.name}-{group.name}.log"
+        start = begin_log(log_path)  # errors are read from here: this run's lines only
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [*self.cluster.via, self.command_line(group, address)],
@@ -116,10 +117,10 @@ class RemoteGroups:
         self.procs[group.name] = proc
         pidfd = os.pidfd_open(proc.pid)
         loop = asyncio.get_running_loop()
-        loop.add_reader(pidfd, self._exited, group.name, proc, pidfd, log_path)
+        loop.add_reader(pidfd, self._exited, group.name, proc, pidfd, (log_path, start))
 
     def _exited(
-        self, group: str, proc: subprocess.Popen[bytes], pidfd: int, log_path: Path
+        self, group: str, proc: subprocess.Popen[bytes], pidfd: int, log: tuple[Path, int]
     ) -> None:
         asyncio.get_running_loop().remove_reader(pidfd)
         os.close(pidfd)
@@ -127,8 +128,8 @@ class RemoteGroups:
         if self.stopping or code == 0:
             return
         via = " ".join(self.cluster.via)
-        cause = f"on cluster {self.name!r} ({via}) exited with {code}: {last_error(log_path)}"
-        self.on_dead(group, 0, f"{cause} (log: {log_path})")
+        cause = f"on cluster {self.name!r} ({via}) exited with {code}: {last_error(*log)}"
+        self.on_dead(group, 0, f"{cause} (log: {log[0]})")
 
     async def stop(self) -> None:
         """The groups leave on the controller's SHUTDOWN; what is still running after the

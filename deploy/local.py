@@ -6,6 +6,10 @@ even ``kill -9`` of the launcher leaves no orphans; each gets its own session so
 Ctrl-C reaches only the launcher, which then shuts the children down in order. A pidfd per child
 in the event loop reports an exit within milliseconds, with its code or signal; the rest of that
 group is then killed (its process group is broken anyway).
+
+Rank logs are appended to across runs (an earlier run's log is kept for reading); each start
+writes a marker line and remembers where this run's part begins, and ``last_error`` reads from
+there, so a failure is explained by this run's lines, never by an earlier run's.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,15 @@ class RankProcess:
     popen: subprocess.Popen[bytes]
     pidfd: int
     log_path: Path
+    log_start: int = 0  # where this run's lines begin in the (appended) log
+
+
+def begin_log(path: Path) -> int:
+    """Mark the start of a run in an appended log; returns the offset after the marker."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with open(path, "ab") as out:
+        out.write(f"--- hybridflow: started {stamp} by pid {os.getpid()} ---\n".encode())
+        return out.tell()
 
 
 class LocalLauncher:
@@ -93,6 +107,7 @@ class LocalLauncher:
         port = spare_port()
         for rank in range(spec.nproc):
             log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
+            start = begin_log(log_path)
             with open(log_path, "ab") as out:
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "roles.runtime"],
@@ -101,7 +116,8 @@ class LocalLauncher:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            proc = RankProcess(spec.name, rank, popen, os.pidfd_open(popen.pid), log_path)
+            pidfd = os.pidfd_open(popen.pid)
+            proc = RankProcess(spec.name, rank, popen, pidfd, log_path, start)
             self.procs.append(proc)
             loop.add_reader(proc.pidfd, self._exited, proc)
 
@@ -123,6 +139,13 @@ class LocalLauncher:
         for other in self.procs:
             if other.group == proc.group and other.popen.poll() is None:
                 other.popen.kill()
+
+    def last_error(self, group: str, rank: int) -> str:
+        """This run's last error line in a rank's log (``last_error``)."""
+        for proc in self.procs:
+            if (proc.group, proc.rank) == (group, rank):
+                return last_error(proc.log_path, proc.log_start)
+        return f"no rank {rank} of {group!r} was started"
 
     def alive(self) -> list[RankProcess]:
         return [p for p in self.procs if p.popen.poll() is None]
@@ -154,13 +177,16 @@ class LocalLauncher:
             )
 
 
-def last_error(log_path: Path) -> str:
-    """The last line of a rank's log that names an error (the reason a group was refused)."""
+def last_error(log_path: Path, start: int = 0) -> str:
+    """The last line of a log from byte ``start`` on (this run's part) that names an error (the
+    reason a group was refused); else its last line."""
     try:
-        lines = log_path.read_text(errors="replace").splitlines()
+        with open(log_path, "rb") as log:
+            log.seek(start)
+            lines = log.read().decode(errors="replace").splitlines()
     except OSError:
         return "no log"
     for line in reversed(lines):
         if "Error" in line or "error" in line:
             return line.split("]: ", 1)[-1].strip()
-    return lines[-1] if lines else "empty log"
+    return lines[-1] if lines else "it printed nothing in this run"

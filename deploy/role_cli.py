@@ -26,7 +26,7 @@ from typing import Literal
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.keys_cli import client_files
-from deploy.local import LocalLauncher, last_error
+from deploy.local import LocalLauncher
 from deploy.terminal import console, run_async
 from transport.channel import split_tcp
 from transport.device import DeviceKind
@@ -237,15 +237,16 @@ async def _launch_here(opts: RoleOptions) -> int:
     finally:
         await launcher.stop()
     if failed:
-        _say_failed(opts.group, opts.run_dir / "logs", failed)
+        _say_failed(opts.group, launcher, failed)
     return 1 if failed else 0
 
 
-def _say_failed(name: str, logs: Path, failed: list[tuple[int, int]]) -> None:
+def _say_failed(name: str, launcher: LocalLauncher, failed: list[tuple[int, int]]) -> None:
     ranks = ", ".join(f"rank {rank} ({code})" for rank, code in failed)
-    # rank 0 talks to the controller, so its log holds the reason (e.g. a refusal)
-    console.print(f"[red]{name}: {ranks} exited: {last_error(logs / f'{name}-0.log')}[/]")
-    console.print(f"logs: {logs}")
+    # rank 0 talks to the controller, so its log holds the reason (e.g. a refusal); only this
+    # run's part of the log is read
+    console.print(f"[red]{name}: {ranks} exited: {launcher.last_error(name, 0)}[/]")
+    console.print(f"logs: {launcher.run_dir / 'logs'}")
 
 
 def connect_problem(address: str) -> str | None:

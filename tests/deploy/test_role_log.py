@@ -1,0 +1,64 @@
+"""Issue 21, 2d: the role launcher's rank logs are appended to across runs; the error it reports
+when a rank dies comes from this run's part of the log, never from an earlier run's."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from controller.placement import GroupSpec, RoleSpec
+from deploy.local import LocalLauncher, begin_log, last_error
+from deploy.role_cli import _say_failed
+from transport.device import DeviceKind
+from transport.settings import Timeouts
+
+OLD = "RuntimeError: the controller of an EARLIER run went away\n"
+
+
+def test_last_error_reads_from_this_runs_start(tmp_path: Path) -> None:
+    log = tmp_path / "g-0.log"
+    log.write_text("starting\n" + OLD)
+    start = begin_log(log)
+    assert last_error(log) == OLD.strip()  # the whole file: the earlier run's error
+    assert last_error(log, start) == "it printed nothing in this run"
+    with open(log, "a") as out:
+        out.write("loading\nValueError: this run's reason\nbye\n")
+    assert last_error(log, start) == "ValueError: this run's reason"
+    assert OLD in log.read_text()  # the earlier run's lines are kept for reading
+
+
+def test_a_rank_that_dies_silently_is_not_explained_by_an_earlier_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "g-0.log").write_text(OLD)  # what an earlier `hybridflow role` run left
+
+    async def main() -> list[tuple[int, int]]:
+        failed: list[tuple[int, int]] = []
+        done = asyncio.Event()
+
+        def on_exit(group: str, rank: int, code: int) -> None:
+            failed.append((rank, code))
+            done.set()
+
+        spec = GroupSpec.model_construct(
+            name="g", roles={"r": RoleSpec(cls="unset:Unset")}, nproc=1, tp=1, pp=1,
+            device=DeviceKind.CPU, fanout="socket",
+        )  # fmt: skip
+        launcher = LocalLauncher("ipc:///nowhere", "", tmp_path, tmp_path, Timeouts(), on_exit)
+        launcher.start(spec)
+        launcher.procs[0].popen.kill()  # dies before printing anything (as after kill -9)
+        try:
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            await launcher.stop()
+        _say_failed("g", launcher, failed)
+        return failed
+
+    assert asyncio.run(main()) == [(0, -9)]
+    err = capsys.readouterr().err
+    assert "rank 0 (-9) exited: it printed nothing in this run" in err
+    assert "EARLIER" not in err
