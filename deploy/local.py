@@ -10,16 +10,25 @@ group is then killed (its process group is broken anyway).
 Rank logs are appended to across runs (an earlier run's log is kept for reading); each start
 writes a marker line and remembers where this run's part begins, and ``last_error`` reads from
 there, so a failure is explained by this run's lines, never by an earlier run's.
+
+A session's ipc sockets live in a ``SocketFolder`` under the temp dir (ipc names are limited to
+about 100 bytes, so not under a run dir of any length). Its owner holds an ``flock`` on the
+folder's ``owner.lock`` for its lifetime; the kernel drops it when the owner dies, even by
+``kill -9``, so ``sweep_socket_folders`` at the next session's start removes exactly the orphans
+— no pid is trusted (pids are reused, and a /tmp shared between pid namespaces sees other pids).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +54,58 @@ class RankProcess:
     pidfd: int
     log_path: Path
     log_start: int = 0  # where this run's lines begin in the (appended) log
+
+
+SOCKET_PREFIX = "hf-"
+OWNER_LOCK = "owner.lock"
+
+
+class SocketFolder:
+    """A private folder for a session's ipc sockets, held by this process until ``remove``."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=SOCKET_PREFIX, dir=root))
+        making = self.path / f".{OWNER_LOCK}.new"
+        self._fd = os.open(making, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        # locked before it has the name sweepers look for: never seen unlocked while alive
+        making.rename(self.path / OWNER_LOCK)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def sweep_socket_folders(root: Path | None = None) -> list[Path]:
+    """Remove this user's socket folders whose owner is gone (its lock is free); returns them.
+    Folders of live sessions, of other users and without an owner lock are left alone."""
+    removed = []
+    for folder in sorted(Path(root or tempfile.gettempdir()).glob(f"{SOCKET_PREFIX}*")):
+        if folder.is_symlink() or not folder.is_dir() or folder.stat().st_uid != os.getuid():
+            continue
+        try:
+            fd = os.open(folder / OWNER_LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # no lock: not ours to judge (being made, or from an older version)
+        try:
+            if _lock_is_free(fd):  # its owner is gone; we hold the lock while removing
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d socket folder(s) of dead sessions: %s", len(removed), removed)
+    return removed
+
+
+def _lock_is_free(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def begin_log(path: Path) -> int:

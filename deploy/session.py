@@ -13,8 +13,6 @@ end, error, Ctrl-C, SIGTERM) tells the groups to stop and makes sure no rank out
 from __future__ import annotations
 
 import shlex
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ from deploy.clusters import (
     SlurmCluster,
 )
 from deploy.keys_cli import server_files
-from deploy.local import LocalLauncher
+from deploy.local import LocalLauncher, SocketFolder, sweep_socket_folders
 from transport.channel import split_tcp
 from transport.errors import RegistrationError
 from transport.security import CurveServer
@@ -54,9 +52,9 @@ async def local_session(
     directory); ``tcp://127.0.0.1:0`` exercises the TCP path with ZeroMQ heartbeats."""
     timeouts = timeouts or Timeouts()
     sweep_dead()  # what an earlier run killed with -9 left in /dev/shm
-    sock_dir = Path(
-        tempfile.mkdtemp(prefix="hf-")
-    )  # short path: ipc names are limited to ~100 bytes
+    sweep_socket_folders()  # ... and in /tmp
+    folder = SocketFolder()  # short path: ipc names are limited to ~100 bytes
+    sock_dir = folder.path
     run_dir = run_dir or sock_dir
     controller = Controller(groups, timeouts)
     launcher: LocalLauncher | None = None
@@ -76,7 +74,7 @@ async def local_session(
         await controller.shutdown()
         if launcher is not None:
             await launcher.stop()
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        folder.remove()
 
 
 @asynccontextmanager
@@ -125,11 +123,13 @@ async def cluster_session(
     started on the cluster ``where`` names. A launch that fails part-way stops what it started;
     a group that never joins is named with its cluster's state (a SLURM job still pending)."""
     sweep_dead()
+    sweep_socket_folders()
     timeouts = timeouts.model_copy(update={"connect_s": spec.controller.wait})
     controller = Controller(groups, timeouts)
     by_name = {g.name: g for g in groups}
     launchers: list[Launcher] = []
-    sock_dir = Path(tempfile.mkdtemp(prefix="hf-"))
+    folder = SocketFolder()
+    sock_dir = folder.path
     try:
         start = _ClusterStart(
             controller, _bind(controller, spec), spec, run_dir, sock_dir, announce
@@ -150,7 +150,7 @@ async def cluster_session(
         await controller.shutdown()
         for launcher in launchers:
             await launcher.stop()
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        folder.remove()
 
 
 def _bind(controller: Controller, spec: ClusterSpec) -> str:
