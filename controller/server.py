@@ -36,7 +36,7 @@ from transport.channel import PeerWatch, bind_router, host_id, readable, send_fr
 from transport.codec import HeaderLimits, decode, encode, frame_buffer
 from transport.errors import CallTimeoutError, RegistrationError, RemoteError, RoleDeadError
 from transport.protocol import Layout, Message, MsgType, ProtocolError
-from transport.security import CurveServer, new_token, token_ok
+from transport.security import CurveServer, HandshakeLog, HandshakeWatch, new_token, token_ok
 from transport.settings import Timeouts
 from transport.shm import ShmArena, ShmReader
 
@@ -107,6 +107,7 @@ class Controller:
         self._sockets: list[tuple[zmq.Socket[Any], PeerWatch]] = []
         self.addresses: list[str] = []
         self._auth: ThreadAuthenticator | None = None
+        self.handshakes = HandshakeLog(log)  # refused CURVE handshakes (transport/security.py)
         self._tasks: set[asyncio.Future[None]] = set()  # background work, kept referenced
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,9 +124,11 @@ class Controller:
         """Bind one ROUTER (one security domain); returns the address groups connect to."""
         self._loop = asyncio.get_running_loop()
         if curve is not None and self._auth is None:  # ZAP must answer before the first peer
-            self._auth = curve.start_authenticator(self.ctx)
+            self._auth = curve.start_authenticator(self.ctx, self.handshakes)
         sock, address = bind_router(self.ctx, address, self.timeouts, curve)
-        watch = PeerWatch.on(sock)
+        # a CURVE socket's refused handshakes are logged, rate-limited, with the peer's address
+        seen = HandshakeWatch(self.handshakes, address) if curve is not None else None
+        watch = PeerWatch.on(sock, seen)
         self._sockets.append((sock, watch))
         self._loop.add_reader(_fd(sock), self._drain, sock, watch)
         self._loop.add_reader(_fd(watch.monitor), self._drain_monitor, watch)

@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.codec import Encoded
-from transport.security import CurveClient, CurveServer
+from transport.security import HANDSHAKE_EVENTS, CurveClient, CurveServer, HandshakeWatch
 from transport.settings import Timeouts
 
 log = logging.getLogger(__name__)
@@ -170,18 +170,26 @@ class PeerWatch:
     every pending event (all of them predate the message being learnt from), then maps the fd."""
 
     monitor: zmq.Socket[Any]
+    handshakes: HandshakeWatch | None = None  # a CURVE server's refused handshakes, logged
 
     def __post_init__(self) -> None:
         self._by_fd: dict[int, bytes] = {}
         self._lost: list[bytes] = []
 
     @classmethod
-    def on(cls, sock: zmq.Socket[Any]) -> PeerWatch:
-        return cls(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+    def on(cls, sock: zmq.Socket[Any], handshakes: HandshakeWatch | None = None) -> PeerWatch:
+        events = HANDSHAKE_EVENTS if handshakes is not None else zmq.EVENT_DISCONNECTED
+        watch = cls(sock.get_monitor_socket(events), handshakes)
+        # ZeroMQ's FD signals only changes seen after ZMQ_EVENTS was read: read it once, so a
+        # reader on the FD hears the first event (a refused handshake may come before any hello)
+        watch._pump()
+        return watch
 
     def _pump(self) -> None:
         while readable(self.monitor):
             event = parse_monitor_message(self.monitor.recv_multipart())
+            if self.handshakes is not None:
+                self.handshakes.event(int(event["event"]), int(event["value"]))
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 ident = self._by_fd.pop(int(event["value"]), None)
                 if ident is not None:
