@@ -1,0 +1,78 @@
+"""The quickstart teaches on every seed, and ``bench.seeds`` reports the spread it measures.
+
+The fast tests check the runner's arithmetic on hand-made rows and the overrides each seed gets
+(initial weights and trainer seed both vary: the stand-in for machine-to-machine float
+differences). The slow one runs the quickstart's ``--quick`` form for 3 seeds through the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import seeds
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def row(seed: int, before: float, after: float) -> seeds.SeedResult:
+    return seeds.SeedResult(seed, 0.0, before, after, after - before, 10.0, "fp32")
+
+
+def test_spread_is_min_median_max_per_column() -> None:
+    rows = [row(0, 0.1, 0.7), row(1, 0.2, 0.5), row(2, 0.0, 0.9)]
+    found = seeds.spread(rows)
+    assert found["before"] == {"min": 0.0, "median": 0.1, "max": 0.2}
+    assert found["after"] == {"min": 0.5, "median": 0.7, "max": 0.9}
+    assert found["gain"]["min"] == pytest.approx(0.3) and found["gain"]["max"] == pytest.approx(0.9)
+
+
+def test_shortfalls_name_the_seeds_below_either_requirement() -> None:
+    rows = [row(0, 0.1, 0.7), row(1, 0.4, 0.6), row(2, 0.0, 0.45)]
+    assert seeds.shortfalls(rows, gain=0.25, after=None) == [1]
+    assert seeds.shortfalls(rows, gain=None, after=0.5) == [2]
+    assert seeds.shortfalls(rows, gain=0.25, after=0.5) == [1, 2]
+    assert seeds.shortfalls(rows, gain=None, after=None) == []
+
+
+def test_a_summary_without_the_rl_points_is_refused_by_name() -> None:
+    summary = {"val_acc_init": 0.0, "val_acc_before": None, "val_acc_after": 0.5}
+    with pytest.raises(seeds.SeedRunError, match="val_acc_before"):
+        seeds.from_summary(3, summary, 1.0)
+    full = {**summary, "val_acc_before": 0.25, "precision": {"actor": {"dtype": "bf16"}}}
+    assert seeds.from_summary(3, full, 1.04) == seeds.SeedResult(
+        3, 0.0, 0.25, 0.5, 0.25, 1.0, "bf16"
+    )
+
+
+def test_each_seed_varies_the_initial_weights_and_the_trainer_seed(tmp_path: Path) -> None:
+    argv = seeds.run_argv(Path("x.yaml"), 5, tmp_path, quick=True, sets=["a.b=1"])
+    assert argv[:4] == [sys.executable, "-m", "deploy.cli", "run"]
+    sets = [argv[i + 1] for i, x in enumerate(argv) if x == "--set"]
+    assert sets == ["models.base.seed=5", "trainer.seed=5", "a.b=1"]
+    assert "--quick" in argv and "--json" in argv and argv[-2:] == ["--run-dir", str(tmp_path)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_runner_runs_three_quick_seeds_and_reports_their_spread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The CI-sized form only: its 40 SFT steps learn no sums yet (number learning takes off after
+    # ~1,250 steps of the full recipe), so the gain itself is measured by the full 8-seed run.
+    argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", "3", "--quick", "--out", str(tmp_path)]
+    code = seeds.main([*argv, "--timeout", "90", "--require-after", "2.0"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and result["failed"] == [0, 1, 2]  # no accuracy reaches 2.0
+    assert [r["seed"] for r in result["seeds"]] == [0, 1, 2]
+    assert {r["dtype"] for r in result["seeds"]} == {"fp32"}  # conftest forces fp32
+    assert {(tmp_path / f"seed-{s}" / "summary.json").exists() for s in range(3)} == {True}
+    befores = [r["before"] for r in result["seeds"]]
+    assert result["spread"]["before"] == {
+        "min": min(befores),
+        "median": sorted(befores)[1],
+        "max": max(befores),
+    }
