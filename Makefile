@@ -1,5 +1,5 @@
 # Two entry points, both safe on a fresh machine: they create .venv and install what they need.
-#   make demo   the main job: examples/quickstart.yaml (tiny Llama, SFT then GRPO, ~2 minutes)
+#   make demo   the main job: examples/quickstart.yaml (tiny Llama, SFT then GRPO, ~3 minutes)
 #   make test   lint + type check + the whole test suite
 PY ?= python3
 VENV := .venv
