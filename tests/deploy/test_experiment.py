@@ -82,12 +82,13 @@ def test_epochs_become_steps_once_the_data_is_read() -> None:
         [
             "stages.0.steps=0",
             "stages.0.epochs=2",
+            "stages.0.batch_size=30",
             "stages.0.optim.warmup_steps=1",
             "stages.0.data=builtin:arithmetic?n=100&split=sft",
         ],
     )
     read_data(exp)
-    assert exp.stages[0].steps == 2 * (100 // 32)
+    assert exp.stages[0].steps == 6  # 2 epochs x 3 full batches of 30 in 100 rows
     check(exp)
     assert "steps or epochs" in error_of(base(), "stages.0.epochs=2")
 

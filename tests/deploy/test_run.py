@@ -111,7 +111,7 @@ def test_grpo_raises_reward_on_an_easy_target(tmp_path: Path) -> None:
         "roles.reward.function=tests.fixtures.roles:starts_with_one",
         "stages.0.steps=30",
         "stages.1.steps=12",
-        "stages.1.optim={lr: 3.0e-4, warmup_steps: 2}",
+        "stages.1.optim={lr: 1.0e-3, warmup_steps: 2}",
         "stages.1.algorithm.prompts_per_step=16",
         "trainer.val_data=null",
     ]
