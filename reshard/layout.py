@@ -133,7 +133,7 @@ def parse_layout(text: str) -> tuple[int, ...]:
 class GenPlace:
     """Where a rank sits in the generation layout."""
 
-    replica: int  # generation replica index, 0 .. d·d_g − 1
+    replica: int  # generation replica index, 0 .. d·d_g - 1
     stage: int  # generation pipeline stage s_g
     tp: int  # generation tensor-parallel index j_g
 

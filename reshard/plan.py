@@ -7,7 +7,7 @@ scheme          gather group of a rank                  order
 ==============  ======================================  ==========================================
 hybridflow      its micro-DP group (ranks sharing its   buckets of whole parameters; only pieces
                 generation shard; hybridflow grouping)  some member lacks are sent
-hybridflow-v    its training replica (TP×PP group;      buckets; every piece
+hybridflow-v    its training replica (TPxPP group;      buckets; every piece
                 standard generation grouping)
 naive           every rank (DeepSpeed-Chat's scheme)    buckets; every piece, split over holders
 verl            every rank                              one parameter at a time, gathered in full,
