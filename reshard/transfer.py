@@ -1,0 +1,228 @@
+"""The collective transfer engine: one rank's side of a plan (``reshard/plan.py``), on
+torch.distributed (gloo on CPU, NCCL on GPU).
+
+Every scheme runs the same loop — bucket by bucket, each member packs its pieces into one byte
+buffer, the group all-gathers the buffers, each member copies what falls inside its generation
+shard out of them — so the schemes differ only in the plan's groups and bucket order. Groups of
+different micro-DP replicas gather concurrently (they share no ranks).
+
+``reuse=True`` (HybridFlow's zero redundancy): where a rank's training piece lies inside its
+generation shard it is copied there once and the training tensor is re-pointed (``Tensor.set_``)
+at that region of the generation tensor, freeing its own storage: the training piece *is* part of
+the generation shard until ``release`` gives it storage of its own again and drops what was
+gathered. The training tensors keep their identity throughout (optimizers, modules and DTensors
+still hold the same objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reshard.layout import Box, contains, intersect, relative
+from reshard.plan import Piece, Plan
+
+
+class ReshardError(RuntimeError):
+    """A transfer that cannot run as planned (a missing or misshapen tensor)."""
+
+
+def gather_group(plan: Plan) -> dist.ProcessGroup | None:
+    """This rank's gather group; every rank of the world must call this (same order), since
+    creating process groups is collective. None when the group is the whole world."""
+    members = [g.members for g in plan.groups]
+    if len(members) == 1 and len(members[0]) == dist.get_world_size():
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(members)
+    return mine
+
+
+@dataclass
+class Transfer:
+    """One rank running a plan. ``train``: name → this rank's training piece (the box
+    ``plan.held_box`` says); returns name → generation shard for every parameter the rank
+    generates with."""
+
+    plan: Plan
+    rank: int
+    group: dist.ProcessGroup | None
+    dtype: torch.dtype = torch.float32
+
+    def run(
+        self, train: Mapping[str, torch.Tensor], reuse: bool = False
+    ) -> dict[str, torch.Tensor]:
+        gen = self._allocate()
+        self._own(train, gen, reuse)
+        index = self.plan.groups[self.plan.group_of[self.rank]]
+        me = index.members.index(self.rank)
+        staging = _Staging(self.plan.bucket_bytes) if self.plan.scheme == "verl" else None
+        for b, per_member in enumerate(index.buckets):
+            sizes = index.bucket_bytes(self.plan.params, b)
+            width = max(sizes)
+            if width == 0:
+                continue
+            send = torch.empty(width, dtype=torch.uint8)
+            self._pack(per_member[me], train, send)
+            out = torch.empty(width * len(sizes), dtype=torch.uint8)
+            if len(sizes) > 1:
+                dist.all_gather_into_tensor(out, send, group=self.group)
+            for m, pieces in enumerate(per_member):
+                if m != me:
+                    self._unpack(pieces, out[m * width : (m + 1) * width], gen, staging)
+            del send, out
+        if staging is not None:
+            staging.flush(gen)
+        return gen
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        gen = {}
+        for i, p in enumerate(self.plan.params):
+            box = self.plan.gen_box(i, self.rank)
+            if box is not None:
+                gen[p.name] = torch.empty([b - a for a, b in box], dtype=self.dtype)
+        return gen
+
+    def _train_piece(
+        self, train: Mapping[str, torch.Tensor], param: int
+    ) -> tuple[torch.Tensor, Box]:
+        p = self.plan.params[param]
+        held = self.plan.held_box(param, self.rank)
+        tensor = train.get(p.name)
+        if held is None or tensor is None:
+            raise ReshardError(f"rank {self.rank} holds no training piece of {p.name}")
+        want = [b - a for a, b in held]
+        if list(tensor.shape) != want:
+            raise ReshardError(
+                f"rank {self.rank}: {p.name} is {list(tensor.shape)}, the plan expects {want}"
+            )
+        return tensor, held
+
+    def _own(
+        self, train: Mapping[str, torch.Tensor], gen: dict[str, torch.Tensor], reuse: bool
+    ) -> None:
+        """The rank's own training piece into its generation shard, in place when reusing."""
+        for i, p in enumerate(self.plan.params):
+            box, held = self.plan.gen_box(i, self.rank), self.plan.held_box(i, self.rank)
+            if box is None or held is None:
+                continue
+            overlap = intersect(box, held)
+            if overlap is None:
+                continue
+            tensor, _ = self._train_piece(train, i)
+            target = gen[p.name][_slices(relative(overlap, box))]
+            with torch.no_grad():
+                target.copy_(tensor[_slices(relative(overlap, held))])
+                if reuse and contains(box, held) and tensor.dtype == self.dtype:
+                    tensor.set_(
+                        target.untyped_storage(),
+                        target.storage_offset(),
+                        target.size(),
+                        target.stride(),
+                    )
+
+    def _pack(
+        self, pieces: list[Piece], train: Mapping[str, torch.Tensor], out: torch.Tensor
+    ) -> None:
+        offset = 0
+        for piece in pieces:
+            tensor, held = self._train_piece(train, piece.param)
+            part = tensor[_slices(relative(piece.box, held))].to(self.dtype)
+            n = part.numel() * part.element_size()
+            out[offset : offset + n].view(self.dtype).view(part.shape).copy_(part)
+            offset += n
+
+    def _unpack(
+        self,
+        pieces: list[Piece],
+        data: torch.Tensor,
+        gen: dict[str, torch.Tensor],
+        staging: _Staging | None,
+    ) -> None:
+        offset = 0
+        size = torch.empty((), dtype=self.dtype).element_size()
+        for piece in pieces:
+            shape = [b - a for a, b in piece.box]
+            n = _numel(shape) * size
+            name = self.plan.params[piece.param].name
+            box = self.plan.gen_box(piece.param, self.rank)
+            overlap = intersect(box, piece.box) if box is not None else None
+            if overlap is not None:
+                values = data[offset : offset + n].view(self.dtype).view(shape)
+                part = values[_slices(relative(overlap, piece.box))]
+                where = _slices(relative(overlap, box))  # type: ignore[arg-type]
+                if staging is None:
+                    gen[name][where].copy_(part)
+                else:
+                    staging.add(name, where, part, gen)
+            offset += n
+
+
+def release(train: Mapping[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:
+    """After generation: training tensors that live inside generation shards get storage of
+    their own again, one at a time, and every generation shard is dropped (``gen`` empties)."""
+    for name in list(gen):
+        shard = gen.pop(name)
+        tensor = train.get(name)
+        if (
+            tensor is not None
+            and tensor.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+        ):
+            fresh = torch.empty(tensor.shape, dtype=tensor.dtype)
+            with torch.no_grad():
+                fresh.copy_(tensor)
+                tensor.set_(fresh.untyped_storage(), 0, fresh.size(), fresh.stride())
+        del shard
+
+
+class _Staging:
+    """verl's order: each gathered tensor's generation slice is staged through one flat bucket
+    before it lands in the engine's weights (an extra copy per byte, as verl pays)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.capacity = nbytes
+        self.buffer: torch.Tensor | None = None
+        self.pending: list[tuple[str, tuple[slice, ...], int, torch.Size]] = []
+        self.used = 0
+
+    def add(
+        self,
+        name: str,
+        where: tuple[slice, ...],
+        part: torch.Tensor,
+        gen: dict[str, torch.Tensor],
+    ) -> None:
+        n = part.numel() * part.element_size()
+        if self.buffer is None:
+            self.buffer = torch.empty(max(self.capacity, n), dtype=torch.uint8)
+        if self.used + n > self.buffer.numel():
+            self.flush(gen)
+            if n > self.buffer.numel():
+                self.buffer = torch.empty(n, dtype=torch.uint8)
+        self.buffer[self.used : self.used + n].view(part.dtype).view(part.shape).copy_(part)
+        self.pending.append((name, where, self.used, part.shape))
+        self.used += n
+
+    def flush(self, gen: dict[str, torch.Tensor]) -> None:
+        if self.buffer is None:
+            return
+        for name, where, start, shape in self.pending:
+            target = gen[name][where]
+            n = target.numel() * target.element_size()
+            target.copy_(self.buffer[start : start + n].view(target.dtype).view(shape))
+        self.pending, self.used = [], 0
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
