@@ -204,3 +204,22 @@ def all_ranks(train: Layout) -> list[int]:
 
 def replica_ranks(train: Layout, dp: int) -> list[int]:
     return [train.rank_of(dp, s, t) for s, t in product(range(train.pp), range(train.tp))]
+
+
+def params_from_layout(layout: dict[str, dict[str, object]], itemsize: int = 4) -> list[Param]:
+    """Parameters as a training engine reports them (``EngineRole.param_layout``: per name its
+    full ``shape`` and the ``tp_dim`` tensor parallel splits, 0, 1 or None)."""
+    kinds: dict[object, Split] = {0: "column", 1: "row", None: "replicated"}
+    out = []
+    for name, entry in layout.items():
+        tp_dim = entry.get("tp_dim")
+        if tp_dim not in kinds:
+            raise LayoutError(f"{name}: tp_dim={tp_dim!r}; reshard handles 0, 1 or None")
+        shape = entry.get("shape")
+        if not isinstance(shape, list | tuple) or not all(isinstance(s, int) for s in shape):
+            raise LayoutError(f"{name}: shape {shape!r} is not a list of ints")
+        stage = entry.get("pp_stage", 0)
+        if not isinstance(stage, int):
+            raise LayoutError(f"{name}: pp_stage {stage!r} is not an int")
+        out.append(Param(name, tuple(shape), kinds[tp_dim], stage, itemsize))
+    return out

@@ -84,33 +84,60 @@ class Plan:
     grouping: Grouping
     fsdp: bool
     bucket_bytes: int
+    # Memos (speed only: a 70B model on 128 ranks repeats the same few shapes thousands of
+    # times). Boxes are keyed by a parameter's shape, split and stage, never its name; bucket
+    # sizes are filled on first use, once make_plan has built the groups.
+    _boxes: dict[tuple[object, ...], Box | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _sizes: dict[int, list[list[int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _shard: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def gen_box(self, param: int, rank: int) -> Box | None:
-        return gen_box(self.params[param], self.train, self.gen, rank, self.grouping)
+        p = self.params[param]
+        key = ("gen", p.shape, p.split, p.stage, rank)
+        if key not in self._boxes:
+            self._boxes[key] = gen_box(p, self.train, self.gen, rank, self.grouping)
+        return self._boxes[key]
 
     def held_box(self, param: int, rank: int) -> Box | None:
-        return held(self.params[param], self.train, rank, self.fsdp)
+        p = self.params[param]
+        key = ("held", p.shape, p.split, p.stage, rank)
+        if key not in self._boxes:
+            self._boxes[key] = held(p, self.train, rank, self.fsdp)
+        return self._boxes[key]
+
+    def member_bytes(self, group: int) -> list[list[int]]:
+        """Per bucket of group ``group``, each member's bytes (``GroupPlan.bucket_bytes``)."""
+        if group not in self._sizes:
+            plan = self.groups[group]
+            self._sizes[group] = [
+                plan.bucket_bytes(self.params, b) for b in range(len(plan.buckets))
+            ]
+        return self._sizes[group]
 
     def recv_bytes(self, rank: int) -> int:
         """What reaches ``rank`` from the others of its group (the real pieces, no padding)."""
-        group = self.groups[self.group_of[rank]]
-        me = group.members.index(rank)
-        total = 0
-        for b in range(len(group.buckets)):
-            sizes = group.bucket_bytes(self.params, b)
-            total += sum(sizes) - sizes[me]
-        return total
+        group = self.group_of[rank]
+        me = self.groups[group].members.index(rank)
+        return sum(sum(sizes) - sizes[me] for sizes in self.member_bytes(group))
 
     def send_bytes(self, rank: int) -> int:
         """What ``rank`` contributes to its group's gathers (each other member receives it)."""
-        group = self.groups[self.group_of[rank]]
-        me = group.members.index(rank)
-        return sum(group.bucket_bytes(self.params, b)[me] for b in range(len(group.buckets)))
+        group = self.group_of[rank]
+        me = self.groups[group].members.index(rank)
+        return sum(sizes[me] for sizes in self.member_bytes(group))
 
     def gen_bytes(self, rank: int) -> int:
         """Size of the rank's generation shard."""
-        sizes = [self.gen_box(i, rank) for i in range(len(self.params))]
-        return sum(box_numel(b) * p.itemsize for b, p in zip(sizes, self.params, strict=True) if b)
+        if rank not in self._shard:
+            sizes = [self.gen_box(i, rank) for i in range(len(self.params))]
+            self._shard[rank] = sum(
+                box_numel(b) * p.itemsize for b, p in zip(sizes, self.params, strict=True) if b
+            )
+        return self._shard[rank]
 
     def reused_bytes(self, rank: int) -> int:
         """Training bytes that stay in place as part of the generation shard (HybridFlow only:
@@ -128,11 +155,8 @@ class Plan:
         """Modelled peak extra memory while transferring: the generation shard (less what is
         reused in place) plus the largest gather buffer (verl: plus its staging bucket)."""
         group = self.groups[self.group_of[rank]]
-        widest = max(
-            (max(group.bucket_bytes(self.params, b)) for b in range(len(group.buckets))),
-            default=0,
-        )
-        gather = widest * (len(group.members) + 1)  # the gathered buffer and the own part
+        widest = max((max(sizes) for sizes in self.member_bytes(self.group_of[rank])), default=0)
+        gather = widest * len(group.members)  # the gathered buffer (the own part packs in place)
         staging = min(self.bucket_bytes, self.gen_bytes(rank)) if self.scheme == "verl" else 0
         return self.gen_bytes(rank) - self.reused_bytes(rank) + gather + staging
 
@@ -225,7 +249,8 @@ def make_plan(
     )
     for index, members in enumerate(gather_groups(train, gen, scheme, fsdp)):
         group = GroupPlan(members)
-        pieces = [_contributions(plan, members, i) for i in range(len(params))]
+        memo: dict[tuple[object, ...], list[list[Box]]] = {}
+        pieces = [_contributions(plan, members, i, memo) for i in range(len(params))]
         group.buckets = _buckets(pieces, params, bucket_bytes, per_param=scheme == "verl")
         plan.groups.append(group)
         for rank in members:
@@ -233,22 +258,34 @@ def make_plan(
     return plan
 
 
-def _contributions(plan: Plan, members: list[int], param: int) -> list[list[Piece]]:
-    """Each member's pieces of one parameter: every distinct training box held in the group,
+def _contributions(
+    plan: Plan, members: list[int], param: int, memo: dict[tuple[object, ...], list[list[Box]]]
+) -> list[list[Piece]]:
+    """Each member's pieces of one parameter (the boxes depend only on the parameter's shape,
+    split and stage, so parameters alike share one computation through ``memo``)."""
+    p = plan.params[param]
+    key = (p.shape, p.split, p.stage)
+    if key not in memo:
+        memo[key] = _contribution_boxes(plan, members, param)
+    return [[Piece(param, box) for box in boxes] for boxes in memo[key]]
+
+
+def _contribution_boxes(plan: Plan, members: list[int], param: int) -> list[list[Box]]:
+    """Each member's boxes of one parameter: every distinct training box held in the group,
     split among its holders; HybridFlow skips boxes no member lacks."""
     holders: dict[Box, list[int]] = {}
     for m, rank in enumerate(members):
         box = plan.held_box(param, rank)
         if box is not None:
             holders.setdefault(box, []).append(m)
-    out: list[list[Piece]] = [[] for _ in members]
+    out: list[list[Box]] = [[] for _ in members]
     for box, who in sorted(holders.items()):
         if plan.scheme == "hybridflow" and not _lacked(plan, members, param, box):
             continue
         for k, m in enumerate(who):
             part = split_box(box, len(who), k, plan.params[param])
             if part is not None:
-                out[m].append(Piece(param, part))
+                out[m].append(part)
     return out
 
 

@@ -54,7 +54,7 @@ class Transfer:
     def run(
         self, train: Mapping[str, torch.Tensor], reuse: bool = False
     ) -> dict[str, torch.Tensor]:
-        gen = self._allocate()
+        gen = self._allocate(train if reuse else {})
         self._own(train, gen, reuse)
         index = self.plan.groups[self.plan.group_of[self.rank]]
         me = index.members.index(self.rank)
@@ -64,11 +64,13 @@ class Transfer:
             width = max(sizes)
             if width == 0:
                 continue
-            send = torch.empty(width, dtype=torch.uint8)
-            self._pack(per_member[me], train, send)
+            # in place: the own part is packed straight into its slot of the gathered buffer,
+            # so one bucket is all the extra memory a gather takes
             out = torch.empty(width * len(sizes), dtype=torch.uint8)
+            send = out[me * width : (me + 1) * width]
+            self._pack(per_member[me], train, send)
             if len(sizes) > 1:
-                dist.all_gather_into_tensor(out, send, group=self.group)
+                self._gather(out, send, index.members, width)
             for m, pieces in enumerate(per_member):
                 if m != me:
                     self._unpack(pieces, out[m * width : (m + 1) * width], gen, staging)
@@ -77,13 +79,33 @@ class Transfer:
             staging.flush(gen)
         return gen
 
+    def _gather(
+        self, out: torch.Tensor, send: torch.Tensor, members: list[int], width: int
+    ) -> None:
+        """All-gather in place. Gloo's all-gather stages through a second buffer as large as
+        ``out`` (it gathers into a flat copy, then copies out), so on gloo each member
+        broadcasts its slot instead: the same bytes, written where they belong."""
+        if dist.get_backend(self.group) != "gloo":
+            dist.all_gather_into_tensor(out, send, group=self.group)
+            return
+        for m, rank in enumerate(members):
+            dist.broadcast(out[m * width : (m + 1) * width], src=rank, group=self.group)
+
     # -- pieces ----------------------------------------------------------------------------------
 
-    def _allocate(self) -> dict[str, torch.Tensor]:
+    def _allocate(self, shared: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Generation shards; where the rank's training piece *is* its generation shard (and
+        ``shared`` offers it), the training tensor itself, with nothing allocated or copied."""
         gen = {}
         for i, p in enumerate(self.plan.params):
             box = self.plan.gen_box(i, self.rank)
-            if box is not None:
+            if box is None:
+                continue
+            mine = shared.get(p.name)
+            same = box == self.plan.held_box(i, self.rank)
+            if mine is not None and same and mine.dtype == self.dtype:
+                gen[p.name] = mine
+            else:
                 gen[p.name] = torch.empty([b - a for a, b in box], dtype=self.dtype)
         return gen
 
@@ -114,6 +136,8 @@ class Transfer:
             if overlap is None:
                 continue
             tensor, _ = self._train_piece(train, i)
+            if gen[p.name] is tensor:
+                continue  # the training piece is the generation shard
             target = gen[p.name][_slices(relative(overlap, box))]
             with torch.no_grad():
                 target.copy_(tensor[_slices(relative(overlap, held))])
@@ -168,10 +192,9 @@ def release(train: Mapping[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> 
     for name in list(gen):
         shard = gen.pop(name)
         tensor = train.get(name)
-        if (
-            tensor is not None
-            and tensor.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
-        ):
+        if tensor is None or tensor is shard:
+            continue  # nothing of its own: the training tensor served as the shard
+        if tensor.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
             fresh = torch.empty(tensor.shape, dtype=tensor.dtype)
             with torch.no_grad():
                 fresh.copy_(tensor)
