@@ -12,6 +12,8 @@
   controller alone; each group joins with ``hybridflow role`` (the command is printed).
 - ``hybridflow slurm`` / ``hybridflow keys`` — sbatch scripts (``deploy/slurm_cli.py``) and CURVE
   keys (``deploy/keys_cli.py``).
+- ``hybridflow reshard-plan --model llama2-70b --train 1-8-16 --gen 1-4`` — bytes, memory and
+  groups of a training → generation weight reshard, planned on paper (``deploy/reshard_cli.py``).
 
 Each command module adds its parser and turns the parsed arguments into one typed options object
 (``RunOptions``, ``TrainOptions``, ...) at its edge; nothing past that sees an argparse Namespace.
@@ -34,6 +36,7 @@ from rich.logging import RichHandler
 from controller.demo import demo_placement, train_linear
 from deploy.keys_cli import add_keys_command
 from deploy.model_cli import add_model_commands, run_model_command
+from deploy.reshard_cli import add_reshard_command
 from deploy.role_cli import add_role_command
 from deploy.run_cli import add_run_commands, report_command, run_experiment_command
 from deploy.session import local_session
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["report"].set_defaults(fn=report_command)
     add_slurm_command(sub)
     add_keys_command(sub)
+    add_reshard_command(sub)
     return parser
 
 
