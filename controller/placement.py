@@ -43,6 +43,9 @@ class GroupSpec(BaseModel):
     nproc: int = Field(1, ge=1, description="ranks in the group")
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    gen_tp: int = Field(
+        0, ge=0, description="tensor-parallel size while generating (reshard/); 0: as tp"
+    )
     fanout: Literal["socket", "zmq", "rpc"] = Field(
         "socket", description="how rank 0 reaches the other ranks (python -m bench.transport)"
     )
@@ -68,6 +71,11 @@ class GroupSpec(BaseModel):
             raise ValueError(
                 f"group {self.name!r}: tp={self.tp} x pp={self.pp} does not divide "
                 f"nproc={self.nproc}; pick tp and pp whose product divides {self.nproc}"
+            )
+        if self.gen_tp and self.tp % self.gen_tp:
+            raise ValueError(
+                f"group {self.name!r}: gen_tp={self.gen_tp} must divide tp={self.tp} (each "
+                "generation shard is a union of training shards)"
             )
         return self
 

@@ -300,8 +300,11 @@ class Controller:
         if hello.world_size != spec.nproc:
             return f"world size {hello.world_size} but the placement says nproc={spec.nproc}"
         layout = hello.layout
-        if layout != Layout.for_world(spec.nproc, spec.tp, spec.pp):
-            return f"layout {layout} but the placement says tp={spec.tp} pp={spec.pp}"
+        if layout != Layout.for_world(spec.nproc, spec.tp, spec.pp, spec.gen_tp):
+            return (
+                f"layout {layout} but the placement says tp={spec.tp} pp={spec.pp} "
+                f"gen_tp={spec.gen_tp}"
+            )
         if group.identity:
             return f"group {name!r} has already registered"
         return None

@@ -98,6 +98,9 @@ class GroupConfig(BaseModel):
     roles: list[str]
     nproc: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    gen_tp: int = Field(
+        0, ge=0, description="tensor-parallel size the actor generates at (reshard/); 0: tp"
+    )
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
     device: DeviceKind = Field(DeviceKind.CPU, description="cpu (gloo) or cuda (NCCL)")
 
@@ -392,6 +395,7 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
                     roles=specs,
                     nproc=group.nproc,
                     tp=group.tp,
+                    gen_tp=group.gen_tp,
                     fanout=group.fanout,
                     device=group.device,
                 )

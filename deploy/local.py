@@ -151,6 +151,7 @@ class LocalLauncher:
             HYBRIDFLOW_ROLES=",".join(spec.roles),
             HYBRIDFLOW_TP=str(spec.tp),
             HYBRIDFLOW_PP=str(spec.pp),
+            HYBRIDFLOW_GEN_TP=str(spec.gen_tp),
             HYBRIDFLOW_CONTROLLER=self.controller_address,
             HYBRIDFLOW_TOKEN=self.token,
             HYBRIDFLOW_FANOUT=spec.fanout,

@@ -46,6 +46,7 @@ class RoleOptions:
     nproc: int = 1
     tp: int = 1
     pp: int = 1
+    gen_tp: int = 0
     token: str | None = None
     wait: float | None = None
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
@@ -68,6 +69,7 @@ class RoleOptions:
             nproc=args.nproc,
             tp=args.tp,
             pp=args.pp,
+            gen_tp=args.gen_tp,
             token=args.token,
             wait=args.wait,
             fanout=args.fanout,
@@ -91,6 +93,9 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
     role.add_argument("--nproc", type=int, default=1)
     role.add_argument("--tp", type=int, default=1)
     role.add_argument("--pp", type=int, default=1)
+    role.add_argument(
+        "--gen-tp", type=int, default=0, help="tensor-parallel size while generating (0: --tp)"
+    )
     role.add_argument("--group", help="group name (default: the role names joined with '+')")
     role.add_argument(
         "--token", help="the controller's token ('-': read it from stdin; or HYBRIDFLOW_TOKEN)"
@@ -188,6 +193,7 @@ def run_as_rank(opts: RoleOptions) -> int:
         HYBRIDFLOW_CONTROLLER=opts.connect,
         HYBRIDFLOW_TP=str(opts.tp),
         HYBRIDFLOW_PP=str(opts.pp),
+        HYBRIDFLOW_GEN_TP=str(opts.gen_tp),
         HYBRIDFLOW_FANOUT=opts.fanout,
         HYBRIDFLOW_DEVICE=opts.device,
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -209,6 +215,7 @@ def _group_spec(opts: RoleOptions) -> GroupSpec:
         nproc=opts.nproc,
         tp=opts.tp,
         pp=opts.pp,
+        gen_tp=opts.gen_tp,
         device=opts.device,
         fanout=opts.fanout,
     )

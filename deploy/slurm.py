@@ -38,6 +38,9 @@ class Placed(Protocol):
     def tp(self) -> int: ...
 
     @property
+    def gen_tp(self) -> int: ...
+
+    @property
     def device(self) -> DeviceKind: ...
 
 
@@ -153,7 +156,8 @@ def group_steps(
             f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
             f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
             f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
-            f"  --group {name} --tp {group.tp} --device {group.device} --launcher env "
+            f"  --group {name} --tp {group.tp} --gen-tp {group.gen_tp} --device {group.device} "
+            "--launcher env "
             "--master-addr 127.0.0.1 "
             f"--run-dir {shlex.quote(str(run_dir))}"
             + (f"{keys} --client {name}" if keys else "")

@@ -63,12 +63,35 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    #: The generation layout of the 3D-HybridEngine (reshard/): tensor and pipeline sizes while
+    #: the group generates; 0 means the same as training. Each must divide its training size.
+    gen_tp: int = 0
+    gen_pp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"layout.{name}={value!r} must be a positive integer")
+        for name, train in (("gen_tp", self.tp), ("gen_pp", self.pp)):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0 or (value and train % value):
+                raise ValueError(
+                    f"layout.{name}={value!r} must be 0 (as training) or divide {name[4:]}={train}"
+                )
+
+    @property
+    def generation_tp(self) -> int:
+        return self.gen_tp or self.tp
+
+    @property
+    def generation_pp(self) -> int:
+        return self.gen_pp or self.pp
+
+    @property
+    def resharded(self) -> bool:
+        """Whether generation runs at another layout than training."""
+        return (self.generation_tp, self.generation_pp) != (self.tp, self.pp)
 
     @property
     def world_size(self) -> int:
@@ -84,19 +107,23 @@ class Layout:
         return dp * self.pp * self.tp + pp * self.tp + tp
 
     def to_wire(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        wire = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        return {**wire, "gen_tp": self.gen_tp, "gen_pp": self.gen_pp} if self.resharded else wire
 
     @classmethod
     def from_wire(cls, data: Any) -> Layout:
         if not isinstance(data, dict):
             raise ProtocolError(f"layout must be a map, got {type(data).__name__}")
         try:
-            return cls(**{k: data[k] for k in ("dp", "tp", "pp")})
+            generation = {k: data[k] for k in ("gen_tp", "gen_pp") if k in data}
+            return cls(**{k: data[k] for k in ("dp", "tp", "pp")}, **generation)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad layout {data!r}: {exc}") from exc
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> Layout:
+    def for_world(
+        cls, world_size: int, tp: int = 1, pp: int = 1, gen_tp: int = 0, gen_pp: int = 0
+    ) -> Layout:
         """The layout with the given tp and pp over ``world_size`` ranks; dp is what remains."""
         for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp)):
             if type(value) is not int or value < 1:
@@ -106,7 +133,7 @@ class Layout:
                 f"tp={tp} x pp={pp} does not divide world_size={world_size}; "
                 f"choose tp and pp whose product divides {world_size}"
             )
-        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp)
+        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp, gen_tp=gen_tp, gen_pp=gen_pp)
 
 
 @dataclass

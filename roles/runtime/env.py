@@ -57,7 +57,10 @@ class GroupEnv:
         rank = int(e.get("RANK", e.get("SLURM_PROCID", "0")))
         world = int(e.get("WORLD_SIZE", e.get("SLURM_NTASKS", "1")))
         layout = Layout.for_world(
-            world, tp=int(e.get("HYBRIDFLOW_TP", "1")), pp=int(e.get("HYBRIDFLOW_PP", "1"))
+            world,
+            tp=int(e.get("HYBRIDFLOW_TP", "1")),
+            pp=int(e.get("HYBRIDFLOW_PP", "1")),
+            gen_tp=int(e.get("HYBRIDFLOW_GEN_TP", "0")),
         )
         fanout = _one_of(e, "HYBRIDFLOW_FANOUT", "socket", FANOUT_BACKENDS)
         device = _one_of(e, "HYBRIDFLOW_DEVICE", DeviceKind.CPU, tuple(DeviceKind))
