@@ -9,6 +9,7 @@ the group's data-parallel ranks. Checkpoints and export come from ``EngineRole``
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -16,11 +17,12 @@ import torch
 from roles.base import RoleContext
 from roles.engine_role import TOKENS, EngineRole
 from roles.engines.generation.serve import make_engine, serve
+from roles.engines.hybrid import HybridEngine
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
 from roles.modeling.text import encode_rows
-from roles.runtime.endpoint import DP_RAGGED, DP_REDUCED, DP_SPLIT, ONE_TO_ALL, endpoint
+from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, MICRO_DP, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
 
 
@@ -58,18 +60,37 @@ class Actor(Reference):
 
     frozen = False
 
-    @endpoint(DP_RAGGED)
+    def __init__(self, ctx: RoleContext, **config: Any) -> None:
+        super().__init__(ctx, **config)
+        self.hybrid: HybridEngine | None = None
+        if ctx.layout.resharded:  # the group generates at another tp (placement gen_tp)
+            if self.engine.cfg.generator != "native":
+                raise ValueError(
+                    f"gen_tp={ctx.layout.generation_tp} runs the native generator; "
+                    f"got generator={self.engine.cfg.generator!r}"
+                )
+            bucket = int(self.engine.cfg.reshard_bucket_mb * 1e6)
+            self.hybrid = HybridEngine(self.engine, ctx.layout, bucket)
+
+    def _generation_weights(self) -> AbstractContextManager[torch.nn.Module]:
+        return self.hybrid.weights() if self.hybrid else self.engine.full_weights()
+
+    @endpoint(MICRO_DP)
     def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
-        """Colocated generation on the actor's own weights (the simple hybrid engine): at one
+        """Colocated generation. At the training layout on the actor's own weights: at one
         rank, replicate mode or pure tp nothing is copied; under FSDP every layer is gathered
-        first and freed after (``meta["gather_s"]`` says how long that took)."""
+        first and freed after (``meta["gather_s"]`` says how long that took). With a generation
+        tp (placement ``gen_tp``) the weights are resharded to it for the call
+        (``roles/engines/hybrid.py``) and the batch is split over the d * d_g replicas."""
         start = time.perf_counter()
-        with self.engine.full_weights() as module:
+        with self._generation_weights() as module:
             gathered = time.perf_counter() - start
             engine = make_engine(self.engine.cfg.generator, module, self.tokenizer)
             with self.engine.autocast():
                 out = serve(engine, self.tokenizer, batch, sampling or {}, self.engine.step)
         out.meta["gather_s"] = gathered
+        if self.hybrid is not None:
+            out.meta.update(self.hybrid.last)  # reshard_s, reshard_recv_bytes
         return out
 
     @endpoint(ONE_TO_ALL)

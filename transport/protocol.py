@@ -49,6 +49,9 @@ class Transfer(enum.StrEnum):
     RANK_ZERO = "rank-zero"  # only rank 0 runs
     DP_REDUCED = "dp-split/reduced"  # dp-split in, rank 0's (already reduced) result out
     DP_RAGGED = "dp-split/ragged"  # dp-split, ragged [B, T] columns right-padded and concatenated
+    # the paper's 3D_ALL_MICRO_DP: split over the d * d_g generation replicas of the layout's
+    # generation tp (reshard/), each replica's first tp rank's rows concatenated in order (ragged)
+    MICRO_DP = "3d-all-micro-dp"
 
 
 class ProtocolError(ValueError):

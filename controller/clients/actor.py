@@ -40,7 +40,7 @@ class ActorClient(ReferenceClient):
         timeout: float | None = None,
     ) -> TensorBatch:
         """Samples for the prompts of ``batch`` on the actor's own weights (colocated)."""
-        return await self._call(Transfer.DP_RAGGED, "generate", batch, sampling, timeout=timeout)
+        return await self._call(Transfer.MICRO_DP, "generate", batch, sampling, timeout=timeout)
 
     async def state_dict(self, *, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The full weights, e.g. for a rollout group's ``load_weights``."""

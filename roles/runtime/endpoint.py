@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
+from reshard.layout import GenLayout, gen_place
 from transport.batch import TensorBatch
 from transport.protocol import Layout, Transfer
 
@@ -85,6 +86,10 @@ def _dp_gather_ragged(results: list[Any], layout: Layout) -> Any:
     ranks (generated sequences): each is right-padded to the widest, with the value
     ``meta["pad_values"][column]`` (default 0)."""
     picked = [results[layout.rank_of(dp, layout.pp - 1, 0)] for dp in range(layout.dp)]
+    return _pad_and_concat(picked)
+
+
+def _pad_and_concat(picked: list[Any]) -> Any:
     if not picked or not all(isinstance(r, TensorBatch) for r in picked):
         return picked
     pad_values = picked[0].meta.get("pad_values", {})
@@ -103,6 +108,43 @@ def _dp_gather_ragged(results: list[Any], layout: Layout) -> Any:
     return TensorBatch.concat(picked)
 
 
+def _replicas(layout: Layout) -> list[tuple[int, int, int]]:
+    """Per rank: (generation replica, generation stage, generation tp index) under the
+    HybridFlow grouping of the layout's generation tp/pp (the training layout when unset)."""
+    gen = GenLayout(tp=layout.generation_tp, pp=layout.generation_pp)
+    places = [gen_place(layout, gen, r, "hybridflow") for r in range(layout.world_size)]
+    return [(p.replica, p.stage, p.tp) for p in places]
+
+
+def _micro_dp_scatter(
+    args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout
+) -> list[Args | None]:
+    """Split every TensorBatch argument over the generation replicas (d * d_g, in order); the
+    ranks of one replica (its generation tp/pp group) get the same shard."""
+    places = _replicas(layout)
+    count = 1 + max(p[0] for p in places)
+
+    def shards(value: Any) -> list[Any]:
+        return value.chunk(count) if isinstance(value, TensorBatch) else [value] * count
+
+    arg_shards = [shards(a) for a in args]
+    kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
+    return [
+        (tuple(s[rep] for s in arg_shards), {k: s[rep] for k, s in kwarg_shards.items()})
+        for rep, _, _ in places
+    ]
+
+
+def _micro_dp_gather(results: list[Any], layout: Layout) -> Any:
+    """Each generation replica's result from its tp rank 0 on its last stage, in replica
+    order, ragged columns padded as ``_dp_gather_ragged`` does."""
+    places = _replicas(layout)
+    last = layout.generation_pp - 1
+    chosen = {rep: r for r, (rep, stage, tp) in enumerate(places) if stage == last and tp == 0}
+    picked = [results[chosen[rep]] for rep in sorted(chosen)]
+    return _pad_and_concat(picked)
+
+
 ONE_TO_ALL = TransferProtocol(Transfer.ONE_TO_ALL, _broadcast, _first)
 DP_SPLIT = TransferProtocol(Transfer.DP_SPLIT, _dp_scatter, _dp_gather)
 RANK_ZERO = TransferProtocol(Transfer.RANK_ZERO, _rank_zero_only, _first)
@@ -111,6 +153,9 @@ RANK_ZERO = TransferProtocol(Transfer.RANK_ZERO, _rank_zero_only, _first)
 DP_REDUCED = TransferProtocol(Transfer.DP_REDUCED, _dp_scatter, _first)
 #: dp-split in, rows concatenated out after right-padding ``[B, T]`` columns to a common width.
 DP_RAGGED = TransferProtocol(Transfer.DP_RAGGED, _dp_scatter, _dp_gather_ragged)
+#: the paper's 3D_ALL_MICRO_DP: like DP_RAGGED over the generation replicas (reshard/); the same
+#: as DP_RAGGED when the group generates at its training layout.
+MICRO_DP = TransferProtocol(Transfer.MICRO_DP, _micro_dp_scatter, _micro_dp_gather)
 
 
 @dataclass(frozen=True)

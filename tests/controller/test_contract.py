@@ -35,6 +35,8 @@ from controller.clients import (
     RewardModelClient,
     RoleClient,
     RolloutClient,
+    WeightSinkClient,
+    WeightSourceClient,
 )
 from controller.server import Controller
 from roles.actor import Actor, Reference
@@ -44,6 +46,7 @@ from roles.engine_role import EngineRole
 from roles.reward import ModelReward, RuleReward
 from roles.rollout import Rollout
 from roles.runtime.endpoint import ONE_TO_ALL, endpoint, endpoints_of
+from roles.weight_sync import WeightSink, WeightSource
 from tests.fixtures import actor as fixture_actor
 from tests.fixtures import clients as fixture_clients
 from tests.fixtures import roles as fixture_roles
@@ -61,6 +64,8 @@ CONTRACT: list[tuple[type[RoleClient], type]] = [
     (RewardClient, RuleReward),
     (RewardModelClient, ModelReward),
     (RolloutClient, Rollout),
+    (WeightSinkClient, WeightSink),
+    (WeightSourceClient, WeightSource),
     (LinearRegressorClient, LinearRegressor),
     (EchoClient, Echo),
     (FaultyClient, Faulty),
@@ -69,7 +74,7 @@ CONTRACT: list[tuple[type[RoleClient], type]] = [
 ]
 CLIENT_ONLY = "timeout"  # the per-call timeout: the client's, never sent to the role
 #: protocols whose collect step lists non-batch results by dp rank instead of returning one
-LISTED_BY_DP = (Transfer.DP_SPLIT, Transfer.DP_RAGGED)
+LISTED_BY_DP = (Transfer.DP_SPLIT, Transfer.DP_RAGGED, Transfer.MICRO_DP)
 
 
 # -- the checker ---------------------------------------------------------------------------------

@@ -81,6 +81,9 @@ class EngineConfig(BaseModel):
         "per step - less traffic for models that fit on one device",
     )
     seed: int = 0
+    reshard_bucket_mb: float = Field(
+        64, gt=0, description="bucket of the training->generation reshard (placement gen_tp)"
+    )
     generator: Literal["native", "hf"] = Field(
         "native", description="generation engine of the actor's colocated generate"
     )
