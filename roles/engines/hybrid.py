@@ -51,6 +51,9 @@ class RowParallel(torch.nn.Module):
         self.register_parameter("weight", None)
         self.register_parameter("bias", None)
 
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
         if self.group is not None:
@@ -132,7 +135,7 @@ def _skeleton(config: Any, tp_group: dist.ProcessGroup | None) -> torch.nn.Modul
     return model
 
 
-def _bind(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def _bind(model: Any, tensors: dict[str, torch.Tensor]) -> None:
     for name, tensor in tensors.items():
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(
