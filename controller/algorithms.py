@@ -279,10 +279,19 @@ def need(client: C | None, name: str) -> C:
 
 
 async def generate(
-    roles: Roles, prompts: TensorBatch, cfg: AlgorithmConfig, seed: int, greedy: bool = False
+    roles: Roles,
+    prompts: TensorBatch,
+    cfg: AlgorithmConfig,
+    seed: int,
+    greedy: bool = False,
+    min_version: int = 0,
 ) -> TensorBatch:
-    """n samples per prompt (one greedy sample with ``greedy``) from the generator's weights."""
-    return await roles.generator.generate(prompts, sampling=cfg.sampling(seed, greedy))
+    """n samples per prompt (one greedy sample with ``greedy``) from the generator's weights; a
+    rollout group refuses to generate on weights older than ``min_version``."""
+    sampling = cfg.sampling(seed, greedy)
+    if roles.rollout is not None:
+        return await roles.rollout.generate(prompts, sampling, min_version)
+    return await roles.actor.generate(prompts, sampling=sampling)
 
 
 async def log_probs(role: ReferenceClient | None, batch: TensorBatch, temperature: float) -> Any:

@@ -57,6 +57,38 @@ DRAIN_BUDGET = 256  # messages per reader callback: a flood must not starve time
 
 
 @dataclass
+class Traffic:
+    """Bytes through the controller's sockets, shared-memory payloads included: a test proves
+    with it that weights never pass through the controller."""
+
+    sent: int = 0
+    received: int = 0
+
+
+class _CountingArena(ShmArena):
+    def __init__(self, traffic: Traffic, prefix: str) -> None:
+        super().__init__(prefix=prefix)
+        self.traffic = traffic
+
+    def put(self, data: Any, readers: int = 1) -> dict[str, Any] | None:
+        desc = super().put(data, readers)
+        if desc is not None:
+            self.traffic.sent += int(desc["nbytes"])
+        return desc
+
+
+class _CountingReader(ShmReader):
+    def __init__(self, traffic: Traffic) -> None:
+        super().__init__()
+        self.traffic = traffic
+
+    def get(self, desc: dict[str, Any], reader_index: int = 0) -> Any:
+        data = super().get(desc, reader_index)
+        self.traffic.received += int(data.numel())
+        return data
+
+
+@dataclass
 class Group:
     spec: GroupSpec
     identity: bytes = b""
@@ -102,8 +134,10 @@ class Controller:
         self.local_groups: set[str] = set()
         self.rejections = Rejections(log)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.arena = ShmArena(prefix=f"hfc{next(_instances)}")  # one arena per prefix per process
-        self.reader = ShmReader()
+        self.traffic = Traffic()
+        # one arena per prefix per process
+        self.arena = _CountingArena(self.traffic, prefix=f"hfc{next(_instances)}")
+        self.reader = _CountingReader(self.traffic)
         self._sockets: list[tuple[zmq.Socket[Any], PeerWatch]] = []
         self.addresses: list[str] = []
         self._auth: ThreadAuthenticator | None = None
@@ -136,7 +170,9 @@ class Controller:
         return address
 
     def _send(self, sock: zmq.Socket[Any], identity: bytes, msg: Message, arena: bool) -> None:
-        send_frames(sock, encode(msg, self.arena if arena else None), identity)
+        encoded = encode(msg, self.arena if arena else None)
+        self.traffic.sent += encoded.nbytes
+        send_frames(sock, encoded, identity)
         assert self._loop is not None
         if not self._drain_pending:  # a send can swallow the FD's edge
             self._drain_pending = True
@@ -168,6 +204,7 @@ class Controller:
                 identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.traffic.received += sum(frame_buffer(f).nbytes for f in frames)
             self._handle_one(sock, watch, identity, frames)
         assert self._loop is not None  # more may be queued, and the FD's edge is spent
         self._loop.call_soon(self._drain, sock, watch)

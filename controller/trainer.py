@@ -34,7 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, Timer, generate, scores
 from controller.clients import EngineClient
 from controller.supervised import text_batch
+from controller.sync import WeightSync
 from transport.batch import TensorBatch
+from transport.weight_sync import WeightSyncSettings
 
 Rows = list[dict[str, Any]]
 Sink = Callable[[dict[str, Any]], None]
@@ -149,6 +151,11 @@ class TrainerConfig(BaseModel):
     save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
     keep_last: int = Field(2, ge=1)
     export: bool = Field(True, description="export the final actor as a Hugging Face folder")
+    weight_sync: WeightSyncSettings = Field(
+        default_factory=WeightSyncSettings,
+        description="how the actor's weights reach a rollout group, the reference and critics "
+        "(rank to rank, never through the controller; controller/sync.py)",
+    )
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -201,6 +208,8 @@ class Trainer:
         self.global_step = 0
         self.validations: list[dict[str, Any]] = []
         self.stale = False  # the rollout group's weights lag the actor's
+        self.synced = 0  # the weight version last synced to the rollout group
+        self.weights = WeightSync(roles.actor, cfg.weight_sync)
         self.saved_step = -1
         self.precision: dict[str, dict[str, str]] = {}
         first_rl = next((s for s in self.stages if isinstance(s, RLStage)), None)
@@ -288,9 +297,9 @@ class Trainer:
         targets = [r for r in ("reference", "critic", "cost_critic") if r in self.clients]
         if not targets or self.global_step == 0:
             return
-        weights = await self.roles.actor.state_dict()
-        for role in targets:
-            await self.clients[role].load_state(weights, strict=role == "reference")
+        for role in targets:  # rank to rank (or a copy inside a shared group): reshard/remote.py
+            client = self.clients[role]
+            await self.weights.push(client, self.state.version, strict=role == "reference")
 
     async def _sft(self, index: int, stage: SFTStage, first: int) -> None:
         rows = self.data[stage.data]
@@ -322,7 +331,8 @@ class Trainer:
         async def rollout(k: int) -> TensorBatch:
             prompts = self._prompts(rows, cfg.prompts_per_step, seed, k, stage.shuffle)
             await self._sync()
-            return await generate(self.roles, prompts, cfg, request_seed(seed, k, -1))
+            seeded = request_seed(seed, k, -1)
+            return await generate(self.roles, prompts, cfg, seeded, min_version=self.synced)
 
         try:
             for k in range(first, stage.steps):
@@ -401,8 +411,8 @@ class Trainer:
         """Weights to a separate rollout group when the actor has trained since the last sync."""
         if self.roles.rollout is None or not self.stale:
             return
-        weights = await self.roles.actor.state_dict()
-        await self.roles.rollout.load_weights(weights, self.state.version)
+        await self.weights.push(self.roles.rollout, self.state.version)
+        self.synced = self.state.version
         self.stale = False
 
     # -- validation -----------------------------------------------------------------------------
@@ -420,7 +430,10 @@ class Trainer:
         await self._sync()
         start = time.perf_counter()
         sampling = {"temperature": 0.0, "n": 1, "max_new_tokens": self.cfg.val_max_new_tokens}
-        answers = await self.roles.generator.generate(prompts, sampling=sampling)
+        if self.roles.rollout is not None:
+            answers = await self.roles.rollout.generate(prompts, sampling, self.synced)
+        else:
+            answers = await self.roles.actor.generate(prompts, sampling=sampling)
         score, _ = await scores(self.roles.reward, answers)
         record: dict[str, Any] = {
             "val/score": float(score.mean()),

@@ -8,6 +8,8 @@ what differs (which head, which loss). The placement config of such a role is an
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,16 @@ from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.fsdp import FSDPEngine
 from roles.engines.training.interface import Head, TrainingEngine
 from roles.runtime.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
+from roles.weight_sync import WeightSink, WeightSource, held_pieces
+from transport.protocol import Layout
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")
 
 
-class EngineRole(Role):
+class EngineRole(WeightSource, WeightSink, Role):
+    """Also a weight source and sink (``roles/weight_sync.py``): the actor gives its weights to a
+    rollout group, the reference and critics take them from the actor."""
+
     head: Head = "lm"
     frozen = False  # True: the role never trains, whatever its config says
 
@@ -33,6 +40,30 @@ class EngineRole(Role):
         self.engine: TrainingEngine = FSDPEngine(
             EngineConfig.model_validate(config), ctx, head=self.head
         )
+        self.register_source()
+
+    # -- weight transfers (roles/weight_sync.py) ------------------------------------------------
+
+    @contextmanager
+    def held_weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        with self.engine.full_weights() as module:
+            yield dict(held_pieces(module))
+
+    def weight_specs(self) -> list[dict[str, Any]]:
+        layout = self.engine.param_layout()
+        return [{"name": n, "shape": list(p.shape), "tp_dim": p.tp_dim} for n, p in layout.items()]
+
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float32  # engines keep fp32 master weights (autocast computes in bf16)
+
+    def sink_layout(self) -> Layout:
+        return Layout(dp=self.ctx.world_size)  # whole tensors; the engine cuts its own shards
+
+    def sink_names(self) -> set[str]:
+        return set(self.engine.param_layout())
+
+    def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
+        self.engine.load_full_state(staged, strict)
 
     def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         return self.engine.sum_over_dp(values)

@@ -1,9 +1,12 @@
 """The rollout role: a process group that generates, with weights it receives from the actor.
 
-``generate(prompts, sampling)`` is dp-split (each dp rank serves its share of the prompts; tp
-ranks of one dp rank run one tensor-parallel engine together). ``load_weights(state, version)``
-takes a full state dict — here sent from the actor through the controller, plain and correct; the
-reshard module makes this efficient later — and every generation reports the version it used.
+``generate(prompts, sampling, min_version)`` is dp-split (each dp rank serves its share of the
+prompts; tp ranks of one dp rank run one tensor-parallel engine together) and refuses to run on
+weights older than ``min_version``. New weights arrive rank to rank from the actor's group
+(``WeightSink``: ``open_receive`` + ``receive_weights``, ``roles/weight_sync.py``), each rank
+taking only its tp slice; ``load_weights(state, version)`` still takes a full state dict through
+the controller (the baseline the reshard benchmark compares against). Every generation reports the
+version it used.
 
 Config: ``{"model": PATH, "engine": "native" | "hf", "dtype": "auto" | "fp32" | "bf16"}``.
 """
@@ -21,7 +24,9 @@ from roles.modeling.models import load_causal_lm, load_tokenizer
 from roles.modeling.text import pad_rows
 from roles.runtime.device import Precision, group_dtype
 from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
+from roles.weight_sync import WeightSink, local_piece
 from transport.batch import TensorBatch
+from transport.protocol import Layout
 
 
 class RolloutConfig(BaseModel):
@@ -34,7 +39,11 @@ class RolloutConfig(BaseModel):
     )
 
 
-class Rollout(Role):
+class StaleWeightsError(RuntimeError):
+    """The rollout holds an older weight version than the controller asked to generate with."""
+
+
+class Rollout(WeightSink, Role):
     def __init__(self, ctx: RoleContext, **config: Any) -> None:
         super().__init__(ctx)
         self.cfg = RolloutConfig.model_validate(config)
@@ -57,8 +66,16 @@ class Rollout(Role):
         self.version = 0
 
     @endpoint(DP_RAGGED)
-    def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
-        """Samples for the prompts of ``batch`` (see ``roles/engines/generation/serve.py``)."""
+    def generate(
+        self, batch: TensorBatch, sampling: dict[str, Any] | None = None, min_version: int = 0
+    ) -> TensorBatch:
+        """Samples for the prompts of ``batch`` (see ``roles/engines/generation/serve.py``), on
+        weights of version ``min_version`` or newer."""
+        if self.version < min_version:
+            raise StaleWeightsError(
+                f"{self.ctx.role} rank {self.ctx.rank} holds weight version {self.version}, "
+                f"older than the version {min_version} asked for (did the last weight sync fail?)"
+            )
         return serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
 
     @endpoint(DP_SPLIT)
@@ -84,6 +101,30 @@ class Rollout(Role):
     @endpoint(ONE_TO_ALL)
     def weight_version(self) -> int:
         return self.version
+
+    # -- weights rank to rank (roles/weight_sync.py) ------------------------------------------
+
+    def sink_layout(self) -> Layout:
+        return self.ctx.layout
+
+    def sink_names(self) -> set[str]:
+        return {name for name, _ in self.model.named_parameters()}
+
+    def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
+        """Copy each staged slice into this rank's piece (cast to the generation dtype) once all
+        of them are checked against the pieces' shapes."""
+        params = dict(self.model.named_parameters())
+        pieces = {name: local_piece(params[name]) for name in staged}
+        for name, piece in pieces.items():
+            if piece.shape != staged[name].shape:
+                raise ValueError(
+                    f"{name}: received shape {list(staged[name].shape)} for this rank's piece "
+                    f"of shape {list(piece.shape)}"
+                )
+        with torch.no_grad():
+            for name, piece in pieces.items():
+                piece.copy_(staged[name])
+        self.version = version
 
     @endpoint(RANK_ZERO)
     def precision(self) -> dict[str, str]:

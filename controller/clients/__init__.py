@@ -12,6 +12,7 @@ from controller.clients.demo import LinearRegressorClient
 from controller.clients.engine import EngineClient
 from controller.clients.reward import RewardClient, RewardModelClient
 from controller.clients.rollout import RolloutClient
+from controller.clients.weights import WeightSinkClient, WeightSourceClient
 
 __all__ = [
     "ActorClient",
@@ -24,4 +25,6 @@ __all__ = [
     "RewardModelClient",
     "RoleClient",
     "RolloutClient",
+    "WeightSinkClient",
+    "WeightSourceClient",
 ]

@@ -1,8 +1,9 @@
 """``EngineClient``: what every model-holding role answers (``roles/engine_role.py``).
 
 Checkpoints, a fresh optimizer per training stage, whole weights from another role, export to a
-Hugging Face folder and the parameter layout. The reference, actor, critic and reward-model
-clients extend it with the endpoints of their own role class.
+Hugging Face folder, the parameter layout, and weights rank to rank (``clients/weights.py``).
+The reference, actor, critic and reward-model clients extend it with the endpoints of their own
+role class.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from typing import Any
 
 import torch
 
-from controller.clients.base import RoleClient
+from controller.clients.weights import WeightSinkClient, WeightSourceClient
 from transport.protocol import Transfer
 
 
-class EngineClient(RoleClient):
+class EngineClient(WeightSourceClient, WeightSinkClient):
     async def save(self, path: str, *, timeout: float | None = None) -> str:
         """Sharded checkpoint (model, optimizer, schedule, RNG) under ``path``; returns it."""
         return await self._call(Transfer.ONE_TO_ALL, "save", path, timeout=timeout)

@@ -6,21 +6,25 @@ from typing import Any
 
 import torch
 
-from controller.clients.base import RoleClient
+from controller.clients.weights import WeightSinkClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
 
 
-class RolloutClient(RoleClient):
+class RolloutClient(WeightSinkClient):
     async def generate(
         self,
         batch: TensorBatch,
         sampling: dict[str, Any] | None = None,
+        min_version: int = 0,
         *,
         timeout: float | None = None,
     ) -> TensorBatch:
-        """Samples for the prompts of ``batch``; ``meta["weight_version"]`` says whose weights."""
-        return await self._call(Transfer.DP_RAGGED, "generate", batch, sampling, timeout=timeout)
+        """Samples for the prompts of ``batch`` on weights of version ``min_version`` or newer
+        (older ones: an error); ``meta["weight_version"]`` says whose weights."""
+        return await self._call(
+            Transfer.DP_RAGGED, "generate", batch, sampling, min_version, timeout=timeout
+        )
 
     async def prompt_logits(
         self, batch: TensorBatch, *, timeout: float | None = None
@@ -31,7 +35,8 @@ class RolloutClient(RoleClient):
     async def load_weights(
         self, state: dict[str, torch.Tensor], version: int, *, timeout: float | None = None
     ) -> int:
-        """Replace every weight with ``state`` (full tensors); returns the new version."""
+        """Replace every weight with ``state`` (full tensors, through the controller: the
+        baseline path; ``controller/sync.py`` moves weights rank to rank); returns the version."""
         return await self._call(
             Transfer.ONE_TO_ALL, "load_weights", state, version, timeout=timeout
         )

@@ -1,0 +1,73 @@
+"""Weight syncs between role groups: the controller sends commands, never weights.
+
+``WeightSync.push(target, version)`` moves the source role's weights (the actor's) into a sink
+role (the rollout group, the reference, a critic) rank to rank through ``reshard/``:
+
+1. ``source.weight_source()`` once — layout, dtype, parameter shapes and splits, hosts;
+2. ``target.open_receive(source, version, settings)`` — the target's ranks bind their inboxes;
+3. ``source.send_weights(target, version, settings)`` and ``target.receive_weights(version)``
+   together. The first failure ends the sync at once with a ``WeightSyncError`` that carries the
+   role and rank at fault; the target keeps the weights it had.
+
+A target in the source's own group (colocated roles) takes one call, ``copy_from``. Every message
+is a few kilobytes (names, shapes, addresses), whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from controller.clients.weights import WeightSinkClient, WeightSourceClient
+from transport.weight_sync import WeightSyncSettings
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that failed; the message names the role and rank that broke it."""
+
+
+class WeightSync:
+    def __init__(self, source: WeightSourceClient, settings: WeightSyncSettings) -> None:
+        self.source = source
+        self.settings = settings
+        self._described: dict[str, Any] | None = None
+
+    def colocated(self, target: WeightSinkClient) -> bool:
+        controller = self.source.controller
+        return controller.group_of(self.source.role) is controller.group_of(target.role)
+
+    async def push(
+        self, target: WeightSinkClient, version: int, strict: bool = True
+    ) -> dict[str, Any]:
+        """``version`` of the source's weights into ``target`` (``strict=False``: the names both
+        hold, e.g. a backbone into a critic). Returns seconds, bytes and paths (rank 0's)."""
+        start = time.perf_counter()
+        settings = self.settings.model_dump()
+        if self.colocated(target):
+            got = await target.copy_from(self.source.role, version, settings, strict)
+            return {"seconds": time.perf_counter() - start, "received": got}
+        if self._described is None:
+            self._described = await self.source.weight_source()
+        opened = await target.open_receive(self._described, version, settings, strict)
+        sent, got = await self._both(
+            self.source.send_weights(opened, version, settings),
+            target.receive_weights(version),
+            f"{self.source.role} -> {target.role} (weight version {version})",
+        )
+        return {"seconds": time.perf_counter() - start, "sent": sent, "received": got}
+
+    async def _both(self, send: Any, receive: Any, what: str) -> tuple[Any, Any]:
+        """Run both calls; the first failure cancels the other (its group reports it too)."""
+        tasks = [asyncio.ensure_future(send), asyncio.ensure_future(receive)]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if failed:
+            if pending:  # the other side's error, when it follows at once, says more
+                await asyncio.wait(pending, timeout=0.2)
+            errors = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+            for task in pending:
+                task.cancel()
+            reasons = "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+            raise WeightSyncError(f"weight sync {what} failed: {reasons}") from errors[0]
+        return tasks[0].result(), tasks[1].result()
