@@ -65,21 +65,24 @@ def _check(rank: int, world: int, train: Layout, gen_tp: int, bucket: int) -> di
     return found
 
 
+PAIRS = [(1, 4, 2), (1, 4, 1), (2, 2, 2), (2, 2, 1)]  # (dp, tp) -> gen tp on 4 ranks
+
+
+def _every_pair(rank: int, world: int, bucket: int) -> list[dict[str, Any]]:
+    return [_check(rank, world, Layout(dp=dp, tp=tp), g, bucket) for dp, tp, g in PAIRS]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("dp", "tp", "gen_tp"), [(1, 4, 2), (1, 4, 1), (1, 2, 2), (2, 2, 1), (1, 2, 1)]
-)
-def test_generation_shards_equal_the_training_weights_bitwise(
-    tmp_path: Path, dp: int, tp: int, gen_tp: int
-) -> None:
-    train = Layout(dp=dp, tp=tp)
-    results = run_ranks(_check, dp * tp, tmp_path, train, gen_tp, 200)  # small buckets: many
-    for rank, found in enumerate(results):
-        # zero redundancy: every training piece is part of its generation shard's storage
-        assert found["hybridflow"]["moved_into_gen"] == sorted(p.name for p in PARAMS), rank
-        assert all(found[s]["moved_into_gen"] == [] for s in SCHEMES if s != "hybridflow")
-        if tp == gen_tp:
-            assert found["hybridflow"]["recv"] == 0  # tp 2 -> 2 moves no parameter bytes
+def test_generation_shards_equal_the_training_weights_bitwise(tmp_path: Path) -> None:
+    """tp 4 -> 2, 4 -> 1, 2 -> 2 and 2 -> 1 (dp 2), every scheme, in one 4-rank group."""
+    results = run_ranks(_every_pair, 4, tmp_path, 200)  # small buckets: many of them
+    for rank, per_pair in enumerate(results):
+        for (_, tp, gen_tp), found in zip(PAIRS, per_pair, strict=True):
+            # zero redundancy: every training piece is part of its generation shard's storage
+            assert found["hybridflow"]["moved_into_gen"] == sorted(p.name for p in PARAMS), rank
+            assert all(found[s]["moved_into_gen"] == [] for s in SCHEMES if s != "hybridflow")
+            if tp == gen_tp:
+                assert found["hybridflow"]["recv"] == 0  # tp 2 -> 2 moves no parameter bytes
 
 
 @pytest.mark.slow
