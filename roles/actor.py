@@ -17,7 +17,7 @@ import torch
 from roles.base import RoleContext
 from roles.engine_role import TOKENS, EngineRole
 from roles.engines.generation.serve import make_engine, serve
-from roles.engines.hybrid import HybridEngine
+from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
@@ -83,12 +83,16 @@ class Actor(Reference):
         tp (placement ``gen_tp``) the weights are resharded to it for the call
         (``roles/engines/hybrid.py``) and the batch is split over the d * d_g replicas."""
         start = time.perf_counter()
-        with self._generation_weights() as module:
+        offload = (
+            getattr(self.engine, "optimizer", None) if self.engine.cfg.offload_optimizer else None
+        )
+        with optimizer_offloaded(offload) as offloaded, self._generation_weights() as module:
             gathered = time.perf_counter() - start
             engine = make_engine(self.engine.cfg.generator, module, self.tokenizer)
             with self.engine.autocast():
                 out = serve(engine, self.tokenizer, batch, sampling or {}, self.engine.step)
         out.meta["gather_s"] = gathered
+        out.meta["offloaded_bytes"] = offloaded
         if self.hybrid is not None:
             out.meta.update(self.hybrid.last)  # reshard_s, reshard_recv_bytes
         return out

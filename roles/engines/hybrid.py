@@ -152,3 +152,31 @@ def _unbind(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         model.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(
             placeholder, requires_grad=False
         )
+
+
+@contextmanager
+def optimizer_offloaded(optimizer: torch.optim.Optimizer | None) -> Iterator[int]:
+    """The optimizer's state moved to host memory for the block (e.g. while generating) and its
+    own storage freed; restored bitwise after. Yields the bytes moved. On a GPU this frees
+    device memory for the generation shard and KV cache; on CPU the host copy lives in the same
+    memory, so it only exercises the mechanism (freeing and restoring storage)."""
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    tensor = local_tensor(value)
+                    host = torch.empty(
+                        tensor.shape,
+                        dtype=tensor.dtype,
+                        pin_memory=tensor.device.type == "cuda",
+                    )
+                    host.copy_(tensor)
+                    tensor.untyped_storage().resize_(0)
+                    saved.append((tensor, host))
+    try:
+        yield sum(host.numel() * host.element_size() for _, host in saved)
+    finally:
+        for tensor, host in saved:
+            tensor.untyped_storage().resize_(host.numel() * host.element_size())
+            tensor.copy_(host)

@@ -48,7 +48,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     replicate = {**actor, "dp_mode": "replicate"}
     placement = [
         group("one", 1, actor=("roles.actor:Actor", actor)),
-        hybrid_group("t4g2", "tp4_gen2", 4, 2, actor),  # 1-4-1 -> 1-2-2
+        # 1-4-1 -> 1-2-2, optimizer state offloaded while generating
+        hybrid_group("t4g2", "tp4_gen2", 4, 2, {**actor, "offload_optimizer": True}),
         hybrid_group("t2g1", "dp2_tp2_gen1", 2, 1, replicate),  # 1-2-2 -> 1-1-4
     ]
 
@@ -65,9 +66,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             batch = TensorBatch.from_dict(
                 non_tensors={"prompt": [p for p, _ in rows], "response": [r for _, r in rows]}
             )
-            for n, client in clients.items():  # the same SFT step everywhere: new weights
+            for n, client in clients.items():  # the same SFT steps everywhere: new weights
                 await client.sft_step(batch)
                 out[f"{n}_trained"] = await client.generate(prompts(), GREEDY)
+                await client.sft_step(batch)  # after an offload: the moments came back
+                out[f"{n}_twice"] = await client.generate(prompts(), GREEDY)
         return out
 
     found: dict[str, Any] = run(main)
@@ -107,3 +110,12 @@ def test_each_generate_reshards_the_newest_weights(results: dict[str, Any]) -> N
     assert not torch.equal(one.tensors["log_probs"], results["actor_before"].tensors["log_probs"])
     agree(results["tp4_gen2_trained"], one, 1e-4)
     agree(results["dp2_tp2_gen1_trained"], one, 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_offloaded_optimizer_state_comes_back_for_the_next_step(results: dict[str, Any]) -> None:
+    assert results["tp4_gen2_before"].meta["offloaded_bytes"] == 0  # no step yet: no moments
+    assert results["tp4_gen2_trained"].meta["offloaded_bytes"] > 0
+    assert results["actor_trained"].meta["offloaded_bytes"] == 0  # not asked for
+    agree(results["tp4_gen2_twice"], results["actor_twice"], 1e-4)

@@ -81,6 +81,10 @@ class EngineConfig(BaseModel):
         "per step - less traffic for models that fit on one device",
     )
     seed: int = 0
+    offload_optimizer: bool = Field(
+        False,
+        description="while the actor generates: optimizer state in host memory, restored after",
+    )
     reshard_bucket_mb: float = Field(
         64, gt=0, description="bucket of the training->generation reshard (placement gen_tp)"
     )
