@@ -365,6 +365,8 @@ class Trainer:
                 record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
                 record["train/weight_version"] = self.state.version
                 record["train/staleness"] = staleness
+                if "reshard_s" in batch.meta:  # the actor generated at its gen_tp (reshard/)
+                    record["time/reshard_s"] = float(batch.meta["reshard_s"])
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)

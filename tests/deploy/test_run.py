@@ -145,6 +145,20 @@ def test_every_algorithm_example_runs(example: str, extra: list[str], tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quickstart_generates_at_another_tp_through_the_hybrid_engine(tmp_path: Path) -> None:
+    """Training at tp 2, generating at tp 1 on the same 2 ranks (two micro-DP replicas): the
+    weights are resharded for every generate and the run learns as the quick run does."""
+    run_dir = tmp_path / "run"
+    overrides = ["placement.main.tp=2", "placement.main.gen_tp=1"]
+    assert job(quick_argv("quickstart.yaml", run_dir, overrides)) == 0
+    rl = [r for r in records(run_dir) if r["stage"] == "grpo" and "train/reward/mean" in r]
+    assert len(rl) == 6 and all(r["time/reshard_s"] > 0 for r in rl)
+    sft = [r for r in records(run_dir) if r["stage"] == "sft" and "train/loss" in r]
+    assert sft[-1]["train/loss"] < 0.6 * sft[0]["train/loss"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_with_a_reward_model_trained_by_hybridflow_rm(tmp_path: Path) -> None:
     from roles.modeling.models import init_model
