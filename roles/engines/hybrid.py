@@ -34,6 +34,7 @@ from reshard.layout import GenLayout, gen_groups, params_from_layout
 from reshard.plan import make_plan
 from reshard.transfer import Transfer, gather_group, release
 from roles.engines.training.interface import TrainingEngine
+from transport.device import in_host_memory
 from transport.protocol import Layout
 
 
@@ -169,7 +170,7 @@ def optimizer_offloaded(optimizer: torch.optim.Optimizer | None) -> Iterator[int
                     host = torch.empty(
                         tensor.shape,
                         dtype=tensor.dtype,
-                        pin_memory=tensor.device.type == "cuda",
+                        pin_memory=not in_host_memory(tensor),
                     )
                     host.copy_(tensor)
                     tensor.untyped_storage().resize_(0)
