@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from reshard.layout import Box, contains, intersect, relative
 from reshard.plan import Piece, Plan
+from transport.device import BACKENDS, DeviceKind
 
 
 class ReshardError(RuntimeError):
@@ -85,7 +86,7 @@ class Transfer:
         """All-gather in place. Gloo's all-gather stages through a second buffer as large as
         ``out`` (it gathers into a flat copy, then copies out), so on gloo each member
         broadcasts its slot instead: the same bytes, written where they belong."""
-        if dist.get_backend(self.group) != "gloo":
+        if dist.get_backend(self.group) != BACKENDS[DeviceKind.CPU]:
             dist.all_gather_into_tensor(out, send, group=self.group)
             return
         for m, rank in enumerate(members):

@@ -21,6 +21,9 @@ class DeviceKind(StrEnum):
     CUDA = "cuda"
 
 
+#: the torch.distributed backend of each device kind
+BACKENDS = {DeviceKind.CPU: "gloo", DeviceKind.CUDA: "nccl"}
+
 #: host memory: where tensors must be to go on the wire or into shared memory
 HOST = torch.device(DeviceKind.CPU)
 

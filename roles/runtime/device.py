@@ -22,12 +22,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from transport.device import HOST, DeviceKind
+from transport.device import BACKENDS, HOST, DeviceKind
 
 log = logging.getLogger("hybridflow.device")
 
 #: the collective backend of each device kind
-BACKENDS = {DeviceKind.CPU: "gloo", DeviceKind.CUDA: "nccl"}
 
 
 class DeviceError(RuntimeError):
