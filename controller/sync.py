@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from controller.clients.weights import WeightSinkClient, WeightSourceClient
+from transport.errors import HybridflowError, RemoteError, RoleDeadError
 from transport.weight_sync import WeightSyncSettings
 
 
@@ -44,16 +45,20 @@ class WeightSync:
         hold, e.g. a backbone into a critic). Returns seconds, bytes and paths (rank 0's)."""
         start = time.perf_counter()
         settings = self.settings.model_dump()
-        if self.colocated(target):
-            got = await target.copy_from(self.source.role, version, settings, strict)
-            return {"seconds": time.perf_counter() - start, "received": got}
-        if self._described is None:
-            self._described = await self.source.weight_source()
-        opened = await target.open_receive(self._described, version, settings, strict)
+        what = f"{self.source.role} -> {target.role} (weight version {version})"
+        try:
+            if self.colocated(target):
+                got = await target.copy_from(self.source.role, version, settings, strict)
+                return {"seconds": time.perf_counter() - start, "received": got}
+            if self._described is None:
+                self._described = await self.source.weight_source()
+            opened = await target.open_receive(self._described, version, settings, strict)
+        except HybridflowError as exc:
+            raise WeightSyncError(f"weight sync {what} failed: {describe(exc)}") from exc
         sent, got = await self._both(
             self.source.send_weights(opened, version, settings),
             target.receive_weights(version),
-            f"{self.source.role} -> {target.role} (weight version {version})",
+            what,
         )
         return {"seconds": time.perf_counter() - start, "sent": sent, "received": got}
 
@@ -68,6 +73,15 @@ class WeightSync:
             errors = [t.exception() for t in tasks if t.done() and t.exception() is not None]
             for task in pending:
                 task.cancel()
-            reasons = "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+            reasons = "; ".join(describe(e) for e in errors if e is not None)
             raise WeightSyncError(f"weight sync {what} failed: {reasons}") from errors[0]
         return tasks[0].result(), tasks[1].result()
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming the role and rank at fault (the remote traceback stays in ``__cause__``)."""
+    if isinstance(exc, RoleDeadError):
+        return f"{exc.role} rank {exc.rank} {exc.cause}"
+    if isinstance(exc, RemoteError):
+        return f"{exc.role} rank {exc.rank} raised {exc.exc_type}: {exc.remote_message}"
+    return f"{type(exc).__name__}: {exc}"

@@ -85,6 +85,7 @@ class ZmqOutlet:
             self.sock.curve_publickey, self.sock.curve_secretkey = public, secret
             self.sock.curve_serverkey = server_key.encode()
         self.sock.connect(address)
+        log.info("weights to %s at %s (version %d)", peer, address, version)
         self.token, self.version, self.src = token, version, src
         self.shm, self.stall_s, self.peer = shm, stall_s, peer
         self.trackers: list[zmq.MessageTracker] = []
@@ -96,7 +97,9 @@ class ZmqOutlet:
                 self.sock.send(header(self.token, self.version, self.src, index, desc))
                 return
             head = header(self.token, self.version, self.src, index, None)
-            tracker = self.sock.send_multipart([head, data.numpy()], copy=False, track=True)
+            # a private copy: a numpy view would pin the parameter's storage (FSDP frees it)
+            payload = data.clone().numpy()
+            tracker = self.sock.send_multipart([head, payload], copy=False, track=True)
             self.trackers.append(tracker)
         except zmq.Again:
             raise TransferError(
@@ -253,6 +256,7 @@ class ZmqInlet:
         self.poller = zmq.Poller()
         for sock in self.socks:
             self.poller.register(sock, zmq.POLLIN)
+        log.info("weight inbox %s %s (version %d)", self.ipc, self.tcp, version)
 
     def _bind(self, address: str, secret: bytes | None) -> int:
         sock = context().socket(zmq.PULL)
@@ -316,9 +320,11 @@ class ZmqInlet:
         return {int(ident) for watch in self.watches for ident in watch.lost()}
 
     def close(self) -> None:
-        for watch in self.watches:
+        # the monitor first: a socket whose monitor peer is gone blocks ZeroMQ's I/O thread on
+        # its next event (every later socket of this process would then hang)
+        for sock, watch in zip(self.socks, self.watches, strict=True):
+            sock.disable_monitor()
             watch.close()
-        for sock in self.socks:
             sock.close(linger=0)
         if self.ipc is not None:
             try:

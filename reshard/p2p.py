@@ -13,6 +13,10 @@ ranks of the destination spread over the source's data-parallel replicas), and a
 several tp ranks of that replica hold (a replicated parameter) comes from tp rank
 ``(r + param_index) % holders``, which spreads replicated parameters over the tp ranks.
 
+The destination may split a parameter differently from the source (a tp = 1 source holds every
+parameter whole): ``dst_splits`` gives the destination's split by name (absent: replicated);
+without it both sides split alike.
+
 Pipeline stages: a parameter's ``stage`` is its training stage; the destination's ``pp`` must
 divide the source's (each destination stage is a union of training stages).
 
@@ -21,8 +25,8 @@ Pure arithmetic on shapes; ``reshard/remote.py`` executes a plan bucket by bucke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reshard.layout import Box, LayoutError, Param, Split, box_numel, intersect, relative
@@ -47,9 +51,10 @@ class Move:
 
 @dataclass
 class P2PPlan:
-    params: list[Param]
+    params: list[Param]  # as the source splits them
     src: Layout
     dst: Layout
+    dst_params: list[Param]  # the same parameters as the destination splits them
     moves: list[Move] = field(default_factory=list)
 
     def held_box(self, param: int, rank: int) -> Box | None:
@@ -60,7 +65,7 @@ class P2PPlan:
 
     def need_box(self, param: int, rank: int) -> Box | None:
         """What destination rank ``rank`` needs of ``param`` (None: another stage's)."""
-        p = self.params[param]
+        p = self.dst_params[param]
         _, pp, tp = self.dst.coords(rank)
         per_stage = self.src.pp // self.dst.pp
         return p.box(self.dst.tp, tp) if p.stage // per_stage == pp else None
@@ -88,19 +93,27 @@ class P2PPlan:
         return sum(m.nbytes(self.params) for m in self.receives(dst))
 
 
-def make_p2p_plan(params: Sequence[Param], src: Layout, dst: Layout) -> P2PPlan:
+def make_p2p_plan(
+    params: Sequence[Param],
+    src: Layout,
+    dst: Layout,
+    dst_splits: Mapping[str, Split] | None = None,
+) -> P2PPlan:
     """The moves that give every rank of ``dst`` its pieces from the ranks of ``src``."""
     if src.pp % dst.pp:
         raise LayoutError(
             f"destination pp={dst.pp} must divide source pp={src.pp} (each destination stage "
             "is a union of source stages)"
         )
-    for p in params:
+    theirs = list(params)
+    if dst_splits is not None:
+        theirs = [replace(p, split=dst_splits.get(p.name, "replicated")) for p in params]
+    for p, q in zip(params, theirs, strict=True):
         if not 0 <= p.stage < src.pp:
             raise LayoutError(f"{p.name}: stage {p.stage} outside source pp={src.pp}")
-        for parts in (src.tp, dst.tp):
-            p.box(parts, 0)  # raises when the split does not divide
-    plan = P2PPlan(list(params), src, dst)
+        p.box(src.tp, 0)  # raises when a split does not divide
+        q.box(dst.tp, 0)
+    plan = P2PPlan(list(params), src, dst, theirs)
     for rank in range(dst.world_size):
         for index in range(len(plan.params)):
             plan.moves.extend(_moves_for(plan, rank, index))

@@ -42,7 +42,14 @@ from reshard.channels import (
     stateless_group,
 )
 from reshard.layout import Param
-from reshard.p2p import Move, P2PPlan, make_p2p_plan, pair_buckets, params_from_wire
+from reshard.p2p import (
+    TP_DIM_SPLIT,
+    Move,
+    P2PPlan,
+    make_p2p_plan,
+    pair_buckets,
+    params_from_wire,
+)
 from reshard.peers import Peer, choose_path, reachable_host
 from reshard.slices import box_shape, check_held, pack, region, unpack
 from transport.protocol import Layout
@@ -115,6 +122,7 @@ class Target:
     role: str
     layout: Layout
     accept: list[str]
+    splits: dict[str, int]  # tp dim of each parameter the target splits (others: whole)
     inboxes: list[Inbox]
     store: str | None = None  # host:port of the stateless group's TCPStore
     group_key: str | None = None
@@ -128,7 +136,9 @@ class Target:
         inboxes = [Inbox.from_wire(i) for i in data["inboxes"]]
         store, key = _opt(data, "store", "group_key")
         layout = Layout.from_wire(data["layout"])
-        return cls(str(data["role"]), layout, [str(n) for n in data["accept"]], inboxes, store, key)
+        accept = [str(n) for n in data["accept"]]
+        splits = {str(k): int(v) for k, v in dict(data["splits"]).items()}
+        return cls(str(data["role"]), layout, accept, splits, inboxes, store, key)
 
 
 @dataclass
@@ -138,15 +148,18 @@ class Route:
     source: Source
     layout: Layout  # the target's
     accept: list[str]
+    splits: dict[str, int]  # the target's tp dims
     settings: WeightSyncSettings
     plan: P2PPlan = field(init=False)
 
     def __post_init__(self) -> None:
         taken = set(self.accept)
         every = params_from_wire(self.source.params, self.source.torch_dtype.itemsize)
-        self.plan = make_p2p_plan(
-            [p for p in every if p.name in taken], self.source.layout, self.layout
-        )
+        theirs = {n: TP_DIM_SPLIT[d] for n, d in self.splits.items() if d in TP_DIM_SPLIT}
+        if len(theirs) != len(self.splits):
+            raise TransferError(f"target splits {self.splits}: tp dims must be 0 or 1")
+        mine = [p for p in every if p.name in taken]
+        self.plan = make_p2p_plan(mine, self.source.layout, self.layout, theirs)
         self._pairs = self.plan.pairs()
 
     def path(self, src: int, dst: Peer) -> str:
@@ -177,7 +190,7 @@ def send(
     """Send this source rank's slices to every target rank that needs them; returns what was
     sent (bytes, seconds, path per target rank)."""
     start = time.perf_counter()
-    route = Route(source, target.layout, target.accept, settings)
+    route = Route(source, target.layout, target.accept, target.splits, settings)
     plan = route.plan
     boxes = {p.name: plan.held_box(i, rank) for i, p in enumerate(plan.params)}
     mine = {k: v for k, v in boxes.items() if v is not None}
@@ -254,12 +267,13 @@ class Receiver:
         layout: Layout,
         rank: int,
         accept: list[str],
+        splits: dict[str, int],
         version: int,
         settings: WeightSyncSettings,
         role: str,
         ipc_dir: str,
     ) -> None:
-        self.route = Route(source, layout, accept, settings)
+        self.route = Route(source, layout, accept, splits, settings)
         self.rank, self.version, self.role = rank, version, role
         self.peer = Peer.here()
         self.token = secrets.token_hex(16)

@@ -110,20 +110,35 @@ class Rollout(WeightSink, Role):
     def sink_names(self) -> set[str]:
         return {name for name, _ in self.model.named_parameters()}
 
-    def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
-        """Copy each staged slice into this rank's piece (cast to the generation dtype) once all
-        of them are checked against the pieces' shapes."""
+    def sink_splits(self) -> dict[str, int]:
+        from torch.distributed.tensor import DTensor
+
+        from roles.engines.training.fsdp import split_dim
+
+        found = {}
+        for name, param in self.model.named_parameters():
+            if isinstance(param, DTensor):
+                dims = [d for d in map(split_dim, param.placements) if d is not None]
+                if dims:
+                    found[name] = dims[0]
+        return found
+
+    def check_staged(self, staged: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
-        pieces = {name: local_piece(params[name]) for name in staged}
-        for name, piece in pieces.items():
-            if piece.shape != staged[name].shape:
+        for name, got in staged.items():
+            piece = local_piece(params[name])
+            if piece.shape != got.shape:
                 raise ValueError(
-                    f"{name}: received shape {list(staged[name].shape)} for this rank's piece "
-                    f"of shape {list(piece.shape)}"
+                    f"{name}: received shape {list(got.shape)} for this rank's piece of shape "
+                    f"{list(piece.shape)}"
                 )
+
+    def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
+        """Copy each staged slice into this rank's piece (cast to the generation dtype)."""
+        params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for name, piece in pieces.items():
-                piece.copy_(staged[name])
+            for name, got in staged.items():
+                local_piece(params[name]).copy_(got)
         self.version = version
 
     @endpoint(RANK_ZERO)

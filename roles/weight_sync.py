@@ -29,6 +29,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -125,6 +126,10 @@ class WeightSink:
         """The parameter names this role holds."""
         raise NotImplementedError
 
+    def sink_splits(self) -> dict[str, int]:
+        """Name → the dim ``sink_layout``'s tp splits, for the parameters it splits."""
+        return {}
+
     def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
         """Swap complete staged pieces in (nothing is touched before they all are checked)."""
         raise NotImplementedError
@@ -154,16 +159,17 @@ class WeightSink:
         chosen = WeightSyncSettings.model_validate(settings)
         taken = self.accept(found, strict)
         self.close_receive()
-        layout, ctx = self.sink_layout(), self.ctx
-        receiver = Receiver(found, layout, ctx.rank, taken, version, chosen, ctx.role, socket_dir())
+        layout, splits, ctx = self.sink_layout(), self.sink_splits(), self.ctx
+        receiver = Receiver(
+            found, layout, ctx.rank, taken, splits, version, chosen, ctx.role, socket_dir()
+        )
         self._receiver, self._strict = receiver, strict
         inboxes = gather(ctx, receiver.inbox().to_wire())
-        target = Target.from_wire(
-            {"role": ctx.role, "layout": layout.to_wire(), "accept": taken, "inboxes": inboxes}
-        )
+        wire = {"role": ctx.role, "layout": layout.to_wire(), "accept": taken, "splits": splits}
+        target = Target.from_wire({**wire, "inboxes": inboxes})
         if receiver.route.uses_group(target.inboxes):
             store, key = self._meeting_point(found)
-            target = Target(target.role, layout, taken, target.inboxes, store, key)
+            target = replace(target, store=store, group_key=key)
         self._target = target
         return target.to_wire()
 
@@ -194,16 +200,49 @@ class WeightSink:
                 f"{version} (open: {opened}); call open_receive first"
             )
         self._receiver = None
+        staged: dict[str, torch.Tensor] | None = None
+        failure: BaseException | None = None
         try:
             staged = receiver.run(target)
-        except Exception:
+        except Exception as exc:
+            failure = exc
             if self._store is not None:  # a broken group: the next transfer meets afresh
                 drop_store(self._store[1])
                 self._store = None
-            raise
-        self.adopt(staged, self._strict, version)
+        self._swap_together(staged, failure, self._strict, version)
         got = receiver.route.plan.recv_bytes(self.ctx.rank)
         return {"version": version, "bytes": got}
+
+    def check_staged(self, staged: dict[str, torch.Tensor]) -> None:
+        """Raise if staged pieces cannot be swapped in (before any rank swaps)."""
+
+    def _swap_together(
+        self,
+        staged: dict[str, torch.Tensor] | None,
+        failure: BaseException | None,
+        strict: bool,
+        version: int,
+    ) -> None:
+        """Swap in only if every rank of the group has all its pieces: a transfer that failed
+        anywhere leaves every rank on its old weights."""
+        if failure is None and staged is not None:
+            try:
+                self.check_staged(staged)
+            except Exception as exc:
+                failure = exc
+        reasons = gather(
+            self.ctx, None if failure is None else f"{type(failure).__name__}: {failure}"
+        )
+        if failure is not None:
+            raise failure
+        bad = [(rank, why) for rank, why in enumerate(reasons) if why is not None]
+        if bad or staged is None:
+            rank, why = bad[0] if bad else (self.ctx.rank, "nothing staged")
+            raise TransferError(
+                f"{self.ctx.role} rank {rank} did not get all its weights ({why}); every rank "
+                f"of {self.ctx.role} keeps its old weights"
+            )
+        self.adopt(staged, strict, version)
 
     def close_receive(self) -> None:
         if self._receiver is not None:
@@ -232,13 +271,16 @@ class WeightSink:
         assert receiver is not None  # open_receive just made it
         self._receiver = None
         taking = _Taking(receiver, target)
+        failure: BaseException | None = None
         with giver.held_weights() as held:
             taking.start()
             try:
                 send(source, target, self.ctx.rank, held, version, chosen)
+            except Exception as exc:
+                failure = exc
             finally:
                 taking.join()
-        self.adopt(taking.result(), strict, version)
+        self._swap_together(taking.staged, failure or taking.error, strict, version)
         return {"version": version, "bytes": receiver.route.plan.recv_bytes(self.ctx.rank)}
 
 
@@ -254,15 +296,8 @@ class _Taking(threading.Thread):
     def run(self) -> None:
         try:
             self.staged = self.receiver.run(self.target)
-        except BaseException as exc:  # re-raised by result() on the calling thread
+        except BaseException as exc:  # raised on the calling thread by copy_from
             self.error = exc
-
-    def result(self) -> dict[str, torch.Tensor]:
-        if self.error is not None:
-            raise self.error
-        if self.staged is None:
-            raise TransferError("the colocated copy's receiver did not finish")
-        return self.staged
 
 
 def local_piece(param: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from reshard.layout import LayoutError, Param
+from reshard.layout import LayoutError, Param, Split
 from reshard.p2p import Move, make_p2p_plan, pair_buckets, params_from_wire
 from transport.protocol import Layout
 
@@ -122,3 +122,14 @@ def test_params_from_a_training_engines_layout() -> None:
     assert params_from_wire(specs, 4) == PARAMS
     with pytest.raises(LayoutError, match="tp_dim 2"):
         params_from_wire([{"name": "x", "shape": [2, 2, 2], "tp_dim": 2}], 4)
+
+
+def test_a_whole_source_feeds_a_destination_that_splits_by_its_own_plan() -> None:
+    whole = [Param(p.name, p.shape) for p in PARAMS]  # a tp = 1 source reports no splits
+    splits: dict[str, Split] = {"q": "column", "o": "row"}
+    plan = make_p2p_plan(whole, Layout(dp=2), Layout(tp=2), splits)
+    assert plan.receives(1) == [
+        Move(1, 1, Q, ROWS_4_8, HALF_ROWS),
+        Move(1, 1, OUT, COLS_4_8, HALF_ROWS),
+        Move(1, 1, NORM, NORM_BOX, NORM_BOX),  # absent from the splits: whole
+    ]
