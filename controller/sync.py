@@ -23,6 +23,11 @@ from controller.clients.weights import WeightSinkClient, WeightSourceClient
 from transport.errors import HybridflowError, RemoteError, RoleDeadError
 from transport.weight_sync import WeightSyncSettings
 
+#: after one side of a sync fails, how long to wait for the other's error: a receiver names the
+#: sender that stopped (it notices a closed connection within half a second), while a dead
+#: group's own report may blame the rank that exited after it
+OTHER_SIDE_S = 2.0
+
 
 class WeightSyncError(RuntimeError):
     """A weight sync that failed; the message names the role and rank that broke it."""
@@ -68,8 +73,8 @@ class WeightSync:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
         if failed:
-            if pending:  # the other side's error, when it follows at once, says more
-                await asyncio.wait(pending, timeout=0.2)
+            if pending:  # the other side's error, when it follows soon, may say more
+                await asyncio.wait(pending, timeout=OTHER_SIDE_S)
             errors = [t.exception() for t in tasks if t.done() and t.exception() is not None]
             for task in pending:
                 task.cancel()

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from reshard.slices import join
 from transport.channel import PeerWatch
 from transport.security import token_ok
 from transport.shm import ShmArena, ShmReader
@@ -90,15 +91,16 @@ class ZmqOutlet:
         self.shm, self.stall_s, self.peer = shm, stall_s, peer
         self.trackers: list[zmq.MessageTracker] = []
 
-    def send(self, index: int, data: torch.Tensor) -> None:
+    def send(self, index: int, parts: list[torch.Tensor]) -> None:
+        """One bucket: its slices (views of the sender's tensors), copied once on the way."""
         try:
             if self.shm is not None:
-                desc = self._put(data)
+                desc = self._put(parts)
                 self.sock.send(header(self.token, self.version, self.src, index, desc))
                 return
             head = header(self.token, self.version, self.src, index, None)
-            # a private copy: a numpy view would pin the parameter's storage (FSDP frees it)
-            payload = data.clone().numpy()
+            # a private buffer: a numpy view would pin the parameter's storage (FSDP frees it)
+            payload = join(parts, private=True).numpy()
             tracker = self.sock.send_multipart([head, payload], copy=False, track=True)
             self.trackers.append(tracker)
         except zmq.Again:
@@ -107,11 +109,11 @@ class ZmqOutlet:
                 "weight_sync.stall_s)"
             ) from None
 
-    def _put(self, data: torch.Tensor) -> dict[str, Any]:
+    def _put(self, parts: list[torch.Tensor]) -> dict[str, Any]:
         assert self.shm is not None
         deadline = time.monotonic() + self.stall_s
         while True:
-            desc = self.shm.put(data)
+            desc = self.shm.put_parts(parts)
             if desc is not None:
                 return desc
             if time.monotonic() > deadline:
@@ -155,8 +157,8 @@ class GroupOutlet:
         except RuntimeError as exc:
             raise TransferError(f"sending to {self.peer} failed: {short(exc)}") from exc
 
-    def send(self, index: int, data: torch.Tensor) -> None:
-        self._post(index + 1, data)
+    def send(self, index: int, parts: list[torch.Tensor]) -> None:
+        self._post(index + 1, join(parts))
 
     def finish(self) -> None:
         while self.pending:

@@ -8,10 +8,14 @@ the piece its own layout gives it: ``Param.box(dst.tp, j)`` on its pipeline stag
 held piece and the destination's needed piece — such that every destination piece is covered
 exactly once and each source rank sends only what some destination needs.
 
-Who sends: destination rank ``r`` takes everything from source replica ``r % src.dp`` (so the
-ranks of the destination spread over the source's data-parallel replicas), and a piece that
-several tp ranks of that replica hold (a replicated parameter) comes from tp rank
+Who sends: a piece several source ranks hold alike comes, for destination rank ``r``, from the
+holders in source replica ``r % src.dp`` (so the ranks of the destination spread over the
+source's data-parallel replicas), and among them (a replicated parameter's tp ranks) from holder
 ``(r + param_index) % holders``, which spreads replicated parameters over the tp ranks.
+
+FSDP-sharded sources: ``src_dp_dims`` gives, per parameter, the dim the source additionally
+splits over dp (``torch.chunk`` of its tp piece, as FSDP2 shards); each dp rank then holds a
+distinct piece and a destination gathers its box from all of them — no all-gather on the source.
 
 The destination may split a parameter differently from the source (a tp = 1 source holds every
 parameter whole): ``dst_splits`` gives the destination's split by name (absent: replicated);
@@ -55,13 +59,18 @@ class P2PPlan:
     src: Layout
     dst: Layout
     dst_params: list[Param]  # the same parameters as the destination splits them
+    src_dp_dims: list[int | None]  # per parameter, the dim the source shards over dp (FSDP)
     moves: list[Move] = field(default_factory=list)
 
     def held_box(self, param: int, rank: int) -> Box | None:
-        """What source rank ``rank`` holds of ``param`` (None: another stage's)."""
+        """What source rank ``rank`` holds of ``param`` (None: another stage's, or an empty
+        FSDP shard)."""
         p = self.params[param]
-        _, pp, tp = self.src.coords(rank)
-        return p.box(self.src.tp, tp) if p.stage == pp else None
+        dp, pp, tp = self.src.coords(rank)
+        if p.stage != pp:
+            return None
+        box, dim = p.box(self.src.tp, tp), self.src_dp_dims[param]
+        return box if dim is None else chunk_box(box, dim, self.src.dp, dp)
 
     def need_box(self, param: int, rank: int) -> Box | None:
         """What destination rank ``rank`` needs of ``param`` (None: another stage's)."""
@@ -93,11 +102,23 @@ class P2PPlan:
         return sum(m.nbytes(self.params) for m in self.receives(dst))
 
 
+def chunk_box(box: Box, dim: int, parts: int, index: int) -> Box | None:
+    """Part ``index`` of ``box`` cut along ``dim`` as ``torch.chunk`` cuts (ceil-sized parts;
+    trailing ones may be short or empty)."""
+    lo, hi = box[dim]
+    size = -(-(hi - lo) // parts)
+    start, stop = lo + index * size, min(hi, lo + (index + 1) * size)
+    if start >= stop:
+        return None
+    return tuple((start, stop) if d == dim else e for d, e in enumerate(box))
+
+
 def make_p2p_plan(
     params: Sequence[Param],
     src: Layout,
     dst: Layout,
     dst_splits: Mapping[str, Split] | None = None,
+    src_dp_dims: Sequence[int | None] | None = None,
 ) -> P2PPlan:
     """The moves that give every rank of ``dst`` its pieces from the ranks of ``src``."""
     if src.pp % dst.pp:
@@ -113,32 +134,39 @@ def make_p2p_plan(
             raise LayoutError(f"{p.name}: stage {p.stage} outside source pp={src.pp}")
         p.box(src.tp, 0)  # raises when a split does not divide
         q.box(dst.tp, 0)
-    plan = P2PPlan(list(params), src, dst, theirs)
-    for rank in range(dst.world_size):
-        for index in range(len(plan.params)):
-            plan.moves.extend(_moves_for(plan, rank, index))
+    dims: list[int | None] = [None] * len(theirs) if src_dp_dims is None else list(src_dp_dims)
+    plan = P2PPlan(list(params), src, dst, theirs, dims)
+    for index in range(len(plan.params)):
+        holders: dict[Box, list[int]] = {}  # each distinct held box, by the ranks holding it
+        for rank in range(src.world_size):
+            box = plan.held_box(index, rank)
+            if box is not None:
+                holders.setdefault(box, []).append(rank)
+        for rank in range(dst.world_size):
+            plan.moves.extend(_moves_for(plan, rank, index, holders))
+    plan.moves.sort(key=lambda m: (m.dst, m.param))
     return plan
 
 
-def _moves_for(plan: P2PPlan, dst: int, param: int) -> list[Move]:
+def _moves_for(plan: P2PPlan, dst: int, param: int, holders: dict[Box, list[int]]) -> list[Move]:
     need = plan.need_box(param, dst)
     if need is None:
         return []
     replica = dst % plan.src.dp
-    holders: dict[Box, list[int]] = {}  # each distinct held box, by the replica's ranks holding it
-    for pp in range(plan.src.pp):
-        for tp in range(plan.src.tp):
-            rank = plan.src.rank_of(replica, pp, tp)
-            box = plan.held_box(param, rank)
-            if box is not None:
-                holders.setdefault(box, []).append(rank)
-    moves = []
+    moves, covered = [], 0
     for box, ranks in sorted(holders.items()):
         overlap = intersect(box, need)
         if overlap is None:
             continue
-        src = ranks[(dst + param) % len(ranks)]
+        near = [r for r in ranks if plan.src.coords(r)[0] == replica] or ranks
+        src = near[(dst + param) % len(near)]
         moves.append(Move(src, dst, param, relative(overlap, box), relative(overlap, need)))
+        covered += box_numel(overlap)
+    if covered != box_numel(need):
+        raise LayoutError(
+            f"{plan.params[param].name}: the source's pieces cover {covered} of the "
+            f"{box_numel(need)} elements destination rank {dst} needs (overlapping or missing)"
+        )
     return moves
 
 
@@ -157,6 +185,17 @@ def pair_buckets(moves: Sequence[Move], params: Sequence[Param], limit: int) -> 
         buckets[-1].append(move)
         size += n
     return buckets
+
+
+def dp_dims_from_wire(specs: Sequence[dict[str, Any]]) -> list[int | None]:
+    """Per parameter, the dim a source shards over dp (``dp_dim``; absent or None: whole)."""
+    found: list[int | None] = []
+    for spec in specs:
+        dim = spec.get("dp_dim")
+        if dim is not None and (type(dim) is not int or not 0 <= dim < len(spec["shape"])):
+            raise LayoutError(f"{spec.get('name')}: dp_dim {dim!r} is not a dim of its shape")
+        found.append(dim)
+    return found
 
 
 def params_from_wire(specs: Sequence[dict[str, Any]], itemsize: int) -> list[Param]:

@@ -46,12 +46,13 @@ from reshard.p2p import (
     TP_DIM_SPLIT,
     Move,
     P2PPlan,
+    dp_dims_from_wire,
     make_p2p_plan,
     pair_buckets,
     params_from_wire,
 )
 from reshard.peers import Peer, choose_path, reachable_host
-from reshard.slices import box_shape, check_held, pack, region, unpack
+from reshard.slices import box_shape, check_held, cut, region, unpack
 from transport.protocol import Layout
 from transport.weight_sync import WeightSyncSettings
 
@@ -72,7 +73,7 @@ class Source:
     role: str
     layout: Layout
     dtype: str
-    params: list[dict[str, Any]]  # name, shape, tp_dim (as EngineRole.param_layout reports)
+    params: list[dict[str, Any]]  # name, shape, tp_dim, dp_dim (EngineRole.weight_specs)
     peers: list[Peer]
 
     @property
@@ -158,8 +159,11 @@ class Route:
         theirs = {n: TP_DIM_SPLIT[d] for n, d in self.splits.items() if d in TP_DIM_SPLIT}
         if len(theirs) != len(self.splits):
             raise TransferError(f"target splits {self.splits}: tp dims must be 0 or 1")
+        names = [p.name for p in every]
+        dp_dims = dict(zip(names, dp_dims_from_wire(self.source.params), strict=True))
         mine = [p for p in every if p.name in taken]
-        self.plan = make_p2p_plan(mine, self.source.layout, self.layout, theirs)
+        sharded = [dp_dims[p.name] for p in mine]
+        self.plan = make_p2p_plan(mine, self.source.layout, self.layout, theirs, sharded)
         self._pairs = self.plan.pairs()
 
     def path(self, src: int, dst: Peer) -> str:
@@ -246,7 +250,7 @@ def _send_round_robin(
         for index in range(max((len(q) for q in queues.values()), default=0)):
             for dst, buckets in queues.items():
                 if index < len(buckets):
-                    outlets[dst].send(index, pack(buckets[index], route.plan.params, held))
+                    outlets[dst].send(index, cut(buckets[index], route.plan.params, held))
         for outlet in outlets.values():
             outlet.finish()
     finally:

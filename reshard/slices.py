@@ -25,23 +25,32 @@ def bucket_bytes(bucket: Sequence[Move], params: Sequence[Param]) -> int:
     return sum(m.nbytes(params) for m in bucket)
 
 
+def cut(
+    bucket: Sequence[Move], params: Sequence[Param], held: Mapping[str, torch.Tensor]
+) -> list[torch.Tensor]:
+    """The bucket's slices of the sender's tensors, in order (views, no copy)."""
+    return [region(held[params[m.param].name], m.src_box) for m in bucket]
+
+
+def join(parts: Sequence[torch.Tensor], private: bool = False) -> torch.Tensor:
+    """Slices back to back as one flat uint8 tensor: one copy, or none for a single contiguous
+    slice unless ``private`` (a buffer that must not alias the sender's tensors)."""
+    if len(parts) == 1 and parts[0].is_contiguous() and not private:
+        return parts[0].reshape(-1).view(torch.uint8)
+    out = torch.empty(sum(p.numel() * p.element_size() for p in parts), dtype=torch.uint8)
+    offset = 0
+    for part in parts:
+        n = part.numel() * part.element_size()
+        out[offset : offset + n].view(part.dtype).view(part.shape).copy_(part)
+        offset += n
+    return out
+
+
 def pack(
     bucket: Sequence[Move], params: Sequence[Param], held: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """The bucket's slices of the sender's tensors, back to back, as one flat uint8 tensor (no
-    copy when the bucket is one contiguous slice)."""
-    if len(bucket) == 1:
-        only = region(held[params[bucket[0].param].name], bucket[0].src_box)
-        if only.is_contiguous():
-            return only.reshape(-1).view(torch.uint8)
-    out = torch.empty(bucket_bytes(bucket, params), dtype=torch.uint8)
-    offset = 0
-    for move in bucket:
-        src = region(held[params[move.param].name], move.src_box)
-        n = src.numel() * src.element_size()
-        out[offset : offset + n].view(src.dtype).view(src.shape).copy_(src)
-        offset += n
-    return out
+    """``join(cut(...))``: the bucket as one flat uint8 tensor."""
+    return join(cut(bucket, params, held))
 
 
 def unpack(

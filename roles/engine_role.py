@@ -44,14 +44,32 @@ class EngineRole(WeightSource, WeightSink, Role):
 
     # -- weight transfers (roles/weight_sync.py) ------------------------------------------------
 
+    def _send_shards(self) -> bool:
+        """Whether each rank sends its FSDP shard as it is (no all-gather first): possible when
+        every dp-sharded parameter is cut along another dim than tp cuts it (tp = 1, or a
+        row-parallel weight); a dim cut by both is strided, not one box per rank."""
+        layout = self.engine.param_layout()
+        return all(p.dp_dim is None or p.dp_dim != p.tp_dim for p in layout.values())
+
     @contextmanager
     def held_weights(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._send_shards():
+            yield dict(held_pieces(self.engine.module))
+            return
         with self.engine.full_weights() as module:
             yield dict(held_pieces(module))
 
     def weight_specs(self) -> list[dict[str, Any]]:
-        layout = self.engine.param_layout()
-        return [{"name": n, "shape": list(p.shape), "tp_dim": p.tp_dim} for n, p in layout.items()]
+        shards = self._send_shards()
+        return [
+            {
+                "name": name,
+                "shape": list(p.shape),
+                "tp_dim": p.tp_dim,
+                "dp_dim": p.dp_dim if shards else None,
+            }
+            for name, p in self.engine.param_layout().items()
+        ]
 
     def weight_dtype(self) -> torch.dtype:
         return torch.float32  # engines keep fp32 master weights (autocast computes in bf16)

@@ -134,11 +134,18 @@ class Rollout(WeightSink, Role):
                 )
 
     def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
-        """Copy each staged slice into this rank's piece (cast to the generation dtype)."""
+        """Each staged slice becomes this rank's piece: a whole parameter in the generation
+        dtype is taken over as it is, anything else copied (cast) into place."""
+        from torch.distributed.tensor import DTensor
+
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, got in staged.items():
-                local_piece(params[name]).copy_(got)
+                param = params[name]
+                if isinstance(param, DTensor) or got.dtype != param.dtype:
+                    local_piece(param).copy_(got)
+                else:
+                    param.data = got
         self.version = version
 
     @endpoint(RANK_ZERO)

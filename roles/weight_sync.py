@@ -27,6 +27,7 @@ import os
 import secrets
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -80,14 +81,19 @@ class WeightSource:
         raise NotImplementedError
 
     def describe_source(self) -> Source:
-        peers = gather(self.ctx, Peer.here().to_wire())
-        return Source(
-            self.ctx.role,
-            self.ctx.layout,
-            dtype_name(self.weight_dtype()),
-            self.weight_specs(),
-            [Peer.from_wire(p) for p in peers],
-        )
+        """This role as a source (made once: layout, shapes and hosts do not change)."""
+        found: Source | None = getattr(self, "_described_source", None)
+        if found is None:
+            peers = gather(self.ctx, Peer.here().to_wire())
+            found = Source(
+                self.ctx.role,
+                self.ctx.layout,
+                dtype_name(self.weight_dtype()),
+                self.weight_specs(),
+                [Peer.from_wire(p) for p in peers],
+            )
+            self._described_source = found
+        return found
 
     @endpoint(ONE_TO_ALL)
     def weight_source(self) -> dict[str, Any]:
@@ -103,10 +109,13 @@ class WeightSource:
         ``open_receive`` answered); returns rank 0's bytes, seconds and paths."""
         found = Target.from_wire(target)
         chosen = WeightSyncSettings.model_validate(settings)
+        start = time.perf_counter()
         source = self.describe_source()
         with self.held_weights() as held:
+            ready = time.perf_counter()
             stats = send(source, found, self.ctx.rank, held, version, chosen)
-        return {**stats, "paths": {str(k): v for k, v in stats["paths"].items()}}
+        paths = {str(k): v for k, v in stats["paths"].items()}
+        return {**stats, "paths": paths, "prepare_s": ready - start}
 
 
 class WeightSink:
@@ -202,6 +211,7 @@ class WeightSink:
         self._receiver = None
         staged: dict[str, torch.Tensor] | None = None
         failure: BaseException | None = None
+        start = time.perf_counter()
         try:
             staged = receiver.run(target)
         except Exception as exc:
@@ -209,9 +219,11 @@ class WeightSink:
             if self._store is not None:  # a broken group: the next transfer meets afresh
                 drop_store(self._store[1])
                 self._store = None
+        received = time.perf_counter()
         self._swap_together(staged, failure, self._strict, version)
         got = receiver.route.plan.recv_bytes(self.ctx.rank)
-        return {"version": version, "bytes": got}
+        swapped = time.perf_counter() - received
+        return {"version": version, "bytes": got, "receive_s": received - start, "swap_s": swapped}
 
     def check_staged(self, staged: dict[str, torch.Tensor]) -> None:
         """Raise if staged pieces cannot be swapped in (before any rank swaps)."""

@@ -32,6 +32,7 @@ import re
 import struct
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -118,16 +119,32 @@ class ShmArena:
             raise ValueError(f"readers must be in [1, {MAX_READERS}], got {readers}")
         if not in_host_memory(data) or not data.is_contiguous():
             raise ValueError("ShmArena.put needs a contiguous CPU tensor")
-        src = data.detach().reshape(-1).view(torch.uint8)
-        nbytes = src.numel()
+        return self.put_parts([data], readers)
+
+    def put_parts(self, parts: Sequence[torch.Tensor], readers: int = 1) -> dict[str, Any] | None:
+        """Like ``put`` for several CPU tensors, back to back in one segment, each copied once
+        (the reshard module's buckets). A part that is not contiguous is copied in its own
+        dtype, so the bytes before it must be a multiple of its itemsize."""
+        if not 1 <= readers <= MAX_READERS:
+            raise ValueError(f"readers must be in [1, {MAX_READERS}], got {readers}")
+        if not all(in_host_memory(p) for p in parts):
+            raise ValueError("ShmArena.put_parts needs CPU tensors")
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
         with self._lock:
             if self._closed or os.getpid() != self._pid:
                 raise RuntimeError("ShmArena is closed or was inherited through fork")
             seg = self._find_free(nbytes) or self._create(nbytes)
             if seg is None:
                 return None
-            if nbytes:
-                seg.data[:nbytes].copy_(src)
+            offset = 0
+            for part in parts:
+                n = part.numel() * part.element_size()
+                into = seg.data[offset : offset + n]
+                if part.is_contiguous():
+                    into.copy_(part.detach().reshape(-1).view(torch.uint8))
+                else:
+                    into.view(part.dtype).view(part.shape).copy_(part.detach())
+                offset += n
             self._gen += 1
             struct.pack_into("<Q", seg.mm, _GEN_OFFSET, self._gen)
             seg.flags[:readers] = 1

@@ -133,3 +133,17 @@ def test_a_whole_source_feeds_a_destination_that_splits_by_its_own_plan() -> Non
         Move(1, 1, OUT, COLS_4_8, HALF_ROWS),
         Move(1, 1, NORM, NORM_BOX, NORM_BOX),  # absent from the splits: whole
     ]
+
+
+def test_an_fsdp_sharded_source_sends_each_dp_shard_to_every_destination_needing_it() -> None:
+    params = [Param("q", (8, 4), "column"), Param("odd", (5,))]
+    plan = make_p2p_plan(params, Layout(dp=2), Layout(dp=2), src_dp_dims=[0, 0])
+    assert plan.held_box(0, 1) == ROWS_4_8  # torch.chunk of the whole over dp
+    assert plan.held_box(1, 0) == ((0, 3),) and plan.held_box(1, 1) == ((3, 5),)
+    assert plan.receives(1) == [
+        Move(0, 1, 0, HALF_ROWS, HALF_ROWS),
+        Move(1, 1, 0, HALF_ROWS, ROWS_4_8),
+        Move(0, 1, 1, ((0, 3),), ((0, 3),)),
+        Move(1, 1, 1, ((0, 2),), ((3, 5),)),
+    ]
+    assert (plan.send_bytes(0), plan.send_bytes(1)) == (152, 144)  # (16+3), (16+2) floats x 2

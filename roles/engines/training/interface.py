@@ -56,6 +56,7 @@ class TrainingEngine(ABC):
     """One model trained (or frozen) over the ranks of a role group."""
 
     cfg: EngineConfig
+    module: torch.nn.Module  # the model as this rank holds it (its shards)
     model_config: Any  # the Hugging Face config of the model
     step: int  # optimizer steps taken
     precision: DtypeChoice  # what ``autocast`` computes in, and why
