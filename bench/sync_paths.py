@@ -23,7 +23,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +67,8 @@ async def time_paths(
     async with local_session(placement(model), timeouts) as c:
         actor, rollout = ActorClient(c, "actor"), RolloutClient(c, "rollout")
         layout = await actor.param_layout()
-        nbytes = sum(4 * _numel(v["shape"]) for v in layout.values())  # fp32 master weights
+        shapes = [cast(list[int], v["shape"]) for v in layout.values()]
+        nbytes = sum(4 * _numel(shape) for shape in shapes)  # fp32 master weights
         version = 0
         for round_ in range(repeats + 1):
             for path in paths:
