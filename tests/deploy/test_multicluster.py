@@ -65,9 +65,22 @@ def our_jobs() -> list[str]:
     return [line for line in out.splitlines() if "hybridflow-farm" in line]
 
 
-def rank_processes() -> list[str]:
+def rank_processes(marker: str | Path) -> list[str]:
+    """Rank and ``hybridflow role`` processes of one test: those whose command line,
+    environment or open files (a rank's log) mention ``marker`` (the test's folder or its
+    controller's address) — other runs on the machine are not this test's business."""
     out = subprocess.run(["pgrep", "-af", "roles.runtime|deploy.cli role"], capture_output=True)
-    return out.stdout.decode().splitlines()
+    return [line for line in out.stdout.decode().splitlines() if _mentions(line, str(marker))]
+
+
+def _mentions(line: str, marker: str) -> bool:
+    proc = Path("/proc") / line.split()[0]
+    try:
+        seen = [(proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()]
+        seen += [os.readlink(fd).encode() for fd in (proc / "fd").iterdir()]
+    except OSError:
+        return False  # gone meanwhile
+    return any(marker.encode() in text for text in seen)
 
 
 def settle(check: Any, limit: float = 20.0) -> Any:
@@ -93,14 +106,13 @@ def test_a_run_over_a_local_and_a_slurm_cluster(slurm: None, tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_submission_stops_the_groups_already_started(slurm: None, tmp_path: Path) -> None:
-    before = rank_processes()
     spec = write_spec(tmp_path / "clusters.yaml", {"time": "not-a-time"})
     done = subprocess.run(
         run_argv(spec, tmp_path / "run", "--quick"), capture_output=True, text=True, timeout=100
     )
     assert done.returncode == 1
     assert "cluster 'farm': sbatch" in done.stderr and "time" in done.stderr.lower()
-    assert settle(lambda: [p for p in rank_processes() if p not in before]) == []
+    assert settle(lambda: rank_processes(tmp_path)) == []
 
 
 @pytest.mark.slow
@@ -121,7 +133,6 @@ def test_a_job_that_dies_ends_the_run_with_its_cause(slurm: None, tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_mid_run_leaves_no_job_and_no_process(slurm: None, tmp_path: Path) -> None:
-    before = rank_processes()
     spec = write_spec(tmp_path / "clusters.yaml", {})
     run = subprocess.Popen(
         run_argv(spec, tmp_path / "run"),  # the full run: minutes, stopped after a few steps
@@ -138,7 +149,7 @@ def test_sigterm_mid_run_leaves_no_job_and_no_process(slurm: None, tmp_path: Pat
     run.send_signal(signal.SIGTERM)
     assert run.wait(timeout=60) != 0
     assert settle(our_jobs) == []
-    assert settle(lambda: [p for p in rank_processes() if p not in before]) == []
+    assert settle(lambda: rank_processes(tmp_path)) == []
 
 
 @pytest.mark.slow
