@@ -37,6 +37,7 @@ from deploy.slurm import (
     tasks_per_node,
     wait_steps,
 )
+from reshard.peers import CLUSTER_ENV
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
@@ -96,6 +97,7 @@ class RemoteGroups:
         workdir = self.cluster.workdir or str(Path.cwd())
         there = dir_there(self.cluster, self.run_dir, self.name)
         env = [f"{TIMEOUTS_ENV}={self.timeouts.to_env()}", "OMP_NUM_THREADS=1"]
+        env.append(f"{CLUSTER_ENV}={self.name}")  # weight syncs pick paths by it (reshard/peers.py)
         cli = [python, "-m", "deploy.cli", *role_argv(group, address, there, self.keys)]
         argv = ["env", *env, *cli, "--token", "-"]
         return f"cd {shlex.quote(workdir)} && exec {shlex.join(argv)}"
@@ -202,6 +204,7 @@ class SlurmJob:
             f"export HYBRIDFLOW_TOKEN={token}",
             f"export {TIMEOUTS_ENV}={shlex.quote(self.timeouts.to_env())}",
             "export OMP_NUM_THREADS=1",
+            f"export {CLUSTER_ENV}={shlex.quote(self.name)}",
             f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
             "pids=()",
         ]
