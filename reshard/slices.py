@@ -1,6 +1,7 @@
-"""Buckets as bytes: the sender packs its slices of a bucket into one flat buffer, the receiver
-copies them out into its staging tensors. Both walk the bucket's moves in the same order, so the
-buffer needs no index: offsets follow from the boxes."""
+"""Buckets as bytes: the sender cuts its slices of a bucket (views) and copies them once, back to
+back, into the buffer that travels (a shared-memory segment, a ZeroMQ frame, a gloo message); the
+receiver copies them out into its staging tensors. Both walk the bucket's moves in the same order,
+so the buffer needs no index: offsets follow from the boxes."""
 
 from __future__ import annotations
 
@@ -19,10 +20,6 @@ def region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
 
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
-
-
-def bucket_bytes(bucket: Sequence[Move], params: Sequence[Param]) -> int:
-    return sum(m.nbytes(params) for m in bucket)
 
 
 def cut(
@@ -45,12 +42,6 @@ def join(parts: Sequence[torch.Tensor], private: bool = False) -> torch.Tensor:
         offset += n
     return out
 
-
-def pack(
-    bucket: Sequence[Move], params: Sequence[Param], held: Mapping[str, torch.Tensor]
-) -> torch.Tensor:
-    """``join(cut(...))``: the bucket as one flat uint8 tensor."""
-    return join(cut(bucket, params, held))
 
 
 def unpack(
