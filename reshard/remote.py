@@ -53,6 +53,7 @@ from reshard.p2p import (
 )
 from reshard.peers import Peer, choose_path, reachable_host
 from reshard.slices import box_shape, check_held, cut, region, unpack
+from transport.device import in_host_memory
 from transport.protocol import Layout
 from transport.weight_sync import WeightSyncSettings
 
@@ -212,6 +213,12 @@ def send(
     return {"bytes": sent, "seconds": time.perf_counter() - start, "paths": paths}
 
 
+def _in_host(part: torch.Tensor) -> torch.Tensor:
+    """Every path carries host memory (gloo sends no CUDA tensors; CUDA IPC is not built yet):
+    a slice on a device is copied to the host first."""
+    return part if in_host_memory(part) else part.cpu()
+
+
 def _group(route: Route, target: Target, rank: int) -> Any:
     if target.store is None or target.group_key is None:
         raise TransferError(f"{target.role} opened no stateless group, but a pair needs one")
@@ -250,7 +257,8 @@ def _send_round_robin(
         for index in range(max((len(q) for q in queues.values()), default=0)):
             for dst, buckets in queues.items():
                 if index < len(buckets):
-                    outlets[dst].send(index, cut(buckets[index], route.plan.params, held))
+                    parts = cut(buckets[index], route.plan.params, held)
+                    outlets[dst].send(index, [_in_host(p) for p in parts])
         for outlet in outlets.values():
             outlet.finish()
     finally:

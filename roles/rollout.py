@@ -135,14 +135,15 @@ class Rollout(WeightSink, Role):
 
     def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
         """Each staged slice becomes this rank's piece: a whole parameter in the generation
-        dtype is taken over as it is, anything else copied (cast) into place."""
+        dtype and device is taken over as it is, anything else copied (cast) into place."""
         from torch.distributed.tensor import DTensor
 
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, got in staged.items():
                 param = params[name]
-                if isinstance(param, DTensor) or got.dtype != param.dtype:
+                same = got.dtype == param.dtype and got.device == param.device
+                if isinstance(param, DTensor) or not same:
                     local_piece(param).copy_(got)
                 else:
                     param.data = got
