@@ -10,7 +10,8 @@ session) and times, per path, one sync of the actor's weights into the rollout g
 
 Each path runs once to warm up (segments, the stateless group), then ``repeats`` times; a path's
 time is the median, wall-clock on the controller (commands included). Rounds interleave the paths
-so drift on a small machine hits all alike. ``*_gbps`` is the model's bytes over that time, and
+so drift on a small machine hits all alike. ``*_gbps`` is the model's bytes over that time (each
+of the two rollout ranks at tp 1 receives the whole model, so twice that crosses), and
 ``memcpy_gbps`` one ``copy_`` of the same bytes in this process (the floor for moving them once).
 
 ``python -m bench.sync_paths MODEL_DIR [--repeats N]`` prints a table and, last, a JSON line.
