@@ -1,6 +1,7 @@
 """Reshard benchmark: training layout → generation layout on 4 gloo ranks, four schemes.
 
-``python -m bench.reshard`` (a few minutes) or ``--quick`` (well under 90 s). For each layout
+``python -m bench.reshard`` (a few minutes) or ``--quick`` (the synthetic set only, 64 MB, and
+fewer repetitions: about a minute). For each layout
 pair (p-t-d → p_g-t_g-d_g) and each scheme (``hybridflow``, ``hybridflow-v``, ``naive``,
 ``verl``) on the same 4 ranks, in the same processes, interleaved rep by rep:
 
@@ -189,6 +190,18 @@ def check_targets(runs: list[dict[str, Any]], bucket: int) -> dict[str, bool]:
     return found
 
 
+def sync_20m(repeats: int) -> dict[str, Any]:
+    """A separate rollout group's sync of the ~20M tiny Llama, 2 -> 2 ranks on this host, per
+    path, against the old path through the controller (``bench/sync_paths.py``)."""
+    from bench.sync_paths import sync_seconds
+    from roles.modeling.models import init_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        model = init_model(Path(folder) / "small", "small", seed=0)
+        found: dict[str, Any] = sync_seconds(str(model), repeats=repeats)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -198,18 +211,24 @@ def main(argv: list[str] | None = None) -> int:
     bucket = int(args.bucket_mb * MB)
     size = 64 if args.quick else 256
     reps = 3 if args.quick else 5
-    sets = {"synthetic": synthetic(int(size * MB)), "llama-20m": tiny_llama_params("small")}
+    sets = {"synthetic": synthetic(int(size * MB))}
+    if not args.quick:
+        sets["llama-20m"] = tiny_llama_params("small")
     runs: list[dict[str, Any]] = []
     for label, params in sets.items():
         for pair in PAIRS:
             print(f"{label} {pair[0]} -> {pair[1]} ...", file=sys.stderr, flush=True)
             runs.extend(run_pair(params, pair, reps, bucket, label))
+    sync = sync_20m(3 if args.quick else 5)
     targets = check_targets(runs, bucket)
+    targets["sync_20m shm >= 2x controller"] = sync["shm_s"] * 2 <= sync["controller_s"]
     _table(runs, targets)
+    print(f"sync_20m (2 -> 2 ranks, this host): {sync}", file=sys.stderr)
     print(
         json.dumps(
             {
                 "runs": runs,
+                "sync_20m": sync,
                 "bucket_mb": args.bucket_mb,
                 "targets": targets,
                 "targets_met": all(targets.values()),
