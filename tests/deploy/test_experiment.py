@@ -4,6 +4,7 @@ with the field named; the trainer's pure helpers (data order, seeds, checkpoint 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -177,7 +178,9 @@ def test_prompt_template_formats_each_row(tmp_path: Path) -> None:
     from controller.trainer import Trainer, TrainerConfig
 
     cfg = TrainerConfig(prompt_template="user: {prompt} ({data_source})\n")
-    trainer = Trainer(cfg, [], None, {}, {}, tmp_path, [])  # type: ignore[arg-type]
+    roles = SimpleNamespace(actor=None)  # a trainer that never calls a role
+    trainer = Trainer(cfg, [], roles, {}, {}, tmp_path, [])  # type: ignore[arg-type]
     row = {"prompt": "1+2=", "answer": "3", "data_source": "arithmetic"}
     assert trainer._templated(row) == {**row, "prompt": "user: 1+2= (arithmetic)\n"}
-    assert Trainer(TrainerConfig(), [], None, {}, {}, tmp_path, [])._templated(row) is row  # type: ignore[arg-type]
+    plain = Trainer(TrainerConfig(), [], roles, {}, {}, tmp_path, [])  # type: ignore[arg-type]
+    assert plain._templated(row) is row
