@@ -20,10 +20,11 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from transport.channel import host_id
+from transport.channel import host_id, split_tcp
 
 CLUSTER_ENV = "HYBRIDFLOW_CLUSTER"
 ADVERTISE_ENV = "HYBRIDFLOW_ADVERTISE_HOST"
+CONTROLLER_ENV = "HYBRIDFLOW_CONTROLLER"  # the rank's controller address (roles/runtime/env.py)
 PATHS = ("shm", "group", "zmq")
 
 
@@ -68,10 +69,35 @@ def choose_path(forced: str, src: Peer, dst: Peer) -> str:
 
 def reachable_host(local_only: bool) -> str:
     """The address other ranks reach this one at: loopback when every peer shares this host;
-    else ``HYBRIDFLOW_ADVERTISE_HOST`` or what this host's name resolves to."""
+    else ``HYBRIDFLOW_ADVERTISE_HOST``; else the address this host reaches the controller from
+    (the interface the route to it takes: the network the groups share); else what this host's
+    name resolves to."""
     if local_only:
         return "127.0.0.1"
     override = os.environ.get(ADVERTISE_ENV)
     if override:
         return override
-    return socket.gethostbyname(socket.gethostname())
+    outward = _toward(os.environ.get(CONTROLLER_ENV, ""))
+    if outward:
+        return outward
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise OSError(
+            f"cannot tell which address other hosts reach this one at ({exc}); set "
+            f"{ADVERTISE_ENV} to this host's address"
+        ) from exc
+
+
+def _toward(controller: str) -> str:
+    """The local address of a route to the controller's TCP address ('' when there is none)."""
+    if not controller.startswith("tcp://"):
+        return ""
+    try:
+        host, port = split_tcp(controller)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # UDP: picks the route, sends nothing
+            address = str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return ""
+    return "" if address.startswith("127.") else address
