@@ -20,7 +20,10 @@ from transport.batch import TensorBatch
 from transport.errors import RemoteError
 from transport.weight_sync import WeightSyncSettings
 
-STALL_S = 30.0  # far above the detection the test demands: a dead rank must be noticed sooner
+# Well above the detection the test demands (5 s): a dead rank must be noticed from its closed
+# connection, not from the stall timeout. A receiver rank that saw nothing of the dead sender
+# still waits this long before it serves again (zmq: ~10 s of this test), so it is kept short.
+STALL_S = 12.0
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_a_sender_killed_mid_sync_fails_fast_and_the_old_weights_stay(
 ) -> None:
     out = killed_mid_sync(model, path)
     print(f"{path}: failed after {out['seconds']:.2f} s: {out['error'][:300]}")
-    assert out["seconds"] < 10, out["error"]
+    assert out["seconds"] < 5, out["error"]
     assert "actor rank 1" in out["error"], out["error"]
     assert out["after"] == out["before"]  # bitwise: nothing was swapped in
     assert out["version"] == 0
