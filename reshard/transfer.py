@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reshard.layout import Box, contains, intersect, relative
+from reshard.layout import Box, box_numel, contains, intersect, relative
 from reshard.plan import Piece, Plan
 from transport.device import BACKENDS, DeviceKind
 
@@ -60,7 +60,11 @@ class Transfer:
         index = self.plan.groups[self.plan.group_of[self.rank]]
         me = index.members.index(self.rank)
         staging = _Staging(self.plan.bucket_bytes) if self.plan.scheme == "verl" else None
+        gloo = len(index.members) > 1 and dist.get_backend(self.group) == BACKENDS[DeviceKind.CPU]
         for b, per_member in enumerate(index.buckets):
+            if gloo:
+                self._broadcast_pieces(per_member, train, gen, index.members, staging)
+                continue
             sizes = index.bucket_bytes(self.plan.params, b)
             width = max(sizes)
             if width == 0:
@@ -79,6 +83,49 @@ class Transfer:
         if staging is not None:
             staging.flush(gen)
         return gen
+
+    def _broadcast_pieces(
+        self,
+        per_member: list[list[Piece]],
+        train: Mapping[str, torch.Tensor],
+        gen: dict[str, torch.Tensor],
+        members: list[int],
+        staging: _Staging | None,
+    ) -> None:
+        """One bucket on gloo: a broadcast per piece, sent from where it lies (a contiguous
+        training piece goes as is, anything else is packed first) and received where it
+        belongs (straight into the generation shard when it is a contiguous region of it, else
+        into a buffer copied out at once). Gloo's all-gather would stage the whole bucket
+        through a second full-size buffer."""
+        me = members.index(self.rank)
+        for m, pieces in enumerate(per_member):
+            for piece in pieces:
+                if m == me:
+                    dist.broadcast(self._source(piece, train), src=self.rank, group=self.group)
+                    continue
+                landing = None if staging is not None else self._landing(piece, gen)
+                buffer = landing if landing is not None else self._buffer(piece)
+                dist.broadcast(buffer, src=members[m], group=self.group)
+                if landing is None:
+                    self._unpack([piece], buffer, gen, staging)
+
+    def _buffer(self, piece: Piece) -> torch.Tensor:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty(box_numel(piece.box) * size, dtype=torch.uint8)
+
+    def _source(self, piece: Piece, train: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        tensor, held = self._train_piece(train, piece.param)
+        part = tensor[_slices(relative(piece.box, held))]
+        if not (part.is_contiguous() and part.dtype == self.dtype):
+            part = part.to(self.dtype).contiguous()
+        return part.view(-1).view(torch.uint8)
+
+    def _landing(self, piece: Piece, gen: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        box = self.plan.gen_box(piece.param, self.rank)
+        if box is None or not contains(box, piece.box):
+            return None
+        region = gen[self.plan.params[piece.param].name][_slices(relative(piece.box, box))]
+        return region.view(-1).view(torch.uint8) if region.is_contiguous() else None
 
     def _gather(
         self, out: torch.Tensor, send: torch.Tensor, members: list[int], width: int
