@@ -48,6 +48,17 @@ from transport.protocol import Layout
 PAIRS = [("1-4-1", "1-2-2"), ("1-4-1", "1-1-4"), ("1-2-2", "1-1-2"), ("1-2-2", "1-2-1")]
 WORLD = 4
 MB = 1e6
+COLUMNS = (
+    "set",
+    "train",
+    "gen",
+    "scheme",
+    "model_mb",
+    "seconds",
+    "recv_mb",
+    "table_mb",
+    "peak_extra_mb",
+)
 
 
 def synthetic(total_bytes: int, layers: int = 8) -> list[Param]:
@@ -243,35 +254,10 @@ def _table(runs: list[dict[str, Any]], targets: dict[str, bool]) -> None:
     from rich.table import Table
 
     table = Table(title="reshard: 4 gloo ranks")
-    for column in (
-        "set",
-        "train",
-        "gen",
-        "scheme",
-        "model_mb",
-        "seconds",
-        "recv_mb",
-        "table_mb",
-        "peak_extra_mb",
-    ):
+    for column in COLUMNS:
         table.add_column(column)
     for r in runs:
-        table.add_row(
-            *(
-                str(r[c])
-                for c in (
-                    "set",
-                    "train",
-                    "gen",
-                    "scheme",
-                    "model_mb",
-                    "seconds",
-                    "recv_mb",
-                    "table_mb",
-                    "peak_extra_mb",
-                )
-            )
-        )
+        table.add_row(*(str(r[c]) for c in COLUMNS))
     console = Console()
     console.print(table)
     for name, ok in targets.items():
