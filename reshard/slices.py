@@ -43,7 +43,6 @@ def join(parts: Sequence[torch.Tensor], private: bool = False) -> torch.Tensor:
     return out
 
 
-
 def unpack(
     bucket: Sequence[Move],
     params: Sequence[Param],
