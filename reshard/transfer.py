@@ -75,7 +75,7 @@ class Transfer:
             send = out[me * width : (me + 1) * width]
             self._pack(per_member[me], train, send)
             if len(sizes) > 1:
-                self._gather(out, send, index.members, width)
+                dist.all_gather_into_tensor(out, send, group=self.group)  # in place
             for m, pieces in enumerate(per_member):
                 if m != me:
                     self._unpack(pieces, out[m * width : (m + 1) * width], gen, staging)
@@ -126,18 +126,6 @@ class Transfer:
             return None
         region = gen[self.plan.params[piece.param].name][_slices(relative(piece.box, box))]
         return region.view(-1).view(torch.uint8) if region.is_contiguous() else None
-
-    def _gather(
-        self, out: torch.Tensor, send: torch.Tensor, members: list[int], width: int
-    ) -> None:
-        """All-gather in place. Gloo's all-gather stages through a second buffer as large as
-        ``out`` (it gathers into a flat copy, then copies out), so on gloo each member
-        broadcasts its slot instead: the same bytes, written where they belong."""
-        if dist.get_backend(self.group) != BACKENDS[DeviceKind.CPU]:
-            dist.all_gather_into_tensor(out, send, group=self.group)
-            return
-        for m, rank in enumerate(members):
-            dist.broadcast(out[m * width : (m + 1) * width], src=rank, group=self.group)
 
     # -- pieces ----------------------------------------------------------------------------------
 
