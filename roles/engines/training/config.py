@@ -67,7 +67,11 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="path of a Hugging Face model directory")
-    backend: Literal["fsdp"] = Field("fsdp", description="training engine implementation")
+    backend: Literal["fsdp", "megatron"] = Field(
+        "fsdp",
+        description="training engine: fsdp (FSDP2 + DTensor tp, the default) or megatron "
+        "(megatron-core tp x pp x dp; the [megatron] extra)",
+    )
     dtype: Precision = Field(
         "auto",
         description="bf16: autocast the forward/backward, keep fp32 master weights; auto: bf16 "
@@ -90,6 +94,12 @@ class EngineConfig(BaseModel):
     )
     generator: Literal["native", "hf"] = Field(
         "native", description="generation engine of the actor's colocated generate"
+    )
+    vpp: int = Field(
+        1, ge=1, description="megatron: virtual pipeline stages per rank (interleaved schedule)"
+    )
+    distributed_optimizer: bool = Field(
+        False, description="megatron: shard optimizer state over dp (megatron-core's optimizer)"
     )
     optim: OptimConfig | None = Field(
         default_factory=OptimConfig, description="null for frozen weights (reference, reward)"
