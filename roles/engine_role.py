@@ -17,7 +17,7 @@ import torch
 
 from roles.base import Role, RoleContext
 from roles.engines.training.config import EngineConfig, OptimConfig
-from roles.engines.training.fsdp import FSDPEngine
+from roles.engines.training.factory import build_engine
 from roles.engines.training.interface import Head, TrainingEngine
 from roles.runtime.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
 from roles.weight_sync import WeightSink, WeightSource, held_pieces
@@ -37,7 +37,7 @@ class EngineRole(WeightSource, WeightSink, Role):
         super().__init__(ctx)
         if self.frozen:
             config = {**config, "optim": None}
-        self.engine: TrainingEngine = FSDPEngine(
+        self.engine: TrainingEngine = build_engine(
             EngineConfig.model_validate(config), ctx, head=self.head
         )
         self.register_source()

@@ -1,2 +1,3 @@
 """Training engines: ``interface.py`` (what roles program against), ``config.py`` (the typed
-engine and optimizer settings) and one file per engine (``fsdp.py``: FSDP2 + DTensor tp)."""
+engine and optimizer settings), ``factory.py`` (the engine a config's ``backend`` names) and one
+module per engine (``fsdp.py``: FSDP2 + DTensor tp; ``megatron/``: megatron-core tp x pp x dp)."""
