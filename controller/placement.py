@@ -46,6 +46,7 @@ class GroupSpec(BaseModel):
     gen_tp: int = Field(
         0, ge=0, description="tensor-parallel size while generating (reshard/); 0: as tp"
     )
+    gen_pp: int = Field(0, ge=0, description="pipeline size while generating (reshard/); 0: as pp")
     fanout: Literal["socket", "zmq", "rpc"] = Field(
         "socket", description="how rank 0 reaches the other ranks (python -m bench.transport)"
     )
@@ -76,6 +77,11 @@ class GroupSpec(BaseModel):
             raise ValueError(
                 f"group {self.name!r}: gen_tp={self.gen_tp} must divide tp={self.tp} (each "
                 "generation shard is a union of training shards)"
+            )
+        if self.gen_pp and self.pp % self.gen_pp:
+            raise ValueError(
+                f"group {self.name!r}: gen_pp={self.gen_pp} must divide pp={self.pp} (each "
+                "generation stage is a union of training stages)"
             )
         return self
 

@@ -337,10 +337,10 @@ class Controller:
         if hello.world_size != spec.nproc:
             return f"world size {hello.world_size} but the placement says nproc={spec.nproc}"
         layout = hello.layout
-        if layout != Layout.for_world(spec.nproc, spec.tp, spec.pp, spec.gen_tp):
+        if layout != Layout.for_world(spec.nproc, spec.tp, spec.pp, spec.gen_tp, spec.gen_pp):
             return (
                 f"layout {layout} but the placement says tp={spec.tp} pp={spec.pp} "
-                f"gen_tp={spec.gen_tp}"
+                f"gen_tp={spec.gen_tp} gen_pp={spec.gen_pp}"
             )
         if group.identity:
             return f"group {name!r} has already registered"

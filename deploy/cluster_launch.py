@@ -50,6 +50,7 @@ def role_argv(group: GroupSpec, address: str, run_dir: str | None, keys: str | N
     argv = ["role", ",".join(group.roles), "--connect", address, "--group", group.name]
     argv += ["--nproc", str(group.nproc), "--tp", str(group.tp), "--pp", str(group.pp)]
     argv += ["--gen-tp", str(group.gen_tp)] if group.gen_tp else []
+    argv += ["--gen-pp", str(group.gen_pp)] if group.gen_pp else []
     argv += ["--fanout", group.fanout, "--device", group.device]
     if run_dir is not None:
         argv += ["--run-dir", run_dir]

@@ -36,7 +36,7 @@ import copy
 import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,6 +45,9 @@ from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, Column, read_rows, requ
 from controller.placement import GroupSpec, RoleSpec, check_placement
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig
 from transport.device import DeviceKind
+
+if TYPE_CHECKING:  # roles code is loaded only when a run's groups are built
+    from roles.engines.training.config import EngineConfig
 
 ROLE_CLASSES = {
     "actor": "roles.actor:Actor",
@@ -98,8 +101,14 @@ class GroupConfig(BaseModel):
     roles: list[str]
     nproc: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    pp: int = Field(
+        1, ge=1, description="pipeline stages of the group's engine roles (needs backend: megatron)"
+    )
     gen_tp: int = Field(
         0, ge=0, description="tensor-parallel size the actor generates at (reshard/); 0: tp"
+    )
+    gen_pp: int = Field(
+        0, ge=0, description="pipeline stages the actor generates at (reshard/); 0: pp"
     )
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
     device: DeviceKind = Field(DeviceKind.CPU, description="cpu (gloo) or cuda (NCCL)")
@@ -387,7 +396,7 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
     own config classes, so a typo fails here, not in a rank."""
     groups = []
     for gname, group in placement(exp).items():
-        specs = {role: _role_spec(exp, role, group.tp, run_dir) for role in group.roles}
+        specs = {role: _role_spec(exp, role, gname, group, run_dir) for role in group.roles}
         try:
             groups.append(
                 GroupSpec(
@@ -395,7 +404,9 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
                     roles=specs,
                     nproc=group.nproc,
                     tp=group.tp,
+                    pp=group.pp,
                     gen_tp=group.gen_tp,
+                    gen_pp=group.gen_pp,
                     fanout=group.fanout,
                     device=group.device,
                 )
@@ -406,9 +417,11 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
     return groups
 
 
-def _role_spec(exp: Experiment, role: str, tp: int, run_dir: Path) -> RoleSpec:
-    """The role's class and settings; its model folder checked (and against ``tp``) and
-    resolved to an absolute path."""
+def _role_spec(
+    exp: Experiment, role: str, gname: str, group: GroupConfig, run_dir: Path
+) -> RoleSpec:
+    """The role's class and settings; its model folder checked (and against the group's tp and
+    pp) and resolved to an absolute path."""
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.fsdp import check_tp
     from roles.modeling.models import check_model_dir
@@ -417,20 +430,53 @@ def _role_spec(exp: Experiment, role: str, tp: int, run_dir: Path) -> RoleSpec:
     cls = role_class(role, cfg)
     settings = cfg.settings()
     try:
+        model_config = None
         if cfg.model is not None:
             path = model_path(exp, cfg.model, run_dir)
             model_config, _ = check_model_dir(path)
-            check_tp(model_config, tp)
+            check_tp(model_config, group.tp)
             settings["model"] = str(path.resolve())
-        _check_role_settings(role, cls, settings)
+        engine = _check_role_settings(role, cls, settings)
     except (ValueError, ValidationError) as exc:
         raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
+    if engine is not None:
+        _check_pipeline(role, gname, group, engine, model_config)
     return RoleSpec(cls=cls, config=settings)
 
 
-def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> None:
+def _check_pipeline(
+    role: str, gname: str, group: GroupConfig, engine: EngineConfig, model_config: Any
+) -> None:
+    """An engine role in a group with ``pp`` stages: the megatron backend, and layers that
+    split evenly over the stages (``vpp`` model chunks per stage with the interleaved
+    schedule)."""
+    stages = group.pp * engine.vpp
+    if group.pp > 1 and engine.backend != "megatron":
+        raise ExperimentError(
+            f"roles.{role}.backend: placement.{gname}.pp={group.pp} needs pipeline parallel, "
+            f"which the {engine.backend} engine does not have; set roles.{role}.backend: megatron "
+            f"or placement.{gname}.pp: 1"
+        )
+    if engine.vpp > 1 and group.pp == 1:
+        raise ExperimentError(
+            f"roles.{role}.vpp={engine.vpp}: virtual pipeline stages need placement.{gname}.pp "
+            "> 1; set vpp: 1 or a pp of 2 or more"
+        )
+    layers = getattr(model_config, "num_hidden_layers", None)
+    if layers is not None and stages > 1 and layers % stages:
+        what = f"placement.{gname}.pp={group.pp}"
+        if engine.vpp > 1:
+            what += f" x roles.{role}.vpp={engine.vpp} = {stages} model chunks"
+        raise ExperimentError(
+            f"roles.{role}: {what} does not divide the model's num_hidden_layers={layers}; "
+            f"pick sizes whose product divides {layers}"
+        )
+
+
+def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> EngineConfig | None:
     """Validate ``settings`` with the config class of the role's class (a scoring-only role
-    gets ``optim: None``); raises ValueError or ValidationError."""
+    gets ``optim: None``); raises ValueError or ValidationError. Returns the engine settings of
+    an engine role (None for other roles)."""
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
     from roles.reward import load_function
@@ -443,7 +489,8 @@ def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> None:
     elif cls in ROLE_CLASSES.values():
         if role in ("reference", "reward", "cost"):
             settings.setdefault("optim", None)  # scoring only
-        EngineConfig.model_validate(settings)
+        return EngineConfig.model_validate(settings)
+    return None
 
 
 def _short(exc: Exception) -> str:

@@ -152,6 +152,7 @@ class LocalLauncher:
             HYBRIDFLOW_TP=str(spec.tp),
             HYBRIDFLOW_PP=str(spec.pp),
             HYBRIDFLOW_GEN_TP=str(spec.gen_tp),
+            HYBRIDFLOW_GEN_PP=str(spec.gen_pp),
             HYBRIDFLOW_CONTROLLER=self.controller_address,
             HYBRIDFLOW_TOKEN=self.token,
             HYBRIDFLOW_FANOUT=spec.fanout,

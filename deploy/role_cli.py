@@ -47,6 +47,7 @@ class RoleOptions:
     tp: int = 1
     pp: int = 1
     gen_tp: int = 0
+    gen_pp: int = 0
     token: str | None = None
     wait: float | None = None
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
@@ -70,6 +71,7 @@ class RoleOptions:
             tp=args.tp,
             pp=args.pp,
             gen_tp=args.gen_tp,
+            gen_pp=args.gen_pp,
             token=args.token,
             wait=args.wait,
             fanout=args.fanout,
@@ -95,6 +97,9 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
     role.add_argument("--pp", type=int, default=1)
     role.add_argument(
         "--gen-tp", type=int, default=0, help="tensor-parallel size while generating (0: --tp)"
+    )
+    role.add_argument(
+        "--gen-pp", type=int, default=0, help="pipeline size while generating (0: --pp)"
     )
     role.add_argument("--group", help="group name (default: the role names joined with '+')")
     role.add_argument(
@@ -194,6 +199,7 @@ def run_as_rank(opts: RoleOptions) -> int:
         HYBRIDFLOW_TP=str(opts.tp),
         HYBRIDFLOW_PP=str(opts.pp),
         HYBRIDFLOW_GEN_TP=str(opts.gen_tp),
+        HYBRIDFLOW_GEN_PP=str(opts.gen_pp),
         HYBRIDFLOW_FANOUT=opts.fanout,
         HYBRIDFLOW_DEVICE=opts.device,
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
@@ -216,6 +222,7 @@ def _group_spec(opts: RoleOptions) -> GroupSpec:
         tp=opts.tp,
         pp=opts.pp,
         gen_tp=opts.gen_tp,
+        gen_pp=opts.gen_pp,
         device=opts.device,
         fanout=opts.fanout,
     )

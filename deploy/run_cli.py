@@ -386,7 +386,9 @@ def _announce(groups: list[GroupSpec], address: str, token: str, keys: Path | No
     for g in groups:
         console.print(
             f"  HYBRIDFLOW_TOKEN={token} hybridflow role {','.join(g.roles)} --connect {address} "
-            f"--group {g.name} --nproc {g.nproc} --tp {g.tp} --device {g.device}"
+            f"--group {g.name} --nproc {g.nproc} --tp {g.tp} --pp {g.pp} --device {g.device}"
+            + (f" --gen-tp {g.gen_tp}" if g.gen_tp else "")
+            + (f" --gen-pp {g.gen_pp}" if g.gen_pp else "")
             + (f" --keys {keys} --client {g.name}" if keys else ""),
             soft_wrap=True,
         )

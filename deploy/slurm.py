@@ -8,8 +8,8 @@
 - SLURM's client commands: ``run_there`` (here or through ``via``, e.g. ssh), ``slurm_problem``
   (what to fix when one failed) and ``slurm_cpus_per_node`` (asks ``sinfo``).
 
-A group is anything with ``roles``, ``nproc``, ``tp`` and ``device``: an experiment's placement
-(``GroupConfig``) or a launcher's ``GroupSpec``.
+A group is anything with ``roles``, ``nproc``, ``tp``, ``pp`` (and their generation sizes) and
+``device``: an experiment's placement (``GroupConfig``) or a launcher's ``GroupSpec``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ class Placed(Protocol):
     def tp(self) -> int: ...
 
     @property
+    def pp(self) -> int: ...
+
+    @property
     def gen_tp(self) -> int: ...
+
+    @property
+    def gen_pp(self) -> int: ...
 
     @property
     def device(self) -> DeviceKind: ...
@@ -153,10 +159,11 @@ def group_steps(
         where = f"${{nodes[{node}]}}"
         lines += [
             "",
-            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}",
+            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}, pp={group.pp}",
             f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
             f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
-            f"  --group {name} --tp {group.tp} --gen-tp {group.gen_tp} --device {group.device} "
+            f"  --group {name} --tp {group.tp} --pp {group.pp} --gen-tp {group.gen_tp} "
+            f"--gen-pp {group.gen_pp} --device {group.device} "
             "--launcher env "
             "--master-addr 127.0.0.1 "
             f"--run-dir {shlex.quote(str(run_dir))}"

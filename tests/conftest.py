@@ -31,15 +31,17 @@ def group(
     nproc: int = 1,
     tp: int = 1,
     fanout: str = "socket",
+    pp: int = 1,
     **roles: str | tuple[str, dict[str, Any]],
 ) -> GroupSpec:
-    """``group("g", 2, echo="tests.fixtures.roles:Echo")`` — a placement entry in one line."""
+    """``group("g", 2, echo="tests.fixtures.roles:Echo")`` — a placement entry in one line
+    (``tp``/``pp``: the group's tensor and pipeline sizes; dp is what remains of ``nproc``)."""
     specs = {}
     for role, value in roles.items():
         cls, config = (value, {}) if isinstance(value, str) else value
         specs[role] = RoleSpec(cls=cls, config=config)
     return GroupSpec.model_validate(
-        {"name": name, "roles": specs, "nproc": nproc, "tp": tp, "fanout": fanout}
+        {"name": name, "roles": specs, "nproc": nproc, "tp": tp, "pp": pp, "fanout": fanout}
     )
 
 

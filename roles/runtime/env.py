@@ -61,6 +61,7 @@ class GroupEnv:
             tp=int(e.get("HYBRIDFLOW_TP", "1")),
             pp=int(e.get("HYBRIDFLOW_PP", "1")),
             gen_tp=int(e.get("HYBRIDFLOW_GEN_TP", "0")),
+            gen_pp=int(e.get("HYBRIDFLOW_GEN_PP", "0")),
         )
         fanout = _one_of(e, "HYBRIDFLOW_FANOUT", "socket", FANOUT_BACKENDS)
         device = _one_of(e, "HYBRIDFLOW_DEVICE", DeviceKind.CPU, tuple(DeviceKind))
