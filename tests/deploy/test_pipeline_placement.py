@@ -173,3 +173,15 @@ def test_a_pipeline_group_registers_and_answers_from_its_last_stage() -> None:
             assert out["seen_by"].tolist() == [1, 1, 3, 3]  # rank_of(dp, pp=1, tp=0)
 
     run(main)
+
+
+def test_the_megatron_example_places_tp2_pp2_on_4_ranks(run_dir: Path) -> None:
+    from deploy.experiment import load
+
+    [spec] = build_groups(load(EXAMPLES / "megatron_grpo.yaml"), run_dir)
+    assert (spec.nproc, spec.dp, spec.tp, spec.pp, spec.gen_tp, spec.gen_pp) == (4, 1, 2, 2, 0, 1)
+    assert {r: s.config.get("backend") for r, s in spec.roles.items()} == {
+        "actor": "megatron",
+        "reference": "megatron",
+        "reward": None,
+    }
