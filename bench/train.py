@@ -1,7 +1,7 @@
 """Training benchmark: one optimizer step of the actor, against a plain PyTorch loop.
 
-Run ``python -m bench.train`` (about a minute on a 2-core box) or ``python -m bench.train --quick``
-(tiny model only, well under a minute). A step is supervised next-token training on the same 64
+Run ``python -m bench.train`` (a few minutes on a 2-core box) or ``python -m bench.train --quick``
+(tiny model only, about a minute). A step is supervised next-token training on the same 64
 rows of ``arithmetic(64, "sft")``: token-mean loss on the response tokens, 4 micro-batches of 16
 with gradient accumulation, grad clip 1.0, AdamW. It is timed three ways, for the "tiny" (~1M) and
 "small" (~18M) models of ``init_model``, in fp32 and bf16:
@@ -16,13 +16,21 @@ with gradient accumulation, grad clip 1.0, AdamW. It is timed three ways, for th
    ``dp2_speedup`` = hf1 / dp2.
 4. **rep2** — the same over 2 ranks with ``dp_mode: replicate`` (whole weights on each rank, one
    bucketed gradient all-reduce per step); ``rep2_speedup`` = hf1 / rep2.
+5. **tp2** — the fsdp engine at tensor parallel 2 (DTensor) on 2 ranks.
+6. **mdp2**, **mtp2**, **mpp2** — the ``megatron`` engine (megatron-core's GPTModel, its pipeline
+   schedule; the [megatron] extra) on 2 ranks at dp 2 (with megatron-core's distributed
+   optimizer, as FSDP shards its optimizer state), tp 2 and pp 2. ``megatron_vs_fsdp_dp2`` =
+   mdp2 / dp2 and ``megatron_vs_fsdp_tp2`` = mtp2 / tp2 (step-time ratios: the issue's target is
+   dp2 <= 1.2), ``mpp2_vs_plain`` = mpp2 / plain. The un-suffixed ``megatron_vs_fsdp_dp2`` /
+   ``_tp2`` keys are the worst case over models and dtypes.
 
-One session holds a 1-rank and two 2-rank groups (an actor per model and dtype on each), started
+One session holds a 1-rank and six 2-rank groups (an actor per model and dtype on each), started
 before any timing. The runners take turns step by step, so machine drift hits all alike: 2
 warm-up steps, then N timed (10 tiny, 5 small; 3 with ``--quick``), medians reported. Their
 first-step losses must agree (fp32 1e-4, bf16 2e-2) or the run aborts: timing different work
-means nothing. Output: progress on stderr, a table, and as the last line a JSON object
-(``plain_ms_tiny_fp32``, ``hf1_ms_…``, ``dp2_ms_…``, ``overhead_…``, ``dp2_speedup_…``). Trust
+means nothing. Output: progress on stderr, two tables (fsdp; megatron beside fsdp), and as the
+last line a JSON object (``plain_ms_tiny_fp32``, ``hf1_ms_…``, ``dp2_ms_…``, ``mdp2_ms_…``,
+``overhead_…``, ``dp2_speedup_…``, ``megatron_vs_fsdp_dp2_…``). Trust
 it only from an idle machine: ``other_cpu_pct`` is other processes' CPU meanwhile (% of a core).
 """
 
@@ -55,6 +63,7 @@ from controller.supervised import text_batch
 from controller.tasks import arithmetic
 from deploy.cli import run_async
 from deploy.session import local_session
+from roles.engines.training.factory import require_megatron_core
 from roles.modeling.models import ModelSize, count_parameters, init_model, load_tokenizer
 from roles.modeling.text import encode_rows
 from roles.runtime.device import bf16_speedup
@@ -139,8 +148,33 @@ class ActorSteps:
         return float(metrics["loss"])
 
 
-# name, ranks, dp_mode
-GROUPS = (("hf1", 1, "fsdp"), ("dp2", 2, "fsdp"), ("rep2", 2, "replicate"))
+@dataclass(frozen=True)
+class Group:
+    """One process group of the session: its ranks, layout and engine settings."""
+
+    name: str
+    nproc: int
+    engine: dict[str, Any]
+    tp: int = 1
+    pp: int = 1
+
+
+MEGATRON = {"backend": "megatron"}
+GROUPS = (
+    Group("hf1", 1, {"dp_mode": "fsdp"}),
+    Group("dp2", 2, {"dp_mode": "fsdp"}),
+    Group("rep2", 2, {"dp_mode": "replicate"}),
+    Group("tp2", 2, {"dp_mode": "fsdp"}, tp=2),
+    Group("mdp2", 2, {**MEGATRON, "distributed_optimizer": True}),
+    Group("mtp2", 2, MEGATRON, tp=2),
+    Group("mpp2", 2, MEGATRON, pp=2),
+)
+#: step-time ratios reported: name -> (numerator group, denominator group)
+RATIOS = {
+    "megatron_vs_fsdp_dp2": ("mdp2", "dp2"),
+    "megatron_vs_fsdp_tp2": ("mtp2", "tp2"),
+    "mpp2_vs_plain": ("mpp2", "plain"),
+}
 
 
 def role_name(runner: str, size: str, dtype: str) -> str:
@@ -148,20 +182,23 @@ def role_name(runner: str, size: str, dtype: str) -> str:
 
 
 def placement(models: dict[str, Path], plan: Plan) -> list[GroupSpec]:
-    """A 1-rank and a 2-rank group, each with one actor per model and dtype."""
+    """Every group of ``GROUPS``, each with one actor per model and dtype."""
 
-    def actor(size: str, dtype: str, mode: str) -> RoleSpec:
+    def actor(size: str, dtype: str, engine: dict[str, Any]) -> RoleSpec:
         optim = {"lr": LR, "grad_clip": CLIP}
         config = {"model": str(models[size]), "dtype": dtype, "micro_batch_size": MICRO}
-        config["dp_mode"] = mode
-        return RoleSpec(cls="roles.actor:Actor", config={**config, "optim": optim})
+        return RoleSpec(cls="roles.actor:Actor", config={**config, **engine, "optim": optim})
 
     cases = [(size, dtype) for size in plan.sizes for dtype in DTYPES]
     return [
         GroupSpec(
-            name=name, roles={role_name(name, *c): actor(*c, mode) for c in cases}, nproc=nproc
+            name=g.name,
+            roles={role_name(g.name, *c): actor(*c, g.engine) for c in cases},
+            nproc=g.nproc,
+            tp=g.tp,
+            pp=g.pp,
         )
-        for name, nproc, mode in GROUPS
+        for g in GROUPS
     ]
 
 
@@ -205,17 +242,16 @@ def tokenize_ms(model_dir: Path, rows: list[dict[str, Any]]) -> float:
 async def measure_case(
     controller: Controller, model_dir: Path, size: str, dtype: str, steps: int
 ) -> dict[str, Any]:
-    """plain, hf1 and dp2 for one model and dtype, taking turns."""
+    """plain and every group for one model and dtype, taking turns."""
     key, rows = f"{size}_{dtype}", arithmetic(BATCH, "sft")
     plain = PlainLoop(model_dir, dtype, rows)
     runners: dict[str, Runner] = {"plain": plain}
-    for name, _, _ in GROUPS:
-        runners[name] = ActorSteps(controller, role_name(name, size, dtype), rows)
+    for g in GROUPS:
+        runners[g.name] = ActorSteps(controller, role_name(g.name, size, dtype), rows)
     ms, first = await take_turns(runners, steps)
     check_losses(key, dtype, first)
     err.print(
-        f"  {key}: plain {ms['plain']:.1f} ms, hf1 {ms['hf1']:.1f} ms, dp2 {ms['dp2']:.1f} ms, "
-        f"rep2 {ms['rep2']:.1f} ms (first losses agree)"
+        f"  {key}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()) + " (losses agree)"
     )
     return {
         f"params_{size}": count_parameters(plain.model),
@@ -224,6 +260,7 @@ async def measure_case(
         f"overhead_{key}": round(ms["hf1"] / ms["plain"], 3),
         f"dp2_speedup_{key}": round(ms["hf1"] / ms["dp2"], 3),
         f"rep2_speedup_{key}": round(ms["hf1"] / ms["rep2"], 3),
+        **{f"{r}_{key}": round(ms[a] / ms[b], 3) for r, (a, b) in RATIOS.items()},
     }
 
 
@@ -231,12 +268,16 @@ async def measure(plan: Plan, models: dict[str, Path]) -> dict[str, Any]:
     tokenize = tokenize_ms(models[plan.sizes[0]], arithmetic(BATCH, "sft"))
     report: dict[str, Any] = {"tokenize_ms": round(tokenize, 2)}
     started = time.perf_counter()
+    ranks = sum(g.nproc for g in GROUPS)
     async with local_session(placement(models, plan)) as controller:
-        err.print(f"  session of 5 ranks ready in {time.perf_counter() - started:.1f} s")
+        err.print(f"  session of {ranks} ranks ready in {time.perf_counter() - started:.1f} s")
         for size in plan.sizes:
             for dtype in DTYPES:
                 steps = plan.steps[size]
                 report.update(await measure_case(controller, models[size], size, dtype, steps))
+    cases = [f"{size}_{dtype}" for size in plan.sizes for dtype in DTYPES]
+    for ratio in ("megatron_vs_fsdp_dp2", "megatron_vs_fsdp_tp2"):
+        report[ratio] = max(report[f"{ratio}_{case}"] for case in cases)  # the worst case
     return report
 
 
@@ -268,16 +309,46 @@ def print_table(report: dict[str, Any], plan: Plan, quick: bool) -> None:
         f"other processes' CPU: {'n/a' if other is None else f'{other:.0f}% of a core'}"
     )
     out.print(table)
+    out.print(megatron_table(report, plan))
+
+
+def megatron_table(report: dict[str, Any], plan: Plan) -> Table:
+    """The megatron engine beside the fsdp engine on the same 2 ranks, same rows, same model."""
+    table = Table(title="megatron engine beside fsdp, 2 ranks (median ms/step; ratio: lower wins)")
+    columns = ("model", "dtype", "plain", "fsdp dp=2", "megatron dp=2", "ratio")
+    for column in (*columns, "fsdp tp=2", "megatron tp=2", "ratio ", "megatron pp=2"):
+        table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
+    for size in plan.sizes:
+        for dtype in DTYPES:
+            key = f"{size}_{dtype}"
+            table.add_row(
+                f"{size} ({report[f'params_{size}'] / 1e6:.1f}M)",
+                dtype,
+                f"{report[f'plain_ms_{key}']:.1f}",
+                f"{report[f'dp2_ms_{key}']:.1f}",
+                f"{report[f'mdp2_ms_{key}']:.1f}",
+                f"{report[f'megatron_vs_fsdp_dp2_{key}']:.2f}x",
+                f"{report[f'tp2_ms_{key}']:.1f}",
+                f"{report[f'mtp2_ms_{key}']:.1f}",
+                f"{report[f'megatron_vs_fsdp_tp2_{key}']:.2f}x",
+                f"{report[f'mpp2_ms_{key}']:.1f}",
+            )
+    table.caption = (
+        "megatron dp=2 uses megatron-core's distributed optimizer; target: megatron dp=2 within "
+        f"1.2x of fsdp dp=2 (worst case here {report['megatron_vs_fsdp_dp2']:.2f}x)"
+    )
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.train", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps; under a minute")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps; about a minute")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
+    require_megatron_core()  # the megatron groups need the [megatron] extra
     plan = Plan.pick(args.quick)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hf-bench-train-") as tmp:
