@@ -92,8 +92,10 @@ class EngineConfig(BaseModel):
     reshard_bucket_mb: float = Field(
         64, gt=0, description="bucket of the training->generation reshard (placement gen_tp)"
     )
-    generator: Literal["native", "hf"] = Field(
-        "native", description="generation engine of the actor's colocated generate"
+    generator: Literal["native", "hf", "vllm"] = Field(
+        "native",
+        description="generation engine of the actor's colocated generate (vllm: the [vllm] "
+        "extra; generates at gen_tp = tp or 1)",
     )
     vpp: int = Field(
         1, ge=1, description="megatron: virtual pipeline stages per rank (interleaved schedule)"
