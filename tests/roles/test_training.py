@@ -195,16 +195,37 @@ def test_log_probs_are_zero_outside_the_sequence(fp32: dict[str, dict[str, Any]]
 
 def test_param_layout_names_the_sharded_dims(fp32: dict[str, dict[str, Any]]) -> None:
     q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
-    assert fp32["one"]["layout"][q] == {"shape": [128, 128], "tp_dim": None, "dp_dim": None}
+    assert fp32["one"]["layout"][q] == {
+        "shape": [128, 128],
+        "tp_dim": None,
+        "dp_dim": None,
+        "pp_stage": 0,
+    }
     assert fp32["tp"]["layout"][q]["tp_dim"] == 0 and fp32["tp"]["layout"][o]["tp_dim"] == 1
-    assert fp32["dp"]["layout"][o] == {"shape": [128, 128], "tp_dim": None, "dp_dim": 0}
+    assert fp32["dp"]["layout"][o] == {
+        "shape": [128, 128],
+        "tp_dim": None,
+        "dp_dim": 0,
+        "pp_stage": 0,
+    }
     assert fp32["tp"]["layout"][o]["dp_dim"] is None
-    assert fp32["dp_tp"]["layout"][o] == {"shape": [128, 128], "tp_dim": 1, "dp_dim": 0}
-    assert fp32["dp_tp"]["layout"][q] == {"shape": [128, 128], "tp_dim": 0, "dp_dim": 0}
+    assert fp32["dp_tp"]["layout"][o] == {
+        "shape": [128, 128],
+        "tp_dim": 1,
+        "dp_dim": 0,
+        "pp_stage": 0,
+    }
+    assert fp32["dp_tp"]["layout"][q] == {
+        "shape": [128, 128],
+        "tp_dim": 0,
+        "dp_dim": 0,
+        "pp_stage": 0,
+    }
     assert fp32["dp_replicate"]["layout"][o] == {
         "shape": [128, 128],
         "tp_dim": None,
         "dp_dim": None,
+        "pp_stage": 0,
     }
 
 

@@ -42,14 +42,21 @@ LossFn = Callable[
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where one parameter lives: its full shape and the dim split over tp / over dp (or None)."""
+    """Where one parameter lives: its full shape, the dim split over tp / over dp (or None) and
+    the pipeline stage holding it (``reshard.layout.params_from_layout`` reads ``pp_stage``)."""
 
     shape: tuple[int, ...]
     tp_dim: int | None
     dp_dim: int | None
+    pp_stage: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        return {"shape": list(self.shape), "tp_dim": self.tp_dim, "dp_dim": self.dp_dim}
+        return {
+            "shape": list(self.shape),
+            "tp_dim": self.tp_dim,
+            "dp_dim": self.dp_dim,
+            "pp_stage": self.pp_stage,
+        }
 
 
 class TrainingEngine(ABC):
