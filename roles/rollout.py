@@ -8,7 +8,11 @@ taking only its tp slice; ``load_weights(state, version)`` still takes a full st
 the controller (the baseline the reshard benchmark compares against). Every generation reports the
 version it used.
 
-Config: ``{"model": PATH, "engine": "native" | "hf", "dtype": "auto" | "fp32" | "bf16"}``.
+Config: ``{"model": PATH, "engine": "native" | "hf" | "vllm", "dtype": "auto" | "fp32" | "bf16"}``.
+With ``engine: vllm`` (``roles/engines/generation/vllm.py``) vLLM holds the weights: the group's
+ranks are vLLM's ranks (tp = the group's tp), and every rank takes whole tensors from a sync
+(vLLM's loaders cut their tp slices); the role keeps only a weightless copy of the model for the
+parameter names and shapes.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForCausalLM
 
 from roles.base import Role, RoleContext
+from roles.engines.generation.interface import GenerationEngine
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
-from roles.modeling.models import load_causal_lm, load_tokenizer
+from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB, VLLMEngine
+from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
 from roles.modeling.text import pad_rows
 from roles.runtime.device import Precision, group_dtype
 from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
@@ -37,6 +44,11 @@ class RolloutConfig(BaseModel):
     dtype: Precision = Field(
         "auto", description="weights' dtype while generating (auto: roles/runtime/device.py)"
     )
+    kv_cache_mb: float = Field(
+        DEFAULT_KV_CACHE_MB,
+        gt=0,
+        description="engine vllm: KV cache per rank, MiB (VLLM_CPU_KVCACHE_SPACE, GiB, overrides)",
+    )
 
 
 class StaleWeightsError(RuntimeError):
@@ -48,22 +60,45 @@ class Rollout(WeightSink, Role):
         super().__init__(ctx)
         self.cfg = RolloutConfig.model_validate(config)
         self.dtype = group_dtype(self.cfg.dtype, ctx.device, ctx.process_group)
-        self.model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype).eval()
         self.tokenizer = load_tokenizer(self.cfg.model)
-        layout = ctx.layout
+        self.vllm = self.cfg.engine == "vllm"
+        self.engine: GenerationEngine
+        if self.vllm:
+            self._build_vllm()
+        else:
+            self._build_module_engine()
+        self.version = 0
+
+    def _build_vllm(self) -> None:
+        config = load_config(self.cfg.model)
+        with torch.device("meta"):  # names and shapes only: vLLM holds the weights
+            self.model = AutoModelForCausalLM.from_config(config)
+        self.engine = VLLMEngine(
+            self.cfg.model,
+            tp=self.ctx.layout.tp,
+            dtype=self.dtype.torch_dtype,
+            eos_token_id=self.tokenizer.eos_token_id,
+            context=int(config.max_position_embeddings),
+            kv_cache_mb=self.cfg.kv_cache_mb,
+        )
+
+    def _build_module_engine(self) -> None:
+        self.model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype).eval()
+        layout = self.ctx.layout
         if layout.tp > 1:
             if self.cfg.engine != "native":
-                raise ValueError(f"engine={self.cfg.engine!r} runs at tp=1 only; use 'native'")
+                raise ValueError(
+                    f"engine={self.cfg.engine!r} runs at tp=1 only; use 'native' or 'vllm'"
+                )
             from torch.distributed.device_mesh import init_device_mesh
 
             from roles.engines.training.fsdp import tensor_parallel
 
             mesh = init_device_mesh(
-                ctx.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")
+                self.ctx.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")
             )
             tensor_parallel(self.model, mesh["tp"])
         self.engine = make_engine(self.cfg.engine, self.model, self.tokenizer)
-        self.version = 0
 
     @endpoint(DP_RAGGED)
     def generate(
@@ -83,6 +118,8 @@ class Rollout(WeightSink, Role):
     def prompt_logits(self, batch: TensorBatch) -> TensorBatch:
         """``logits`` ``[B, V]`` (float32) of the next token after each prompt: what the first
         generated token is drawn from (a check that tp ranks agree with one rank)."""
+        if self.vllm:
+            raise ValueError("prompt_logits reads the model's own logits; engine 'vllm' has none")
         prompts = prompt_ids(batch, self.tokenizer)
         rows = pad_rows(prompts, [[0] * len(p) for p in prompts], self.tokenizer.pad_token_id)
         ids, mask = rows.tensor("input_ids"), rows.tensor("attention_mask")
@@ -94,7 +131,10 @@ class Rollout(WeightSink, Role):
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Replace every weight with ``state`` (full tensors, names as the actor's export);
         tp ranks keep their slice. Returns the new version."""
-        load_full_state(self.model, state)
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.load_weights(self._in_model_order(state))
+        else:
+            load_full_state(self.model, state)
         self.version = version
         return version
 
@@ -125,6 +165,12 @@ class Rollout(WeightSink, Role):
 
     def check_staged(self, staged: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
+        if self.vllm and set(staged) != set(params):
+            lacking = sorted(set(params) - set(staged))
+            raise ValueError(
+                f"engine 'vllm' reloads whole layers and cannot take part of the weights "
+                f"(missing {lacking[:3]}, {len(lacking)} in all); sync with strict=True"
+            )
         for name, got in staged.items():
             piece = local_piece(params[name])
             if piece.shape != got.shape:
@@ -138,6 +184,10 @@ class Rollout(WeightSink, Role):
         dtype and device is taken over as it is, anything else copied (cast) into place."""
         from torch.distributed.tensor import DTensor
 
+        if isinstance(self.engine, VLLMEngine):
+            self.engine.load_weights(self._in_model_order(staged))
+            self.version = version
+            return
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, got in staged.items():
@@ -148,6 +198,11 @@ class Rollout(WeightSink, Role):
                 else:
                     param.data = got
         self.version = version
+
+    def _in_model_order(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Named tensors in the model's parameter order: vLLM processes a layer once all its
+        tensors are in, so layer by layer keeps one layer's tensors buffered at a time."""
+        return [(n, tensors[n]) for n, _ in self.model.named_parameters() if n in tensors]
 
     @endpoint(RANK_ZERO)
     def precision(self) -> dict[str, str]:

@@ -15,10 +15,14 @@ from typing import Any, Literal
 from roles.engines.generation.interface import GenerationEngine, SamplingConfig, samples_to_batch
 from transport.batch import BatchError, TensorBatch
 
-EngineName = Literal["native", "hf"]
+EngineName = Literal["native", "hf", "vllm"]
 
 
 def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngine:
+    """An engine over ``model``'s own modules. ``vllm`` holds its own copy of the weights and is
+    built by its owner (``roles/engines/generation/vllm.py``), not here."""
+    if name == "vllm":
+        raise ValueError("the vllm engine loads its own weights; build a VLLMEngine instead")
     if name == "hf":
         from roles.engines.generation.hf import HFEngine
 

