@@ -81,12 +81,13 @@ out = Console(width=None if sys.stdout.isatty() else 120)
 class Plan:
     sizes: tuple[ModelSize, ...]
     steps: dict[str, int]  # timed steps per model size
+    dtypes: tuple[str, ...] = DTYPES
 
     @classmethod
-    def pick(cls, quick: bool) -> Plan:
+    def pick(cls, quick: bool, dtypes: tuple[str, ...] = DTYPES) -> Plan:
         if quick:
-            return cls(("tiny",), {"tiny": 3})
-        return cls(("tiny", "small"), {"tiny": 10, "small": 5})
+            return cls(("tiny",), {"tiny": 3}, dtypes)
+        return cls(("tiny", "small"), {"tiny": 10, "small": 5}, dtypes)
 
 
 class Runner(Protocol):
@@ -189,7 +190,7 @@ def placement(models: dict[str, Path], plan: Plan) -> list[GroupSpec]:
         config = {"model": str(models[size]), "dtype": dtype, "micro_batch_size": MICRO}
         return RoleSpec(cls="roles.actor:Actor", config={**config, **engine, "optim": optim})
 
-    cases = [(size, dtype) for size in plan.sizes for dtype in DTYPES]
+    cases = [(size, dtype) for size in plan.sizes for dtype in plan.dtypes]
     return [
         GroupSpec(
             name=g.name,
@@ -272,10 +273,10 @@ async def measure(plan: Plan, models: dict[str, Path]) -> dict[str, Any]:
     async with local_session(placement(models, plan)) as controller:
         err.print(f"  session of {ranks} ranks ready in {time.perf_counter() - started:.1f} s")
         for size in plan.sizes:
-            for dtype in DTYPES:
+            for dtype in plan.dtypes:
                 steps = plan.steps[size]
                 report.update(await measure_case(controller, models[size], size, dtype, steps))
-    cases = [f"{size}_{dtype}" for size in plan.sizes for dtype in DTYPES]
+    cases = [f"{size}_{dtype}" for size in plan.sizes for dtype in plan.dtypes]
     for ratio in ("megatron_vs_fsdp_dp2", "megatron_vs_fsdp_tp2"):
         report[ratio] = max(report[f"{ratio}_{case}"] for case in cases)  # the worst case
     return report
@@ -290,7 +291,7 @@ def print_table(report: dict[str, Any], plan: Plan, quick: bool) -> None:
     for column in (*columns, "dp=2 replicate", "speed-up "):
         table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
     for size in plan.sizes:
-        for dtype in DTYPES:
+        for dtype in plan.dtypes:
             key = f"{size}_{dtype}"
             table.add_row(
                 f"{size} ({report[f'params_{size}'] / 1e6:.1f}M, {plan.steps[size]} steps)",
@@ -319,7 +320,7 @@ def megatron_table(report: dict[str, Any], plan: Plan) -> Table:
     for column in (*columns, "fsdp tp=2", "megatron tp=2", "ratio ", "megatron pp=2"):
         table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
     for size in plan.sizes:
-        for dtype in DTYPES:
+        for dtype in plan.dtypes:
             key = f"{size}_{dtype}"
             table.add_row(
                 f"{size} ({report[f'params_{size}'] / 1e6:.1f}M)",
@@ -345,11 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.train", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps; about a minute")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, action="append", help="only these dtypes (default: both)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     require_megatron_core()  # the megatron groups need the [megatron] extra
-    plan = Plan.pick(args.quick)
+    plan = Plan.pick(args.quick, tuple(args.dtype or DTYPES))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hf-bench-train-") as tmp:
         models: dict[str, Path] = {s: init_model(Path(tmp) / s, s) for s in plan.sizes}
@@ -359,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(
         quick=args.quick,
         steps=plan.steps,
+        dtypes=list(plan.dtypes),
         batch=BATCH,
         micro_batch=MICRO,
         other_cpu_pct=None if other is None else round(other),
