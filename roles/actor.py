@@ -9,6 +9,7 @@ the group's data-parallel ranks. Checkpoints and export come from ``EngineRole``
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from roles.base import RoleContext
 from roles.engine_role import TOKENS, EngineRole
 from roles.engines.generation.serve import make_engine, serve
+from roles.engines.generation.vllm import VLLMEngine
 from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
@@ -63,7 +65,10 @@ class Actor(Reference):
     def __init__(self, ctx: RoleContext, **config: Any) -> None:
         super().__init__(ctx, **config)
         self.hybrid: HybridEngine | None = None
-        if ctx.layout.resharded:  # the group generates at another tp (placement gen_tp)
+        self.vllm: VLLMEngine | None = None  # generator vllm: built by the first generate
+        if self.engine.cfg.generator == "vllm":
+            _check_vllm_layout(ctx.layout.resharded, ctx.layout.generation_tp, ctx.layout.pp)
+        elif ctx.layout.resharded:  # the group generates at another tp (placement gen_tp)
             if self.engine.cfg.generator != "native":
                 raise ValueError(
                     f"gen_tp={ctx.layout.generation_tp} runs the native generator; "
@@ -81,7 +86,10 @@ class Actor(Reference):
         rank, replicate mode or pure tp nothing is copied; under FSDP every layer is gathered
         first and freed after (``meta["gather_s"]`` says how long that took). With a generation
         tp (placement ``gen_tp``) the weights are resharded to it for the call
-        (``roles/engines/hybrid.py``) and the batch is split over the d * d_g replicas."""
+        (``roles/engines/hybrid.py``) and the batch is split over the d * d_g replicas. With
+        ``generator: vllm`` see ``_generate_vllm``."""
+        if self.engine.cfg.generator == "vllm":
+            return self._generate_vllm(batch, sampling or {})
         start = time.perf_counter()
         offload = (
             getattr(self.engine, "optimizer", None) if self.engine.cfg.offload_optimizer else None
@@ -96,6 +104,37 @@ class Actor(Reference):
         if self.hybrid is not None:
             out.meta.update(self.hybrid.last)  # reshard_s, reshard_recv_bytes
         return out
+
+    def _generate_vllm(self, batch: TensorBatch, sampling: dict[str, Any]) -> TensorBatch:
+        """Colocated generation through vLLM (``roles/engines/generation/vllm.py``): the actor's
+        whole weights are reloaded into vLLM in place (``meta["gather_s"]``), it generates, and
+        then its KV cache and weights are freed until the next call (``meta["released_bytes"]``):
+        between generations the actor holds one copy of the weights, as with the native engine."""
+        start = time.perf_counter()
+        offload = (
+            getattr(self.engine, "optimizer", None) if self.engine.cfg.offload_optimizer else None
+        )
+        engine = self._vllm_engine()
+        with optimizer_offloaded(offload) as offloaded:
+            with self.engine.full_weights() as module:
+                engine.load_weights(whole_weights(module))
+            loaded = time.perf_counter() - start
+            out = serve(engine, self.tokenizer, batch, sampling, self.engine.step)
+            released = engine.release(weights=True)
+        out.meta.update(gather_s=loaded, offloaded_bytes=offloaded, released_bytes=released)
+        return out
+
+    def _vllm_engine(self) -> VLLMEngine:
+        if self.vllm is None:
+            self.vllm = VLLMEngine(
+                self.engine.cfg.model,
+                tp=self.ctx.layout.generation_tp,
+                dtype=torch.bfloat16 if self.engine.precision.dtype == "bf16" else torch.float32,
+                eos_token_id=self.tokenizer.eos_token_id,
+                context=int(self.engine.model_config.max_position_embeddings),
+                load_from_dir=False,  # the weights come from the actor before every generate
+            )
+        return self.vllm
 
     @endpoint(ONE_TO_ALL)
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -179,6 +218,24 @@ class Actor(Reference):
         totals = {"nll": self.engine.infer(tokens_batch, read).sum(), "tokens": mask.sum().float()}
         summed = self.sum_over_dp(totals)
         return {"loss": summed["nll"] / max(summed["tokens"], 1.0), "tokens": summed["tokens"]}
+
+
+def _check_vllm_layout(resharded: bool, gen_tp: int, pp: int) -> None:
+    """vLLM cuts the group into tp groups of consecutive ranks: the training tp groups (gen_tp =
+    tp) or single ranks (gen_tp = 1); the hybrid engine's groupings in between are not its."""
+    if pp != 1 or (resharded and gen_tp != 1):
+        raise ValueError(
+            f"generator 'vllm' generates at gen_tp = tp or gen_tp = 1 with pp = 1; got "
+            f"gen_tp={gen_tp}, pp={pp} (use generator 'native' for other layouts)"
+        )
+
+
+def whole_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter whole (tp-split DTensors gathered, one at a time), by name."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in module.named_parameters():
+        yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
 def _nll(

@@ -257,8 +257,8 @@ def test_release_frees_the_kv_cache_and_weights(one: dict[str, Any]) -> None:
         f"released {released['freed'] / 2**20:.0f} MiB, resident set -"
         f"{released['rss_drop'] / 2**20:.0f} MiB"
     )
-    assert released["freed"] >= 256 * 2**20 + released["weights"]  # the KV cache + weights
-    assert released["rss_drop"] > 0.9 * released["freed"]
+    assert released["freed"] >= 256 * 2**20  # the KV cache (and unpacked parameters)
+    assert released["rss_drop"] > 0.9 * released["freed"]  # given back to the system
 
 
 # -- tp = 2 --------------------------------------------------------------------------------------

@@ -253,6 +253,7 @@ class VLLMEngine(GenerationEngine):
         self._sampling_params = vllm.SamplingParams
         self._prompt = vllm.inputs.TokensPrompt
         self._released: list[tuple[torch.Tensor, int]] = []
+        self._weights_released = False
 
     @property
     def _bridge(self) -> _Bridge:
@@ -269,6 +270,8 @@ class VLLMEngine(GenerationEngine):
         request_seeds: Sequence[int] | None = None,
     ) -> list[Sample]:
         check_prompts(prompts, sampling, self.context)
+        if self._weights_released:
+            raise GenerationError("the vLLM engine's weights were released; load_weights first")
         self.resume()
         stops = list(sampling.stop_token_ids or [self.eos])
         samples: list[Sample] = []
@@ -326,6 +329,7 @@ class VLLMEngine(GenerationEngine):
         layer: vLLM buffers the tensors of a layer until it is complete."""
         self.resume()
         self.llm.collective_rpc(_reload, args=(weights,))
+        self._weights_released = False
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
@@ -337,12 +341,13 @@ class VLLMEngine(GenerationEngine):
     def release(self, weights: bool = False) -> int:
         """Free the KV cache's storage (and the weights', with ``weights``: the caller reloads
         them before the next generate) until the next ``generate`` or ``load_weights``. Returns
-        the bytes freed."""
+        the bytes of tensors freed; the packed linear weights of the CPU build come on top."""
+        self._weights_released = self._weights_released or weights
         if self._released:
             return 0
         tensors = self.llm.collective_rpc(_kv_tensors)[0]
         if weights:
-            tensors += self.llm.collective_rpc(_weight_tensors)[0]
+            tensors += self.llm.collective_rpc(_drop_weights)[0]
         seen: set[int] = set()
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -441,5 +446,16 @@ def _kv_tensors(worker: Any) -> list[torch.Tensor]:
     return found
 
 
-def _weight_tensors(worker: Any) -> list[torch.Tensor]:
-    return [p.data for p in worker.model_runner.get_model().parameters()]
+def _drop_weights(worker: Any) -> list[torch.Tensor]:
+    """The weights' tensors to free. On CPU, vLLM packs each linear layer's weight for its GEMM
+    kernel (a oneDNN handle or a packed tensor held by the layer's ``cpu_linear``) and leaves an
+    empty parameter: those packed copies are dropped here; reloading packs them anew."""
+    model = worker.model_runner.get_model()
+    for module in model.modules():
+        if getattr(module, "cpu_linear", None) is not None:
+            module.cpu_linear = _released_linear
+    return [p.data for p in model.parameters()]
+
+
+def _released_linear(x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+    raise GenerationError("the vLLM engine's weights were released; load_weights first")
