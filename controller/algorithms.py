@@ -393,8 +393,24 @@ def summarize(
     }
     if kl is not None:
         found["kl"] = float((kl.sum(-1)).mean())
+    if "log_probs" in batch.tensors and "old_log_probs" in batch.tensors:
+        found.update(logprob_gap(batch.tensors["log_probs"], batch.tensors["old_log_probs"], mask))
     found.update(extra)
     return found
+
+
+def logprob_gap(generated: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """|generator's log-prob - pi_old's| per response token: what the engines' kernels and
+    precision disagree by (a vLLM rollout against the trainer's ``compute_log_prob``), plus the
+    policy's lag when the samples came from older weights (``overlap``); 0 with
+    ``old_log_probs: rollout``."""
+    gaps = (generated - old)[mask.bool()].abs()
+    if gaps.numel() == 0:
+        return {}
+    return {
+        "rollout/logprob_gap_max": float(gaps.max()),
+        "rollout/logprob_gap_mean": float(gaps.mean()),
+    }
 
 
 def with_columns(batch: TensorBatch, **columns: torch.Tensor | None) -> TensorBatch:

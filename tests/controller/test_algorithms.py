@@ -17,6 +17,7 @@ from controller.algorithms import (
     first_of_each,
     index_of,
     kl_of,
+    logprob_gap,
     summarize,
 )
 from controller.clients import ActorClient, CriticClient, RewardClient, RolloutClient
@@ -116,3 +117,12 @@ def test_placed_roles_get_the_client_of_their_kind_and_absent_ones_none() -> Non
     assert Roles.placed(cast(Controller, _Placed("actor", "reward"))).generator.role == "actor"
     with pytest.raises(KeyError, match="no role 'reward'"):
         Roles.placed(cast(Controller, _Placed("actor")))
+
+
+def test_logprob_gap_is_over_response_tokens_only() -> None:
+    generated = torch.tensor([[0.0, -1.0, -2.0, 9.0], [0.0, -0.5, -0.25, -3.0]])
+    old = torch.tensor([[0.0, -1.5, -2.0, 0.0], [5.0, -0.25, -0.5, -3.0]])
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]])
+    found = logprob_gap(generated, old, mask)  # gaps 0.5, 0, 0.25, 0.25, 0
+    assert found == pytest.approx({"rollout/logprob_gap_max": 0.5, "rollout/logprob_gap_mean": 0.2})
+    assert logprob_gap(generated, old, torch.zeros_like(mask)) == {}
