@@ -30,13 +30,13 @@ seeding must not reseed the CPU stream the engine's roles draw from. Nothing on 
 from it (dropout is 0 and CPU kernels draw from the CPU generator); it keeps megatron's RNG
 bookkeeping exact, and the engine saves and restores it with the tracker's states.
 
-Scoped redirect (``redirected()``, entered by the engine around every megatron-core call):
-megatron writes ``device="cuda"`` literally (the schedules' token counter, the fp32 optimizer's
+Scoped rewrites (``redirected()``, entered by the engine around every megatron-core call;
+``REWRITES``): megatron writes ``device="cuda"`` literally (the schedules' token counter, the fp32 optimizer's
 loss scale), calls ``Tensor.cuda()`` (the first/last-stage copy of tied embeddings under pp) and
 accepts only parameters whose ``Tensor.type()`` is a ``torch.cuda.*Tensor`` (the distributed
-optimizer). A ``TorchFunctionMode`` maps such a device argument to the CPU, ``Tensor.cuda`` to the
-tensor itself and a CPU tensor's type name to its CUDA twin while the block runs; outside it
-torch is untouched.
+optimizer). A ``TorchFunctionMode`` maps such a device argument to the CPU
+(``device_argument``), ``Tensor.cuda`` to the tensor itself (``tensor_cuda``) and a CPU tensor's
+type name to its CUDA twin (``tensor_type``) while the block runs; outside it torch is untouched.
 """
 
 from __future__ import annotations
@@ -100,28 +100,62 @@ _lock = threading.Lock()
 _applied: set[str] = set()
 
 
-def apply(skip: frozenset[str] = frozenset()) -> None:
-    """Install every patch (but those named in ``skip``, which only the shim's test uses);
-    calling it again changes nothing."""
+def apply() -> None:
+    """Install every patch of ``PATCHES``; calling it again changes nothing."""
     import importlib
 
     with _lock:
         for name, patch in PATCHES.items():
-            if name in skip or name in _applied:
-                continue
-            setattr(importlib.import_module(patch.owner), patch.attr, patch.value)
-            _applied.add(name)
+            if name not in _applied:
+                setattr(importlib.import_module(patch.owner), patch.attr, patch.value)
+                _applied.add(name)
 
 
-def _is_cuda(device: Any) -> bool:
+# -- the scoped redirect ---------------------------------------------------------------------------
+
+#: a rewrite answers a call itself (``(True, result)``) or passes it on, maybe changed
+Rewrite = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], tuple[bool, Any]]
+
+
+def _device_argument(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
+    device = kwargs.get("device")
     if isinstance(device, torch.device):
-        return device.type == DeviceKind.CUDA
-    return isinstance(device, str) and device.split(":")[0] == DeviceKind.CUDA
+        cuda = device.type == DeviceKind.CUDA
+    else:
+        cuda = isinstance(device, str) and device.split(":")[0] == DeviceKind.CUDA
+    if cuda:
+        kwargs["device"] = HOST
+    return False, None
+
+
+def _tensor_cuda(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
+    return (True, args[0]) if func is torch.Tensor.cuda else (False, None)
+
+
+def _tensor_type(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
+    if func is not torch.Tensor.type or len(args) != 1 or kwargs:
+        return False, None
+    name = str(func(*args))
+    if args[0].device.type == DeviceKind.CPU:
+        name = name.replace("torch.", f"torch.{DeviceKind.CUDA}.", 1)
+    return True, name
+
+
+REWRITES: dict[str, Rewrite] = {
+    "device_argument": _device_argument,
+    "tensor_cuda": _tensor_cuda,
+    "tensor_type": _tensor_type,
+}
 
 
 class _CudaToHost(TorchFunctionMode):
-    """``device=cuda`` arguments become the CPU, ``Tensor.cuda()`` returns the tensor and
-    ``Tensor.type()`` of a CPU tensor names the CUDA type (``torch.cuda.FloatTensor``)."""
+    """Every torch call of the block passes ``REWRITES`` first."""
 
     def __torch_function__(
         self,
@@ -130,21 +164,17 @@ class _CudaToHost(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = str(func(*args))
-            if args[0].device.type != DeviceKind.CPU:
-                return name
-            return name.replace("torch.", f"torch.{DeviceKind.CUDA}.", 1)
-        if _is_cuda(kwargs.get("device")):
-            kwargs = {**kwargs, "device": HOST}
+        kwargs = dict(kwargs or {})
+        for rewrite in REWRITES.values():
+            done, result = rewrite(func, args, kwargs)
+            if done:
+                return result
         return func(*args, **kwargs)
 
 
 @contextmanager
 def redirected() -> Iterator[None]:
-    """The block with megatron-core's CUDA device arguments and type checks served by the CPU."""
+    """The block with megatron-core's CUDA device arguments, ``Tensor.cuda`` calls and type
+    checks served by the CPU (``REWRITES``)."""
     with _CudaToHost():
         yield
