@@ -356,3 +356,53 @@ def test_the_engine_names_the_extra_when_vllm_is_missing(monkeypatch: pytest.Mon
     monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.raises(GenerationError, match=r"pip install -e '\.\[vllm\]'"):
         import_vllm()
+
+
+# -- whole runs ----------------------------------------------------------------------------------
+
+ROLLOUT_GROUP = [
+    "roles.rollout={model: base, engine: vllm, kv_cache_mb: 64}",
+    "placement.gen={roles: [rollout], nproc: 1}",
+    "placement.main.nproc=1",
+]
+COLOCATED = ["roles.actor.generator=vllm"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["rollout", "actor"])
+def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_path: Path) -> None:
+    """The quickstart's quick run (SFT, then GRPO) with vLLM as a rollout group of its own, or
+    colocated in the actor; in fp32 its log-probs are the trainer's within the bound."""
+    from tests.deploy.test_run import job, quick_argv, records
+
+    sets = ROLLOUT_GROUP if where == "rollout" else COLOCATED
+    assert job(quick_argv("quickstart.yaml", tmp_path, sets)) == 0
+    rl = [r for r in records(tmp_path) if r["stage"] == "grpo" and "stage_step" in r]
+    assert len(rl) == 6
+    if where == "rollout":
+        assert [r["train/staleness"] for r in rl] == [0] * 6
+        assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+    gaps = [r["train/rollout/logprob_gap_max"] for r in rl]
+    print(f"GRPO with vLLM ({where}): per-step max |log-prob gap| {max(gaps):.2e}")
+    assert max(gaps) < LOGPROB_BOUND_MAX
+    assert all(r["train/rollout/logprob_gap_mean"] < LOGPROB_BOUND_MEAN for r in rl)
+
+
+@pytest.mark.timeout(600)
+def test_resume_with_vllm_reproduces_the_straight_run(needs_vllm: None, tmp_path: Path) -> None:
+    """Stopped after step 3 (mid-GRPO) and resumed, with vLLM colocated in the actor: the same
+    metrics and bitwise the same exported weights as the straight run (per-sample seeds, and
+    vLLM leaves the process's random streams alone)."""
+    from safetensors.torch import load_file
+
+    from tests.deploy.test_run import RESUME, job, quick_argv, records, without_timing
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert job(quick_argv("quickstart.yaml", straight, [*RESUME, *COLOCATED])) == 0
+    stop = ("--stop-after", "3")
+    assert job(quick_argv("quickstart.yaml", split, [*RESUME, *COLOCATED], *stop)) == 0
+    assert job(["run", "--resume", "--run-dir", str(split)]) == 0
+    a = load_file(straight / "export" / "actor" / "model.safetensors")
+    b = load_file(split / "export" / "actor" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert without_timing(records(straight)) == without_timing(records(split))
