@@ -147,6 +147,11 @@ class AlgorithmConfig(BaseModel):
             )
         if self.kl.target is not None and self.kl.mode == "loss":
             raise ValueError("kl.target (the adaptive controller) only applies to kl.mode: reward")
+        if self.loss.get("tis_cap") is not None and self.old_log_probs == "rollout":
+            raise ValueError(
+                "loss.tis_cap reweights the recomputed pi_old toward the generator's log-probs; "
+                "with old_log_probs: rollout they are the same (use old_log_probs: recompute)"
+            )
         return self
 
     @property
@@ -346,6 +351,9 @@ async def learn(
     actor_columns = [*TOKENS, "old_log_probs", "advantages"]
     if cfg.kl.mode == "loss" and cfg.kl.coef:
         actor_columns.append("ref_log_probs")
+    if cfg.loss.get("tis_cap") is not None:  # the behaviour policy: the generator's log-probs
+        batch = with_columns(batch, rollout_log_probs=batch.tensors["log_probs"])
+        actor_columns.append("rollout_log_probs")
     sums: dict[str, float] = {}
     updates = 0
     generator = torch.Generator().manual_seed(step)

@@ -147,9 +147,11 @@ class Actor(Reference):
     ) -> dict[str, float]:
         """One optimizer step of the clipped surrogate on the whole batch. Needs ``input_ids``,
         ``attention_mask``, ``response_mask``, ``old_log_probs``, ``advantages`` (and
-        ``ref_log_probs`` when ``loss.kl_coef`` > 0)."""
+        ``ref_log_probs`` when ``loss.kl_coef`` > 0, ``rollout_log_probs``, the generator's,
+        when ``loss.tis_cap`` is set)."""
         cfg = PolicyLossConfig.model_validate(loss or {})
         needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.kl_coef else [])
+        needed += ["rollout_log_probs"] if cfg.tis_cap is not None else []
         batch.require_tensors(*TOKENS, *needed)
 
         def loss_fn(
@@ -166,6 +168,7 @@ class Actor(Reference):
                 seqs,
                 entropy=token_entropy(logits, temperature) if cfg.entropy_coef else None,
                 ref_logp=micro.tensors.get("ref_log_probs") if cfg.kl_coef else None,
+                rollout_logp=micro.tensors.get("rollout_log_probs"),
             )
 
         return self.engine.train_step(batch, loss_fn)

@@ -118,6 +118,14 @@ def ppo_policy_terms(
     return PolicyTerms(loss=loss, ratio=ratio, clipped=clipped, dual_clipped=dual_clipped)
 
 
+def truncated_is_weight(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
+    """Per-token min(pi_old / pi_rollout, cap), no gradient: truncated importance sampling (TIS),
+    which reweights tokens the generator sampled from its own, slightly different distribution
+    (another engine's kernels or precision) toward the trainer's pi_old."""
+    log_ratio = (old_logp - rollout_logp).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return log_ratio.exp().clamp(max=cap)
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None) -> Tensor:
     """Per-token value loss 0.5 * (v - R)^2, pessimistic over v clipped to old_v +- clip."""
     unclipped = (values - returns).square()
@@ -155,6 +163,13 @@ class PolicyLossConfig(BaseModel):
     kl_coef: float = Field(0.0, description="weight of KL-to-reference; needs ref_log_probs")
     kl_type: KLKind = Field("k3", description="KL estimator, see kl_penalty")
     agg: AggMode = Field("token-mean", description="how per-token terms become one number")
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="truncated importance sampling: weight each token's policy loss by "
+        "min(pi_old / pi_rollout, tis_cap), pi_rollout being the generator's own log-probs "
+        "(rollout_log_probs), as verl and slime do for vLLM rollouts; null: off",
+    )
 
     @field_validator("clip_ratio_low", "clip_ratio_high", "kl_coef")
     @classmethod
@@ -199,11 +214,17 @@ def policy_loss(
     seqs: float,
     entropy: Tensor | None = None,
     ref_logp: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """(this micro-batch's loss share, metrics): agg(pg) - entropy_coef*agg(H) + kl_coef*agg(KL).
+    """(this micro-batch's loss share, metrics): agg(pg) - entropy_coef*agg(H) + kl_coef*agg(KL),
+    with pg weighted per token by the truncated importance ratio when ``cfg.tis_cap`` is set.
 
     Loss terms use cfg.agg; the diagnostic fractions and ppo_kl are per-token means.
     """
+    if cfg.tis_cap is not None and rollout_logp is None:
+        raise ValueError(
+            f"tis_cap={cfg.tis_cap} needs rollout_logp (rollout_log_probs); pass it or set null"
+        )
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} needs entropy; pass it or set 0")
     if cfg.kl_coef != 0 and ref_logp is None:
@@ -215,12 +236,19 @@ def policy_loss(
     terms = ppo_policy_terms(
         logp, old_logp, advantages, cfg.clip_ratio_low, cfg.clip_high, cfg.dual_clip
     )
-    loss = agg(terms.loss)
+    per_token, extra = terms.loss, {}
+    if cfg.tis_cap is not None and rollout_logp is not None:
+        weight = truncated_is_weight(old_logp, rollout_logp, cfg.tis_cap)
+        per_token = per_token * weight
+        extra = {"tis_weight": agg(weight, "token-mean")}
+        extra["tis_capped_frac"] = agg((weight >= cfg.tis_cap).float(), "token-mean")
+    loss = agg(per_token)
     metrics = {
         "pg_loss": loss.detach(),
         "pg_clipfrac": agg(terms.clipped.float(), "token-mean"),
         "pg_dualclip_frac": agg(terms.dual_clipped.float(), "token-mean"),
         "ppo_kl": agg((old_logp - logp).detach(), "token-mean"),
+        **extra,
     }
     if entropy is not None:
         entropy_term = agg(entropy)

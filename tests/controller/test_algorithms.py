@@ -126,3 +126,9 @@ def test_logprob_gap_is_over_response_tokens_only() -> None:
     found = logprob_gap(generated, old, mask)  # gaps 0.5, 0, 0.25, 0.25, 0
     assert found == pytest.approx({"rollout/logprob_gap_max": 0.5, "rollout/logprob_gap_mean": 0.2})
     assert logprob_gap(generated, old, torch.zeros_like(mask)) == {}
+
+
+def test_truncated_importance_sampling_needs_recomputed_old_log_probs() -> None:
+    AlgorithmConfig(name="grpo", loss={"tis_cap": 2.0})
+    with pytest.raises(ValidationError, match="tis_cap"):
+        AlgorithmConfig(name="grpo", loss={"tis_cap": 2.0}, old_log_probs="rollout")

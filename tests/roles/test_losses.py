@@ -18,6 +18,7 @@ from roles.modeling.losses import (
     kl_penalty,
     policy_loss,
     ppo_policy_terms,
+    truncated_is_weight,
     value_loss,
 )
 
@@ -225,6 +226,26 @@ def test_policy_loss_missing_inputs_raise() -> None:
     assert set(metrics) == {"pg_loss", "pg_clipfrac", "pg_dualclip_frac", "ppo_kl"}
 
 
+def test_truncated_importance_sampling_weights_each_token() -> None:
+    b = _policy_batch()
+    # pi_old / pi_rollout: 2 (capped at 1.5), 0.5, 1; the last token is masked out
+    rollout = torch.tensor([[math.log(0.5), math.log(2.0)], [0.0, 9.0]])
+    weight = truncated_is_weight(b["old_logp"], rollout, cap=1.5)
+    assert weight[:, 0].tolist() == pytest.approx([1.5, 1.0])
+    assert weight[0, 1].item() == pytest.approx(0.5)
+    cfg = PolicyLossConfig(tis_cap=1.5)
+    loss, metrics = policy_loss(**b, cfg=cfg, tokens=3.0, seqs=2.0, rollout_logp=rollout)
+    # pg per token -1.2, 1, -2 weighted by 1.5, 0.5, 1: (-1.8 + 0.5 - 2) / 3
+    assert loss.item() == pytest.approx(-1.1)
+    assert metrics["tis_weight"].item() == pytest.approx(1.0)
+    assert metrics["tis_capped_frac"].item() == pytest.approx(1 / 3)
+    loss.backward()  # the weight carries no gradient: the clipped token none, the others A*r*w
+    expected = torch.tensor([[0.0, 0.5], [-2.0, 0.0]]) / 3
+    assert torch.allclose(b["logp"].grad, expected)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rollout_logp"):
+        policy_loss(**_policy_batch(), cfg=cfg, tokens=3.0, seqs=2.0)
+
+
 @pytest.mark.parametrize(
     ("model", "kwargs", "field"),
     [
@@ -233,6 +254,7 @@ def test_policy_loss_missing_inputs_raise() -> None:
         (PolicyLossConfig, {"dual_clip": 0.5}, "dual_clip=0.5 must be > 1"),
         (PolicyLossConfig, {"kl_coef": -1.0}, "kl_coef"),
         (PolicyLossConfig, {"kl_type": "k4"}, "kl_type"),
+        (PolicyLossConfig, {"tis_cap": 0.0}, "tis_cap"),
         (PolicyLossConfig, {"clip_ratio": 0.2}, "clip_ratio"),
         (ValueLossConfig, {"clip": -1.0}, "clip"),
         (ValueLossConfig, {"agg": "sum"}, "agg"),

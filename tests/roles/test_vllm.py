@@ -364,6 +364,8 @@ ROLLOUT_GROUP = [
     "roles.rollout={model: base, engine: vllm, kv_cache_mb: 64}",
     "placement.gen={roles: [rollout], nproc: 1}",
     "placement.main.nproc=1",
+    # truncated importance sampling with vLLM's log-probs as the behaviour policy
+    "stages.1.algorithm.loss={dual_clip: null, agg: token-mean, tis_cap: 2.0}",
 ]
 COLOCATED = ["roles.actor.generator=vllm"]
 
@@ -382,6 +384,9 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
     if where == "rollout":
         assert [r["train/staleness"] for r in rl] == [0] * 6
         assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+        # fp32: pi_old / pi_rollout is 1 up to the engines' rounding, never near the cap
+        assert all(abs(r["train/actor/tis_weight"] - 1) < 1e-4 for r in rl)
+        assert all(r["train/actor/tis_capped_frac"] == 0 for r in rl)
     gaps = [r["train/rollout/logprob_gap_max"] for r in rl]
     print(f"GRPO with vLLM ({where}): per-step max |log-prob gap| {max(gaps):.2e}")
     assert max(gaps) < LOGPROB_BOUND_MAX
