@@ -346,11 +346,15 @@ class FSDPEngine(TrainingEngine):
             shutil.rmtree(aside, ignore_errors=True)
             aside.mkdir(parents=True)
         self._barrier()
+        # Before the first step AdamW has no state; to save one, torch's get_state_dict runs a
+        # zero-lr step, which would make the next real step AdamW's second (other bias
+        # corrections): taking a checkpoint must not change training, so that state is dropped
+        fresh = self.optimizer is not None and not self.optimizer.state
         dcp.save(self._state(), checkpoint_id=str(aside))
-        torch.save(
-            {"rng": torch.get_rng_state(), "step": self.step, "scheduler": self._sched_state()},
-            aside / f"rank{rank}.pt",
-        )
+        if fresh and self.optimizer is not None:
+            self.optimizer.state.clear()
+        extra = {"rng": torch.get_rng_state(), "step": self.step, "scheduler": self._sched_state()}
+        torch.save({**extra, "fresh": fresh}, aside / f"rank{rank}.pt")
         self._barrier()
         if rank == 0:
             (aside / "engine.json").write_text(json.dumps(self._describe(), indent=1))
@@ -377,6 +381,8 @@ class FSDPEngine(TrainingEngine):
             optim_state_dict=state.get("optim", {}),
         )
         extra = torch.load(folder / f"rank{rank}.pt", weights_only=True)
+        if extra.get("fresh") and self.optimizer is not None:
+            self.optimizer.state.clear()  # saved before the first step (see save)
         torch.set_rng_state(extra["rng"])
         self.step = int(extra["step"])
         if self.scheduler is not None and extra["scheduler"] is not None:

@@ -113,6 +113,7 @@ class MegatronEngine(TrainingEngine):
         self.chunks: list[torch.nn.Module] = list(self.models)  # DDP-wrapped once trainable
         self.module: torch.nn.Module = torch.nn.ModuleList(self.chunks)
         self.optimizer: Any = None
+        self.schedule_step = 0
         if cfg.optim is not None:
             self.configure_optim(cfg.optim)
         else:
@@ -179,7 +180,7 @@ class MegatronEngine(TrainingEngine):
                 config_overrides={},  # weight decay on every parameter, as torch's AdamW
                 use_gloo_process_groups=False,
             )
-        self.step = 0
+        self.schedule_step = 0  # the schedule starts over with the optimizer (``step`` goes on)
 
     # -- passes ----------------------------------------------------------------------------------
 
@@ -290,6 +291,7 @@ class MegatronEngine(TrainingEngine):
             grad_norm = self._clip_gradients()
             self.optimizer.step_with_ready_grads()
         self.step += 1
+        self.schedule_step += 1
         shared = self._metrics_from_last_stage(totals)
         result = self.sum_over_dp(shared)
         result.update(grad_norm=grad_norm, lr=lr, tokens=tokens, seqs=seqs)
@@ -298,7 +300,7 @@ class MegatronEngine(TrainingEngine):
     def _set_lr(self) -> float:
         optim = self.cfg.optim
         assert optim is not None and self.optimizer is not None  # train_step checked
-        lr = optim.lr * optim.lr_factor(self.step)
+        lr = optim.lr * optim.lr_factor(self.schedule_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -478,6 +480,7 @@ class MegatronEngine(TrainingEngine):
             "weights": [{n: p.detach() for n, p in m.named_parameters()} for m in self.models],
             "optim": [o.optimizer.state_dict() for o in self._optimizers()],
             "step": self.step,
+            "schedule_step": self.schedule_step,
             "rng": torch.get_rng_state(),
             "stand_in": cuda_shim.STAND_IN.get_state(),
             "tracker": get_cuda_rng_tracker().get_states(),
@@ -510,6 +513,7 @@ class MegatronEngine(TrainingEngine):
         for optimizer, saved_state in zip(optimizers, state["optim"], strict=True):
             optimizer.optimizer.load_state_dict(saved_state)
         self.step = int(state["step"])
+        self.schedule_step = int(state["schedule_step"])
         torch.set_rng_state(state["rng"])
         cuda_shim.STAND_IN.set_state(state["stand_in"])
         get_cuda_rng_tracker().set_states(state["tracker"])
