@@ -110,7 +110,7 @@ class MegatronEngine(TrainingEngine):
             raise EngineError(str(exc)) from exc
         self._load_pieces(rank_pieces(dict(hf.state_dict()), self.shape, self.place))
         del hf
-        self.chunks: list[torch.nn.Module] = list(self.models)  # DDP-wrapped once trainable
+        self.chunks: list[Any] = list(self.models)  # DDP-wrapped once trainable
         self.module: torch.nn.Module = torch.nn.ModuleList(self.chunks)
         self.optimizer: Any = None
         self.schedule_step = 0
@@ -146,7 +146,7 @@ class MegatronEngine(TrainingEngine):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg = self.cfg.model_copy(update={"optim": optim})
-        config = self.models[0].config
+        config: Any = self.models[0].config
         with self._megatron():
             if not isinstance(self.chunks[0], DistributedDataParallel):
                 for model in self.models:

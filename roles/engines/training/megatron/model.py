@@ -61,7 +61,8 @@ def check_config(config: Any) -> float:
     kind = rope.get("rope_type") or scaling.get("rope_type") or "default"
     if kind != "default":
         raise ModelError(f"rope_type={kind!r} is not mapped to megatron; use backend: fsdp")
-    return float(rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+    theta: Any = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+    return float(theta)
 
 
 def init_parallel(layout: Layout, vpp: int, timeout: datetime.timedelta) -> ParallelSizes:
@@ -92,7 +93,7 @@ def init_parallel(layout: Layout, vpp: int, timeout: datetime.timedelta) -> Para
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        distributed_timeout_minutes=timeout.total_seconds() / 60,  # type: ignore[arg-type]
+        distributed_timeout_minutes=timeout.total_seconds() / 60,
         order="tp-cp-ep-pp-dp",
         create_gloo_process_groups=False,
     )
@@ -215,7 +216,7 @@ def _chunk(
         parallel_output=False,  # the loss functions take whole-vocabulary logits
         share_embeddings_and_output_weights=shape.tied,
         position_embedding_type="rope",
-        rotary_base=theta,  # type: ignore[arg-type]
+        rotary_base=theta,
         vp_stage=stage,
     )
     if last and shape.head == "token":
