@@ -8,11 +8,12 @@ taking only its tp slice; ``load_weights(state, version)`` still takes a full st
 the controller (the baseline the reshard benchmark compares against). Every generation reports the
 version it used.
 
-Config: ``{"model": PATH, "engine": "native" | "hf" | "vllm", "dtype": "auto" | "fp32" | "bf16"}``.
-With ``engine: vllm`` (``roles/engines/generation/vllm.py``) vLLM holds the weights: the group's
-ranks are vLLM's ranks (tp = the group's tp), and every rank takes whole tensors from a sync
-(vLLM's loaders cut their tp slices); the role keeps only a weightless copy of the model for the
-parameter names and shapes.
+Config: ``{"model": PATH, "engine": "native" | "hf" | "vllm" | "sglang", "dtype": "auto" | "fp32" |
+"bf16"}``. With ``engine: vllm`` (``roles/engines/generation/vllm.py``) vLLM holds the weights:
+the group's ranks are vLLM's ranks (tp = the group's tp), and every rank takes whole tensors from
+a sync (vLLM's loaders cut their tp slices); the role keeps only a weightless copy of the model for
+the parameter names and shapes. ``engine: sglang`` (``roles/engines/generation/sglang.py``, never
+run: no SGLang build installs on this project's machines) works the same way at tp = 1.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM
 
 from roles.base import Role, RoleContext
-from roles.engines.generation.interface import GenerationEngine
+from roles.engines.generation.interface import GenerationEngine, ServingEngine
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
-from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB, VLLMEngine
+from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB
 from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
 from roles.modeling.text import pad_rows
 from roles.runtime.device import Precision, group_dtype
@@ -61,25 +62,35 @@ class Rollout(WeightSink, Role):
         self.cfg = RolloutConfig.model_validate(config)
         self.dtype = group_dtype(self.cfg.dtype, ctx.device, ctx.process_group)
         self.tokenizer = load_tokenizer(self.cfg.model)
-        self.vllm = self.cfg.engine == "vllm"
+        self.serving = self.cfg.engine in ("vllm", "sglang")  # the engine holds the weights
         self.engine: GenerationEngine
-        if self.vllm:
-            self._build_vllm()
+        if self.serving:
+            self._build_serving()
         else:
             self._build_module_engine()
         self.version = 0
 
-    def _build_vllm(self) -> None:
+    def _build_serving(self) -> None:
         config = load_config(self.cfg.model)
-        with torch.device("meta"):  # names and shapes only: vLLM holds the weights
+        with torch.device("meta"):  # names and shapes only: the engine holds the weights
             self.model = AutoModelForCausalLM.from_config(config)
+        common = {
+            "dtype": self.dtype.torch_dtype,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "context": int(config.max_position_embeddings),
+        }
+        if self.cfg.engine == "sglang":
+            from roles.engines.generation.sglang import SGLangEngine
+
+            if self.ctx.layout.tp != 1:
+                raise ValueError("engine 'sglang' runs one engine per rank (tp = 1)")
+            gpu = self.ctx.device.device.index or 0
+            self.engine = SGLangEngine(self.cfg.model, gpu=gpu, **common)
+            return
+        from roles.engines.generation.vllm import VLLMEngine
+
         self.engine = VLLMEngine(
-            self.cfg.model,
-            tp=self.ctx.layout.tp,
-            dtype=self.dtype.torch_dtype,
-            eos_token_id=self.tokenizer.eos_token_id,
-            context=int(config.max_position_embeddings),
-            kv_cache_mb=self.cfg.kv_cache_mb,
+            self.cfg.model, tp=self.ctx.layout.tp, kv_cache_mb=self.cfg.kv_cache_mb, **common
         )
 
     def _build_module_engine(self) -> None:
@@ -118,8 +129,10 @@ class Rollout(WeightSink, Role):
     def prompt_logits(self, batch: TensorBatch) -> TensorBatch:
         """``logits`` ``[B, V]`` (float32) of the next token after each prompt: what the first
         generated token is drawn from (a check that tp ranks agree with one rank)."""
-        if self.vllm:
-            raise ValueError("prompt_logits reads the model's own logits; engine 'vllm' has none")
+        if self.serving:
+            raise ValueError(
+                f"prompt_logits reads the model's own logits; engine {self.cfg.engine!r} has none"
+            )
         prompts = prompt_ids(batch, self.tokenizer)
         rows = pad_rows(prompts, [[0] * len(p) for p in prompts], self.tokenizer.pad_token_id)
         ids, mask = rows.tensor("input_ids"), rows.tensor("attention_mask")
@@ -131,7 +144,7 @@ class Rollout(WeightSink, Role):
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Replace every weight with ``state`` (full tensors, names as the actor's export);
         tp ranks keep their slice. Returns the new version."""
-        if isinstance(self.engine, VLLMEngine):
+        if isinstance(self.engine, ServingEngine):
             self.engine.load_weights(self._in_model_order(state))
         else:
             load_full_state(self.model, state)
@@ -165,11 +178,11 @@ class Rollout(WeightSink, Role):
 
     def check_staged(self, staged: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
-        if self.vllm and set(staged) != set(params):
+        if self.serving and set(staged) != set(params):
             lacking = sorted(set(params) - set(staged))
             raise ValueError(
-                f"engine 'vllm' reloads whole layers and cannot take part of the weights "
-                f"(missing {lacking[:3]}, {len(lacking)} in all); sync with strict=True"
+                f"engine {self.cfg.engine!r} reloads whole layers and cannot take part of the "
+                f"weights (missing {lacking[:3]}, {len(lacking)} in all); sync with strict=True"
             )
         for name, got in staged.items():
             piece = local_piece(params[name])
@@ -184,7 +197,7 @@ class Rollout(WeightSink, Role):
         dtype and device is taken over as it is, anything else copied (cast) into place."""
         from torch.distributed.tensor import DTensor
 
-        if isinstance(self.engine, VLLMEngine):
+        if isinstance(self.engine, ServingEngine):
             self.engine.load_weights(self._in_model_order(staged))
             self.version = version
             return

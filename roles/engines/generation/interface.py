@@ -16,7 +16,7 @@ response, right-padded, with ``attention_mask``, ``response_mask`` and ``log_pro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +85,24 @@ class GenerationEngine(ABC):
         """``len(prompts) * sampling.n`` samples, request-major (prompt i's samples together).
         ``request_seeds`` (one per prompt) replace the prompt's index in the seed of its
         samples, so a request samples the same wherever it lands (which dp rank, which batch)."""
+
+
+class ServingEngine(GenerationEngine):
+    """An engine that holds its own copy of the weights (vLLM, SGLang) rather than running a
+    model module of ours: weights come in by name, and its memory can be let go between
+    generation phases."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace every weight in place: Hugging Face names, whole tensors."""
+
+    @abstractmethod
+    def release(self, weights: bool = False) -> int:
+        """Free the KV cache (and the weights) until the next call; returns the bytes freed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Shut the engine down."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], sampling: SamplingConfig, context: int) -> None:

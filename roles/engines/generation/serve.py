@@ -15,14 +15,14 @@ from typing import Any, Literal
 from roles.engines.generation.interface import GenerationEngine, SamplingConfig, samples_to_batch
 from transport.batch import BatchError, TensorBatch
 
-EngineName = Literal["native", "hf", "vllm"]
+EngineName = Literal["native", "hf", "vllm", "sglang"]
 
 
 def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngine:
-    """An engine over ``model``'s own modules. ``vllm`` holds its own copy of the weights and is
-    built by its owner (``roles/engines/generation/vllm.py``), not here."""
-    if name == "vllm":
-        raise ValueError("the vllm engine loads its own weights; build a VLLMEngine instead")
+    """An engine over ``model``'s own modules. ``vllm`` and ``sglang`` hold their own copy of the
+    weights and are built by their owner (``vllm.py``, ``sglang.py`` beside this file)."""
+    if name in ("vllm", "sglang"):
+        raise ValueError(f"the {name} engine loads its own weights; build it from its module")
     if name == "hf":
         from roles.engines.generation.hf import HFEngine
 

@@ -11,7 +11,9 @@ is imported only when this engine is built. How it fits hybridflow's ranks:
   ``transport.protocol.Layout``, tp fastest), the remaining factor being independent replicas
   (vLLM's "external dp"). Every rank of a tp group must call ``generate`` with the same prompts;
   different replicas serve different prompts. vLLM's parallel state is global to the process: one
-  engine per process.
+  engine per process. Its CPU tp groups talk through shared-memory segments named after the
+  executor's init method, the same for every external-launcher engine; each engine's start-up
+  gives them a name of its own (``_named_shared_memory``) and removes the names once mapped.
 * **the output contract** (``interface.py``) — each sample is its own vLLM request with ``n = 1``
   and the seed ``sample_seed(seed, request, j)``, so a sample draws the same tokens whatever else
   is in the batch; stop tokens are ours exactly (``ignore_eos`` plus ``stop_token_ids``), kept as
@@ -37,9 +39,12 @@ Greedy decoding on fp32 weights gives the native and HF engines' tokens (tests/r
 from __future__ import annotations
 
 import gc
+import glob
 import logging
 import os
 import random
+import secrets
+import tempfile
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -50,11 +55,11 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.generation.interface import (
-    GenerationEngine,
     GenerationError,
     LogitsProcessor,
     Sample,
     SamplingConfig,
+    ServingEngine,
     check_prompts,
     sample_seed,
 )
@@ -202,7 +207,7 @@ class _Bridge:
         return [float(v) for v in found if v is not None]
 
 
-class VLLMEngine(GenerationEngine):
+class VLLMEngine(ServingEngine):
     """vLLM serving one model directory; ``tp`` ranks of the default group per engine."""
 
     def __init__(
@@ -220,12 +225,14 @@ class VLLMEngine(GenerationEngine):
         vllm = import_vllm()
         self.eos, self.context, self.tp = eos_token_id, context, tp
         kwargs: dict[str, Any] = {}
+        self._shm_name = ""
         if dist.is_initialized():
             _check_world(tp)
             # vLLM's external launcher reads the rank from the environment (torchrun's names)
             os.environ["RANK"] = str(dist.get_rank())
             os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
             kwargs["distributed_executor_backend"] = "external_launcher"
+            self._shm_name = _group_token()
         elif tp != 1:
             raise GenerationError(f"vLLM at tp={tp} runs inside a torch.distributed group")
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -233,7 +240,7 @@ class VLLMEngine(GenerationEngine):
         threads = torch.get_num_threads()
         set_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op
         try:
-            with _own_random_state():
+            with _own_random_state(), _named_shared_memory(self._shm_name):
                 self.llm = vllm.LLM(
                     model=str(model_dir),
                     dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
@@ -249,7 +256,11 @@ class VLLMEngine(GenerationEngine):
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
         gc.unfreeze()  # vLLM's engine core freezes the heap it found, ours included
-        self._closer = _own_teardown(self, self.llm) if dist.is_initialized() else None
+        self._closer = None
+        if self._shm_name:
+            self._closer = _own_teardown(self, self.llm)
+            dist.barrier()  # every rank has mapped its tp group's segments: their names can go
+            _unlink_segments(self._shm_name)
         self._sampling_params = vllm.SamplingParams
         self._prompt = vllm.inputs.TokensPrompt
         self._released: list[tuple[torch.Tensor, int]] = []
@@ -398,6 +409,50 @@ class _QuietReload(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Failed to load weights" not in record.getMessage()
+
+
+def _group_token() -> str:
+    """A name for this engine's shared-memory segments, the same on every rank of the group."""
+    token = [f"hybridflow-vllm-{secrets.token_hex(6)}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
+@contextmanager
+def _named_shared_memory(name: str) -> Iterator[None]:
+    """vLLM's CPU tp groups name their shared-memory segments after the last part of the
+    executor's init method, which under the external launcher is always ``env://``: two tp groups
+    on one host (two rollout groups, two runs) would open each other's segments ("create shm in
+    SHMManager failed. errno: 17"). While the engine starts, the executor reports a ``file://``
+    init method named ``name`` instead; vLLM uses it for nothing else (our group exists already,
+    so no store is made from it)."""
+    if not name:
+        yield
+        return
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    executor: Any = ExecutorWithExternalLauncher
+    original = executor._distributed_args
+
+    def named(self: Any) -> tuple[str, int, int]:
+        _, rank, local_rank = original(self)
+        return f"file://{tempfile.gettempdir()}/{name}", rank, local_rank
+
+    executor._distributed_args = named
+    try:
+        yield
+    finally:
+        executor._distributed_args = original
+
+
+def _unlink_segments(name: str) -> None:
+    """Remove the names of the shared-memory segments the group's ranks have mapped (the
+    mappings stay valid), so a process that is killed leaves nothing behind in /dev/shm."""
+    for segment in glob.glob(f"/dev/shm/{glob.escape(name)}-*"):
+        try:
+            os.unlink(segment)
+        except FileNotFoundError:
+            pass  # another rank of the group removed it first
 
 
 def _own_teardown(owner: VLLMEngine, llm: Any) -> weakref.finalize:
