@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from controller.clients import ActorClient
+from controller.clients import ActorClient, CriticClient
 from controller.placement import GroupSpec
 from deploy.session import local_session
 from roles.modeling.models import init_model
@@ -179,3 +179,33 @@ def test_param_layout_is_in_hf_names_with_stages(results: dict[str, Any]) -> Non
         for i in range(4)
     ]
     assert stages == [0, 1, 0, 1]
+
+
+@pytest.mark.timeout(600)
+def test_bf16_autocast_matches_fsdp_within_1e_2(tiny: Path) -> None:
+    """bf16 autocast (fp32 master weights) at tp 2 x pp 2 against the fsdp engine on one rank:
+    stages hand each other fp32 activations, the backward runs under autocast too."""
+    base = {"model": str(tiny), "dtype": "bf16", "micro_batch_size": 2, "optim": {"lr": 1e-4}}
+    groups = [
+        group("one", 1, **roles("one", base)),
+        group("mtppp", 4, tp=2, pp=2, **roles("mtppp", {**base, "backend": "megatron"})),
+    ]
+    batch = token_batch(6, seed=1)
+
+    async def scores(c: Any, name: str) -> dict[str, Any]:
+        actor, critic = ActorClient(c, f"actor_{name}"), CriticClient(c, f"critic_{name}")
+        first = await actor.compute_log_prob(batch)
+        step = batch.union(TensorBatch.from_dict({"old_log_probs": first["log_probs"]}))
+        policy = await actor.update_policy(step)
+        after = (await actor.compute_log_prob(batch))["log_probs"]
+        values = (await critic.compute_values(batch))["values"]
+        return {"first": first["log_probs"], "after": after, "values": values, **policy}
+
+    async def main() -> list[dict[str, Any]]:
+        async with local_session(groups, TIMEOUTS) as c:
+            return list(await asyncio.gather(scores(c, "one"), scores(c, "mtppp")))
+
+    one, other = run(main)
+    for key in ("first", "after", "values"):
+        torch.testing.assert_close(other[key], one[key], atol=1e-2, rtol=0)
+    assert other["loss"] == pytest.approx(one["loss"], abs=1e-2)

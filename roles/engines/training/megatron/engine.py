@@ -223,19 +223,24 @@ class MegatronEngine(TrainingEngine):
 
         def forward_step(data: Iterator[Rows], model: torch.nn.Module) -> tuple[Any, Any]:
             micro = next(data)
-            mask = causal_mask(micro.input_ids.shape[1])
-            with self.autocast():
-                output = model(micro.input_ids, None, mask)
+            output = model(micro.input_ids, None, causal_mask(micro.input_ids.shape[1]))
+            if not getattr(getattr(model, "module", model), "post_process", True):
+                # under bf16 autocast a stage ends in bf16; the next one receives fp32
+                output = output.to(torch.float32)
 
             def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
-                return last(restore(output, micro), micro)
+                with torch.autocast(self.device.type, enabled=False):  # losses in fp32
+                    return last(restore(output, micro), micro)
 
             return output, loss_func
 
         chunks = len(self.chunks)
         data: Any = [iter(rows) for _ in range(chunks)] if chunks > 1 else iter(rows)
         schedule = get_forward_backward_func()
-        with self._megatron():
+        # the backward runs in the autocast context too: megatron's linear layers compute theirs
+        # by hand (custom autograd functions whose autocast decorators are CUDA's only), and a
+        # bf16 gradient meets the fp32 weight there
+        with self._megatron(), self.autocast():
             return list(
                 schedule(
                     forward_step_func=forward_step,
@@ -243,7 +248,7 @@ class MegatronEngine(TrainingEngine):
                     model=self.chunks if chunks > 1 else self.chunks[0],
                     num_microbatches=len(rows),
                     seq_length=max(r.input_ids.shape[1] for r in rows),
-                    micro_batch_size=max(len(r.micro) for r in rows),
+                    micro_batch_size=max(r.input_ids.shape[0] for r in rows),
                     forward_only=forward_only,
                     collect_non_loss_data=forward_only,
                 )
