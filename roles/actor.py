@@ -68,10 +68,13 @@ class Actor(Reference):
         self.vllm: VLLMEngine | None = None  # generator vllm: built by the first generate
         if self.engine.cfg.generator == "vllm":
             _check_vllm_layout(ctx.layout.resharded, ctx.layout.generation_tp, ctx.layout.pp)
-        elif ctx.layout.resharded:  # the group generates at another tp (placement gen_tp)
+        elif ctx.layout.resharded or not self.engine.generates_in_place:
+            # the group generates at another layout (placement gen_tp / gen_pp), or its engine
+            # holds no module a generator runs (megatron): through reshard
             if self.engine.cfg.generator != "native":
                 raise ValueError(
-                    f"gen_tp={ctx.layout.generation_tp} runs the native generator; "
+                    f"gen_tp={ctx.layout.generation_tp} (or backend: "
+                    f"{self.engine.cfg.backend}) runs the native generator; "
                     f"got generator={self.engine.cfg.generator!r}"
                 )
             bucket = int(self.engine.cfg.reshard_bucket_mb * 1e6)

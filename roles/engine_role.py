@@ -20,7 +20,7 @@ from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.factory import build_engine
 from roles.engines.training.interface import Head, TrainingEngine
 from roles.runtime.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
-from roles.weight_sync import WeightSink, WeightSource, held_pieces
+from roles.weight_sync import WeightSink, WeightSource
 from transport.protocol import Layout
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")
@@ -53,11 +53,13 @@ class EngineRole(WeightSource, WeightSink, Role):
 
     @contextmanager
     def held_weights(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._send_shards():
-            yield dict(held_pieces(self.engine.module))
-            return
-        with self.engine.full_weights() as module:
-            yield dict(held_pieces(module))
+        """This rank's pieces (``TrainingEngine.held_pieces``), read without autograd."""
+        with torch.no_grad():
+            if self._send_shards():
+                yield self.engine.held_pieces()
+                return
+            with self.engine.full_weights():
+                yield self.engine.held_pieces()
 
     def weight_specs(self) -> list[dict[str, Any]]:
         shards = self._send_shards()
@@ -67,6 +69,7 @@ class EngineRole(WeightSource, WeightSink, Role):
                 "shape": list(p.shape),
                 "tp_dim": p.tp_dim,
                 "dp_dim": p.dp_dim if shards else None,
+                "stage": p.pp_stage,
             }
             for name, p in self.engine.param_layout().items()
         ]

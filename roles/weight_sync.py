@@ -17,8 +17,8 @@ Roles of one group (colocated) use ``sink.copy_from(role, version, settings)`` i
 the same machinery through shared memory between the group's own ranks.
 
 A role says what it holds and how it takes weights by four hooks: ``held_weights`` (this rank's
-pieces in the layout it reports), ``weight_specs`` (name, shape, tp dim), ``sink_layout`` (the
-pieces each rank takes) and ``adopt`` (swap staged pieces in).
+pieces in the layout it reports), ``weight_specs`` (name, shape, tp dim, dp dim, pipeline
+stage), ``sink_layout`` (the pieces each rank takes) and ``adopt`` (swap staged pieces in).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
@@ -74,7 +73,8 @@ class WeightSource:
         raise NotImplementedError
 
     def weight_specs(self) -> list[dict[str, Any]]:
-        """``[{"name", "shape", "tp_dim"}]`` of every parameter, full shapes."""
+        """``[{"name", "shape", "tp_dim", "dp_dim", "stage"}]`` of every parameter, full shapes
+        (``dp_dim`` and ``stage`` may be left out: whole over dp, stage 0)."""
         raise NotImplementedError
 
     def weight_dtype(self) -> torch.dtype:
@@ -317,8 +317,3 @@ def local_piece(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def held_pieces(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, param in module.named_parameters():
-        yield name, local_piece(param).detach()

@@ -50,8 +50,14 @@ from roles.weight_sync import WeightSink, WeightSource
 from tests.fixtures import actor as fixture_actor
 from tests.fixtures import clients as fixture_clients
 from tests.fixtures import roles as fixture_roles
-from tests.fixtures.actor import ProbedActor
-from tests.fixtures.clients import DeviceProbeClient, EchoClient, FaultyClient, ProbedActorClient
+from tests.fixtures.actor import GenerationProbedActor, ProbedActor
+from tests.fixtures.clients import (
+    DeviceProbeClient,
+    EchoClient,
+    FaultyClient,
+    GenerationProbedActorClient,
+    ProbedActorClient,
+)
 from tests.fixtures.roles import DeviceProbe, Echo, Faulty
 from transport.protocol import Transfer
 
@@ -71,6 +77,7 @@ CONTRACT: list[tuple[type[RoleClient], type]] = [
     (FaultyClient, Faulty),
     (DeviceProbeClient, DeviceProbe),
     (ProbedActorClient, ProbedActor),
+    (GenerationProbedActorClient, GenerationProbedActor),
 ]
 CLIENT_ONLY = "timeout"  # the per-call timeout: the client's, never sent to the role
 #: protocols whose collect step lists non-batch results by dp rank instead of returning one

@@ -464,6 +464,15 @@ class FSDPEngine(TrainingEngine):
             layout[name] = ParamLayout(tuple(param.shape), dims["tp"], dims["dp"])
         return layout
 
+    def held_pieces(self) -> dict[str, torch.Tensor]:
+        """Each parameter's local tensor itself (a DTensor's local shard object, so reshard's
+        ``Tensor.set_`` re-points the storage the module computes with)."""
+        out = {}
+        for name, param in self.module.named_parameters():
+            local = param._local_tensor if isinstance(param, DTensor) else param
+            out[name] = local
+        return out
+
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

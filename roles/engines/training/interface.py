@@ -11,8 +11,9 @@ a batch plus a function of the model's output, and get tensors back.
   sequences under ``count_key``, so the sum of its results over micro-batches and ranks is the loss
   of the whole batch, whatever the split (see ``roles/modeling/losses.py``).
 * ``save`` / ``load`` a sharded checkpoint (model, optimizer, schedule, RNG), ``export`` a plain
-  Hugging Face folder, ``param_layout`` which dim of each parameter is split over tp and dp (the
-  reshard module reads it).
+  Hugging Face folder, ``param_layout`` which dim of each parameter is split over tp and dp and
+  which pipeline stage holds it, ``held_pieces`` this rank's pieces in that layout (the reshard
+  module reads both: generation and weight syncs start from them).
 
 Output kinds: an ``lm`` engine returns logits ``[B, T, V]``; a ``token`` engine (critic, reward
 model) returns one scalar per position ``[B, T]``.
@@ -67,6 +68,12 @@ class TrainingEngine(ABC):
     model_config: Any  # the Hugging Face config of the model
     step: int  # optimizer steps taken
     precision: DtypeChoice  # what ``autocast`` computes in, and why
+    #: whether ``held_pieces`` returns the engine's own weight tensors (reshard may re-point
+    #: them into a generation shard while a ``generate`` runs) rather than views or copies
+    held_in_place: bool = True
+    #: whether ``full_weights`` yields a Hugging Face module the generation engines can run;
+    #: if not, the actor generates through reshard (``roles/engines/hybrid.py``)
+    generates_in_place: bool = True
 
     @abstractmethod
     def infer(self, batch: TensorBatch, read: Read) -> torch.Tensor: ...
@@ -111,3 +118,9 @@ class TrainingEngine(ABC):
 
     @abstractmethod
     def param_layout(self) -> dict[str, ParamLayout]: ...
+
+    @abstractmethod
+    def held_pieces(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every parameter of its pipeline stage, in Hugging Face names,
+        cut as ``param_layout`` says (its tp shard, and its dp shard where ``dp_dim`` is set),
+        detached from autograd. Call it inside ``full_weights`` for whole weights over dp."""

@@ -87,6 +87,11 @@ def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> date
 
 
 class MegatronEngine(TrainingEngine):
+    # q/k/v and gate/up are fused here: HF pieces are views or copies of the weights, and the
+    # actor generates through reshard into an HF skeleton
+    held_in_place = False
+    generates_in_place = False
+
     def __init__(self, cfg: EngineConfig, ctx: RoleContext, head: Head = "lm") -> None:
         self.cfg, self.head, self.step = cfg, head, 0
         self.layout, self.rank = ctx.layout, ctx.rank
@@ -377,10 +382,10 @@ class MegatronEngine(TrainingEngine):
 
     @contextmanager
     def full_weights(self) -> Iterator[torch.nn.Module]:
-        raise NotImplementedError(
-            "the megatron engine generates through reshard (HybridEngine), not whole weights"
-        )
-        yield self.module  # pragma: no cover
+        """The chunks as they are: DDP keeps whole weights on every dp rank (the distributed
+        optimizer shards only its own state). Not a module generation engines run: the actor
+        generates through reshard (``generates_in_place`` is False)."""
+        yield self.module
 
     def autocast(self) -> AbstractContextManager[Any]:
         if self.precision.dtype == "bf16":
@@ -390,9 +395,15 @@ class MegatronEngine(TrainingEngine):
     # -- weights ---------------------------------------------------------------------------------
 
     def held_pieces(self) -> dict[str, torch.Tensor]:
-        """This rank's HF pieces: each parameter of its stage, cut to its tp shard (copies)."""
+        """This rank's HF pieces: each parameter of its stage cut to its tp shard (views of the
+        weights where the layouts agree, copies of q/k/v otherwise); a tied model's last stage
+        leaves out its copy of the embedding (stage 0 holds the parameter)."""
         chunks = [{n: p.detach() for n, p in m.named_parameters()} for m in self.models]
-        return unfuse(chunks, self.shape, self.place)
+        pieces = unfuse(chunks, self.shape, self.place)
+        pp, vpp = self.place.pp_size, self.place.vpp
+        return {
+            n: t for n, t in pieces.items() if hf_stage(self.shape, pp, vpp, n) == self.place.pp
+        }
 
     def _load_pieces(self, pieces: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -431,7 +442,9 @@ class MegatronEngine(TrainingEngine):
                 f"{len(missing)} of its own are missing (e.g. {sorted(missing)[:3]})"
             )
         try:
-            pieces = rank_pieces(picked, self.shape, self.place, held=self.held_pieces())
+            chunks = [{n: p.detach() for n, p in m.named_parameters()} for m in self.models]
+            held = unfuse(chunks, self.shape, self.place)
+            pieces = rank_pieces(picked, self.shape, self.place, held=held)
         except ConvertError as exc:
             raise EngineError(str(exc)) from exc
         self._load_pieces(pieces)
