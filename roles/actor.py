@@ -77,10 +77,16 @@ class Actor(Reference):
                     f"{self.engine.cfg.backend}) runs the native generator; "
                     f"got generator={self.engine.cfg.generator!r}"
                 )
-            bucket = int(self.engine.cfg.reshard_bucket_mb * 1e6)
-            self.hybrid = HybridEngine(self.engine, ctx.layout, bucket)
+            if ctx.layout.resharded:  # else built by the first generate: many never generate
+                self.hybrid = self._hybrid()
+
+    def _hybrid(self) -> HybridEngine:
+        bucket = int(self.engine.cfg.reshard_bucket_mb * 1e6)
+        return HybridEngine(self.engine, self.ctx.layout, bucket)
 
     def _generation_weights(self) -> AbstractContextManager[torch.nn.Module]:
+        if self.hybrid is None and not self.engine.generates_in_place:
+            self.hybrid = self._hybrid()  # a collective: every rank generates
         return self.hybrid.weights() if self.hybrid else self.engine.full_weights()
 
     @endpoint(MICRO_DP)

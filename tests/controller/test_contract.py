@@ -50,13 +50,14 @@ from roles.weight_sync import WeightSink, WeightSource
 from tests.fixtures import actor as fixture_actor
 from tests.fixtures import clients as fixture_clients
 from tests.fixtures import roles as fixture_roles
-from tests.fixtures.actor import GenerationProbedActor, ProbedActor
+from tests.fixtures.actor import GenerationProbedActor, ProbedActor, SlowActor
 from tests.fixtures.clients import (
     DeviceProbeClient,
     EchoClient,
     FaultyClient,
     GenerationProbedActorClient,
     ProbedActorClient,
+    SlowActorClient,
 )
 from tests.fixtures.roles import DeviceProbe, Echo, Faulty
 from transport.protocol import Transfer
@@ -78,6 +79,7 @@ CONTRACT: list[tuple[type[RoleClient], type]] = [
     (DeviceProbeClient, DeviceProbe),
     (ProbedActorClient, ProbedActor),
     (GenerationProbedActorClient, GenerationProbedActor),
+    (SlowActorClient, SlowActor),
 ]
 CLIENT_ONLY = "timeout"  # the per-call timeout: the client's, never sent to the role
 #: protocols whose collect step lists non-batch results by dp rank instead of returning one
