@@ -219,7 +219,7 @@ def optimizer_offloaded(optimizer: torch.optim.Optimizer | None) -> Iterator[int
     memory, so it only exercises the mechanism (freeing and restoring storage)."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     if optimizer is not None:
-        for state in optimizer.state.values():
+        for _, state in optimizer.state.items():  # a dict, or megatron's ProxyDict
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     tensor = local_tensor(value)

@@ -28,6 +28,8 @@ from controller.placement import GroupSpec
 from deploy.session import local_session
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.fixtures.megatron_ranks import two_layouts_rank
+from tests.fixtures.ranks import run_ranks
 from tests.roles.test_training import exercise, token_batch
 from transport.batch import TensorBatch
 
@@ -209,3 +211,12 @@ def test_bf16_autocast_matches_fsdp_within_1e_2(tiny: Path) -> None:
     for key in ("first", "after", "values"):
         torch.testing.assert_close(other[key], one[key], atol=1e-2, rtol=0)
     assert other["loss"] == pytest.approx(one["loss"], abs=1e-2)
+
+
+@pytest.mark.timeout(180)
+def test_colocated_roles_of_another_layout_are_refused(tiny: Path, tmp_path: Path) -> None:
+    """megatron-core's parallel state is one per process: a second engine of the same layout
+    shares it, one of another layout gets an error naming both layouts and the way out."""
+    for message in run_ranks(two_layouts_rank, 2, tmp_path, str(tiny)):
+        assert "already set to tp=2 pp=1 vpp=1" in message
+        assert "asks for tp=1 pp=2 vpp=1" in message and "its own group" in message

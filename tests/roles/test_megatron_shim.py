@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from roles.engines.training.megatron import cuda_shim
-from tests.fixtures.megatron_shim import shim_rank
+from tests.fixtures.megatron_ranks import shim_rank
 from tests.fixtures.ranks import run_ranks
 from tests.roles.test_export import tied_model
 
