@@ -400,17 +400,23 @@ ROLLOUT_GROUP = [
     "stages.1.algorithm.loss={dual_clip: null, agg: token-mean, tis_cap: 2.0}",
 ]
 COLOCATED = ["roles.actor.generator=vllm"]
+RUNS = {
+    "rollout": ROLLOUT_GROUP,
+    "actor": COLOCATED,
+    # the actor trains at tp 2; vLLM generates at tp 2 on the same two ranks
+    "actor-tp2": [*COLOCATED, "placement.main.tp=2"],
+}
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", ["rollout", "actor"])
+@pytest.mark.parametrize("where", list(RUNS))
 def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_path: Path) -> None:
     """The quickstart's quick run (SFT, then GRPO) with vLLM as a rollout group of its own, or
-    colocated in the actor; in fp32 its log-probs are the trainer's within the bound."""
+    colocated in the actor (at tp 1 and tp 2); in fp32 its log-probs are the trainer's within
+    the bound, so it generated from the actor's current weights at every step."""
     from tests.deploy.test_run import job, quick_argv, records
 
-    sets = ROLLOUT_GROUP if where == "rollout" else COLOCATED
-    assert job(quick_argv("quickstart.yaml", tmp_path, sets)) == 0
+    assert job(quick_argv("quickstart.yaml", tmp_path, RUNS[where])) == 0
     rl = [r for r in records(tmp_path) if r["stage"] == "grpo" and "stage_step" in r]
     assert len(rl) == 6
     if where == "rollout":
