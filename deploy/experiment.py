@@ -441,7 +441,20 @@ def _role_spec(
         raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
     if engine is not None:
         _check_pipeline(role, gname, group, engine, model_config)
+        generates = cls == ROLE_CLASSES["actor"] and "rollout" not in exp.roles
+        if generates and engine.generator != "vllm":
+            _check_generation_stage(gname, group)
     return RoleSpec(cls=cls, config=settings)
+
+
+def _check_generation_stage(gname: str, group: GroupConfig) -> None:
+    """A colocated actor generates on one pipeline stage (``roles/engines/hybrid.py``): with
+    ``pp`` > 1 the placement must say so, or the first generate fails after the SFT stages."""
+    if group.pp > 1 and group.gen_pp != 1:
+        raise ExperimentError(
+            f"placement.{gname}.gen_pp: the actor generates on one pipeline stage, its weights "
+            f"resharded from pp={group.pp}; set placement.{gname}.gen_pp: 1"
+        )
 
 
 def _check_pipeline(

@@ -33,6 +33,7 @@ PIPELINE = [
     "roles.actor.backend=megatron",
 ]
 MEGATRON = PIPELINE[1]
+GEN_PP1 = "placement.main.gen_pp=1"  # a colocated actor generates on one stage
 
 
 def base() -> dict[str, Any]:
@@ -95,9 +96,23 @@ def test_default_is_one_stage_and_vpp_needs_only_a_divisor(run_dir: Path) -> Non
     assert (spec.pp, spec.gen_pp) == (1, 0)
     # 2 stages x 2 virtual stages = 4 chunks of the 4 layers: accepted
     [spec] = groups_of(
-        run_dir, "placement.main.nproc=2", "placement.main.pp=2", *PIPELINE[1:], "roles.actor.vpp=2"
+        run_dir,
+        "placement.main.nproc=2",
+        "placement.main.pp=2",
+        MEGATRON,
+        GEN_PP1,
+        "roles.actor.vpp=2",
     )
     assert (spec.pp, spec.roles["actor"].config["vpp"]) == (2, 2)
+    # an actor that leaves generation to a rollout group needs no generation stage count
+    main, gen = groups_of(
+        run_dir,
+        "placement.main={roles: [actor, reward], nproc: 2, pp: 2}",
+        MEGATRON,
+        "roles.rollout={model: base}",
+        "placement.gen={roles: [rollout], nproc: 1}",
+    )
+    assert (main.pp, main.gen_pp, gen.pp) == (2, 0, 1)
 
 
 @pytest.mark.parametrize(
@@ -109,15 +124,27 @@ def test_default_is_one_stage_and_vpp_needs_only_a_divisor(run_dir: Path) -> Non
             "engine does not have; set roles.actor.backend: megatron or placement.main.pp: 1",
         ),
         (
-            ["placement.main.nproc=6", "placement.main.tp=2", "placement.main.pp=2", MEGATRON],
+            [
+                "placement.main.nproc=6",
+                "placement.main.tp=2",
+                "placement.main.pp=2",
+                MEGATRON,
+                GEN_PP1,
+            ],
             "placement.main: group 'main': tp=2 x pp=2 does not divide nproc=6",
         ),
         (
-            ["placement.main.nproc=3", "placement.main.pp=3", "roles.actor.backend=megatron"],
+            ["placement.main.nproc=3", "placement.main.pp=3", MEGATRON, GEN_PP1],
             "roles.actor: placement.main.pp=3 does not divide the model's num_hidden_layers=4",
         ),
         (
-            ["placement.main.nproc=2", "placement.main.pp=2", MEGATRON, "roles.actor.vpp=3"],
+            [
+                "placement.main.nproc=2",
+                "placement.main.pp=2",
+                MEGATRON,
+                GEN_PP1,
+                "roles.actor.vpp=3",
+            ],
             "placement.main.pp=2 x roles.actor.vpp=3 = 6 model chunks does not divide the "
             "model's num_hidden_layers=4",
         ),
@@ -128,6 +155,11 @@ def test_default_is_one_stage_and_vpp_needs_only_a_divisor(run_dir: Path) -> Non
         (
             ["placement.main.nproc=4", "placement.main.tp=4", "roles.actor.backend=megatron"],
             "roles.actor: tp=4 does not divide the model's num_key_value_heads=2",
+        ),
+        (
+            ["placement.main.nproc=2", "placement.main.pp=2", MEGATRON],
+            "placement.main.gen_pp: the actor generates on one pipeline stage, its weights "
+            "resharded from pp=2; set placement.main.gen_pp: 1",
         ),
         (
             ["placement.main.gen_pp=2"],
