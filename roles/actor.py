@@ -67,6 +67,11 @@ class Actor(Reference):
         self.hybrid: HybridEngine | None = None
         self.vllm: VLLMEngine | None = None  # generator vllm: built by the first generate
         if self.engine.cfg.generator == "vllm":
+            if not self.engine.generates_in_place:  # vLLM reads the weights from full_weights
+                raise ValueError(
+                    f"generator 'vllm' takes the weights of a Hugging Face module; backend "
+                    f"{self.engine.cfg.backend!r} generates through reshard with 'native'"
+                )
             _check_vllm_layout(ctx.layout.resharded, ctx.layout.generation_tp, ctx.layout.pp)
         elif ctx.layout.resharded or not self.engine.generates_in_place:
             # the group generates at another layout (placement gen_tp / gen_pp), or its engine
