@@ -62,6 +62,7 @@ from roles.engines.training.megatron.convert import (
 from roles.engines.training.megatron.model import (
     ModelError,
     build_chunks,
+    check_config,
     check_rank_order,
     init_parallel,
 )
@@ -107,13 +108,16 @@ class MegatronEngine(TrainingEngine):
         self.shape = Shape.of(hf.config, head)
         timeout = group_timeout(ctx.process_group, ctx.device.device)
         try:
+            check_config(hf.config)  # before any collective: every rank fails alike
+            self.place.check(self.shape)
             with self._megatron():
                 self.sizes = init_parallel(ctx.layout, cfg.vpp, timeout)
                 check_rank_order(ctx.layout, ctx.rank)
                 self.models = build_chunks(hf.config, self.shape, self.sizes, self.place)
-        except ModelError as exc:
+            pieces = rank_pieces(dict(hf.state_dict()), self.shape, self.place)
+        except (ModelError, ConvertError) as exc:
             raise EngineError(str(exc)) from exc
-        self._load_pieces(rank_pieces(dict(hf.state_dict()), self.shape, self.place))
+        self._load_pieces(pieces)
         del hf
         self.chunks: list[Any] = list(self.models)  # DDP-wrapped once trainable
         self.module: torch.nn.Module = torch.nn.ModuleList(self.chunks)
@@ -190,8 +194,20 @@ class MegatronEngine(TrainingEngine):
     # -- passes ----------------------------------------------------------------------------------
 
     def _micro_batches(self, batch: TensorBatch) -> list[Rows]:
+        """This rank's micro-batches as the model takes them. Every dp rank learns whether any
+        got no rows or rows it cannot run before one of them enters the schedule alone."""
         size = self.cfg.micro_batch_size
-        stats = torch.tensor([-len(batch)], dtype=torch.int64)
+        # the interleaved schedule takes one shape for every micro-batch (model.py)
+        mask = batch.tensor("attention_mask")
+        width = int(mask.sum(-1).max()) if self.cfg.vpp > 1 and len(batch) else 0
+        rows: list[Rows] = []
+        problem = ""
+        try:
+            for i in range(0, len(batch), size):
+                rows.append(left_align(batch[i : i + size], width, size if width else 0))
+        except RowError as exc:
+            problem = str(exc)
+        stats = torch.tensor([-len(batch), int(bool(problem))], dtype=torch.int64)
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
@@ -200,15 +216,8 @@ class MegatronEngine(TrainingEngine):
                 f"a data-parallel rank got no rows (dp={self.layout.dp}); give every call at "
                 "least dp rows (TensorBatch.pad_to_divisor pads a batch)"
             )
-        # the interleaved schedule takes one shape for every micro-batch (model.py)
-        width = int(batch.tensor("attention_mask").sum(-1).max()) if self.cfg.vpp > 1 else 0
-        try:
-            rows = [
-                left_align(batch[i : i + size], width, size if width else 0)
-                for i in range(0, len(batch), size)
-            ]
-        except RowError as exc:
-            raise EngineError(str(exc)) from exc
+        if int(stats[1]):
+            raise EngineError(problem or "another data-parallel rank's rows cannot run here")
         if self.cfg.vpp > 1:  # the interleaved schedule runs whole groups of pp micro-batches
             pp = self.place.pp_size
             missing = max(pp - len(rows), -len(rows) % pp)
