@@ -1,8 +1,9 @@
 """A megatron actor generates through reshard, colocated and into a separate rollout group.
 
 One session: the fsdp actor on one rank, two megatron actors at tp 2 x pp 2 on 4 ranks that
-generate at tp 2 and at tp 1 (one pipeline stage: gen_pp 1; 2 and 4 micro-DP replicas), and two
-rollout groups (1 rank, tp 2) fed from the tp 2 x pp 2 actor rank to rank:
+generate at tp 2 (its optimizer state offloaded meanwhile) and at tp 1 (one pipeline stage:
+gen_pp 1; 2 and 4 micro-DP replicas), and two rollout groups (1 rank, tp 2) fed from the
+tp 2 x pp 2 actor rank to rank:
 
 * every rank's generation weights are bitwise its slice of the actor's HF export (q/k/v and
   gate/up unfused from megatron's layout, other stages' layers gathered, the vocabulary-split
@@ -60,7 +61,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rollout = ("tests.fixtures.sync:ProbedRollout", {"model": str(model)})
     placement = [
         group("one", 1, one=(ACTOR, actor)),
-        megatron_group("g2", 2, megatron),
+        megatron_group("g2", 2, {**megatron, "offload_optimizer": True}),
         megatron_group("g1", 1, megatron),
         group("r1", 1, rollout_1=rollout),
         group("rt", 2, tp=2, rollout_tp=rollout),
@@ -136,6 +137,8 @@ def test_greedy_tokens_equal_the_fsdp_actor(results: dict[str, Any], name: str) 
     before = results["one_before"].tensors["log_probs"]
     assert not torch.equal(results["one_trained"].tensors["log_probs"], before)  # it learned
     assert results[f"{name}_before"].meta["reshard_recv_bytes"] > 0
+    offloaded = results[f"{name}_trained"].meta["offloaded_bytes"]
+    assert offloaded > 0 if name == "g2" else offloaded == 0  # g2 offloads its moments
 
 
 @pytest.mark.slow
