@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from controller.demo import demo_placement, train_linear
 from deploy.keys_cli import add_keys_command
@@ -141,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # one clear line for the user, details with -v
         if args.verbose:
             console.print_exception()
-        console.print(f"[red]error:[/] {exc}")
+        # escaped: messages quote paths like gloo's "[/.../pair.cc:553]", which rich would
+        # read as a closing tag and fail on, hiding the error itself
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         sys.exit(1)
 
 

@@ -103,3 +103,25 @@ def test_role_command_options_reach_the_group_it_launches() -> None:
         "zmq",
         "cpu",
     )
+
+
+def test_an_error_quoting_brackets_is_printed_as_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Errors quote paths such as gloo's ``[/.../pair.cc:553]`` (a rank's collective failing
+    mid-run); printed through rich markup unescaped, that raised a MarkupError instead and hid
+    the error. A command that fails that way stands in for the run."""
+    from deploy import cli
+    from deploy.terminal import console
+
+    gloo = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
+
+    def failing_report(args: object) -> int:
+        raise RuntimeError(f"rank 1: {gloo}")
+
+    monkeypatch.setattr(cli, "report_command", failing_report)
+    monkeypatch.setattr(console, "file", sys.stderr)  # the console captured here
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", "anywhere"])
+    assert exit_info.value.code == 1
+    assert f"error: rank 1: {gloo}" in " ".join(capsys.readouterr().err.split())
