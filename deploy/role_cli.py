@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from rich.markup import escape
+
 from controller.placement import GroupSpec, RoleSpec
 from deploy.keys_cli import client_files
 from deploy.local import LocalLauncher
@@ -144,7 +146,7 @@ def run_role(opts: RoleOptions) -> int:
     """Check the address and keys, then be one rank (env) or start the group's ranks here."""
     problem = connect_problem(opts.connect)
     if problem is not None:
-        console.print(f"[red]hybridflow role: --connect {opts.connect}: {problem}[/]")
+        console.print(f"[red]hybridflow role: --connect {escape(f'{opts.connect}: {problem}')}[/]")
         return EXIT_BAD_INPUT
     if opts.token == "-":  # from stdin: kept off command lines (a launcher writes it there)
         opts = replace(opts, token=sys.stdin.readline().strip())
@@ -164,7 +166,9 @@ def _use_client_keys(keys: Path, client: str) -> bool:
     secret, server = client_files(keys, client)
     for path in (secret, server):
         if not path.is_file():
-            console.print(f"[red]hybridflow role: no key file {path} (hybridflow keys)[/]")
+            console.print(
+                f"[red]hybridflow role: no key file {escape(str(path))} (hybridflow keys)[/]"
+            )
             return False
     os.environ["HYBRIDFLOW_CURVE_SECRET"] = str(secret.resolve())
     os.environ["HYBRIDFLOW_CURVE_SERVER_KEY"] = str(server.resolve())
@@ -259,7 +263,7 @@ def _say_failed(name: str, launcher: LocalLauncher, failed: list[tuple[int, int]
     ranks = ", ".join(f"rank {rank} ({code})" for rank, code in failed)
     # rank 0 talks to the controller, so its log holds the reason (e.g. a refusal); only this
     # run's part of the log is read
-    console.print(f"[red]{name}: {ranks} exited: {launcher.last_error(name, 0)}[/]")
+    console.print(f"[red]{name}: {ranks} exited: {escape(launcher.last_error(name, 0))}[/]")
     console.print(f"logs: {launcher.run_dir / 'logs'}")
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.markup import escape
 
 from controller.algorithms import Roles
 from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
@@ -192,13 +193,14 @@ def run_experiment(opts: RunOptions) -> int:
 
 
 def _say_failed(opts: RunOptions, run_dir: Path, exc: Exception) -> None:
-    failed = f"[red]hybridflow {opts.command} failed:[/] {type(exc).__name__}: {exc}"
-    console.print(failed, soft_wrap=True)
+    # the cause is escaped: it quotes paths like gloo's "[/.../pair.cc:553]", markup to rich
+    cause = escape(f"{type(exc).__name__}: {exc}")
+    console.print(f"[red]hybridflow {opts.command} failed:[/] {cause}", soft_wrap=True)
     if checkpoints(run_dir / "checkpoints"):
         resume = f"hybridflow {opts.command} --resume --run-dir {run_dir}"
         if opts.clusters is not None:
             resume += f" --clusters {opts.clusters}"
-        console.print(f"resume from the last checkpoint: {resume}", soft_wrap=True)
+        console.print(f"resume from the last checkpoint: {escape(resume)}", soft_wrap=True)
 
 
 def _load(opts: RunOptions) -> tuple[Experiment, Path, ClusterPlan | None]:

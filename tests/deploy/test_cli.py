@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,17 @@ def test_an_error_quoting_brackets_is_printed_as_is(
         cli.main(["report", "anywhere"])
     assert exit_info.value.code == 1
     assert f"error: rank 1: {gloo}" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_failed_run_prints_its_cause_with_brackets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hybridflow run``'s failure line: the cause is a remote error quoting gloo's source path."""
+    from deploy.run_cli import RunOptions, _say_failed
+    from deploy.terminal import console
+
+    gloo = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
+    monkeypatch.setattr(console, "file", sys.stderr)
+    _say_failed(RunOptions(), tmp_path, RuntimeError(f"rank 1: {gloo}"))
+    printed = " ".join(capsys.readouterr().err.split())
+    assert f"hybridflow run failed: RuntimeError: rank 1: {gloo}" in printed
