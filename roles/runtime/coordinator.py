@@ -234,14 +234,21 @@ class Coordinator:
             while not self.rpc_done.empty():
                 self._collect(*self.rpc_done.get())
         if self.ctrl in ready or self.ctrl_monitor in ready:
-            self._drain_controller()  # a SHUTDOWN arrives before the disconnect
+            # a SHUTDOWN arrives before the disconnect: read everything once the controller left
+            self._drain_controller(defer=self.ctrl_monitor not in ready)
         if self.ctrl_monitor in ready:
             log.warning("lost the controller; shutting the group down")
             self._end(1)
         return stop_fd is not None and stop_fd in ready
 
-    def _drain_controller(self) -> None:
+    def _drain_controller(self, defer: bool = True) -> None:
+        main = threading.current_thread() is threading.main_thread()
         while readable(self.ctrl):
+            if defer and main and self.tasks and not self.held:
+                # rank 0's share of a started call comes first: the workers may be waiting for
+                # it in a collective, and handing them the next call (a blocking send) would
+                # wait for them — the watchdog takes the next call while the main thread computes
+                return
             frames = self.ctrl.recv_multipart(copy=False)
             try:
                 msg = decode(frames, self.reader, 0, self.env.timeouts.max_frame_bytes)

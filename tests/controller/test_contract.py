@@ -58,8 +58,9 @@ from tests.fixtures.clients import (
     GenerationProbedActorClient,
     ProbedActorClient,
     SlowActorClient,
+    SummerClient,
 )
-from tests.fixtures.roles import DeviceProbe, Echo, Faulty
+from tests.fixtures.roles import DeviceProbe, Echo, Faulty, Summer
 from transport.protocol import Transfer
 
 #: client class -> the role classes it speaks to
@@ -80,6 +81,7 @@ CONTRACT: list[tuple[type[RoleClient], type]] = [
     (ProbedActorClient, ProbedActor),
     (GenerationProbedActorClient, GenerationProbedActor),
     (SlowActorClient, SlowActor),
+    (SummerClient, Summer),
 ]
 CLIENT_ONLY = "timeout"  # the per-call timeout: the client's, never sent to the role
 #: protocols whose collect step lists non-batch results by dp rank instead of returning one
