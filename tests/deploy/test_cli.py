@@ -121,7 +121,8 @@ def test_an_error_quoting_brackets_is_printed_as_is(
         raise RuntimeError(f"rank 1: {gloo}")
 
     monkeypatch.setattr(cli, "report_command", failing_report)
-    monkeypatch.setattr(console, "file", sys.stderr)  # the console captured here
+    # the console writes to the captured stderr; restored to None (follow sys.stderr) after
+    monkeypatch.setattr(console, "_file", sys.stderr)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["report", "anywhere"])
     assert exit_info.value.code == 1
@@ -136,7 +137,7 @@ def test_a_failed_run_prints_its_cause_with_brackets(
     from deploy.terminal import console
 
     gloo = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"
-    monkeypatch.setattr(console, "file", sys.stderr)
+    monkeypatch.setattr(console, "_file", sys.stderr)  # restored to None after
     _say_failed(RunOptions(), tmp_path, RuntimeError(f"rank 1: {gloo}"))
     printed = " ".join(capsys.readouterr().err.split())
     assert f"hybridflow run failed: RuntimeError: rank 1: {gloo}" in printed
