@@ -4,7 +4,8 @@ measured and checked against.
 Prompts are left-padded into one batch; the log-probs come from the raw logits ``generate``
 returns (``output_logits``), temperature-scaled — the same definition as everywhere else. One
 seed per call: ``generate`` draws all rows from the global generator, so per-request seeds (which
-the native engine honours) are not available here.
+the native engine honours) are not available here, and a continued sample (``Resume``) is just
+its prompt continued.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import LogitsProcessorList
 from roles.engines.generation.interface import (
     GenerationEngine,
     LogitsProcessor,
+    Resume,
     Sample,
     SamplingConfig,
     check_prompts,
@@ -48,8 +50,9 @@ class HFEngine(GenerationEngine):
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
         request_seeds: Sequence[int] | None = None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Sample]:
-        check_prompts(prompts, sampling, self.context)
+        check_prompts(prompts, sampling, self.context, resume)
         del request_seeds  # generate draws every row from one global generator
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)

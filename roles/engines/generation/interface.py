@@ -8,6 +8,12 @@ An engine turns prompts (token ids) into samples. Whatever the engine, a sample 
   is reported; greedy decoding reports temperature-1 log-probs),
 * why it ended: ``stop`` (a stop token, which is kept as the last response token) or ``length``.
 
+A sample can also be *continued* (partial rollout, ``controller/streaming.py``): its prompt is the
+original prompt plus the response so far, and a ``Resume`` says which of its request's samples it
+is and how many response tokens it already has, so the engine draws the random numbers that sample
+would have drawn next had it run in one call (the native engine; engines that cannot skip ahead in
+a seeded stream use ``resumed_seed``: reproducible, not the one-call tokens).
+
 ``samples_to_batch`` lays samples out as the training engines read them: each row is prompt then
 response, right-padded, with ``attention_mask``, ``response_mask`` and ``log_probs`` aligned with
 ``input_ids`` — so ``compute_log_prob`` on the same batch must give the same numbers.
@@ -69,6 +75,15 @@ class Sample:
     finish: str = ""
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A sample continued from an earlier call: its index among its request's samples and the
+    number of response tokens it already has (the tail of its prompt)."""
+
+    sample: int
+    offset: int
+
+
 class GenerationError(ValueError):
     """Prompts or settings an engine cannot serve, with what to change."""
 
@@ -81,10 +96,12 @@ class GenerationEngine(ABC):
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
         request_seeds: Sequence[int] | None = None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Sample]:
         """``len(prompts) * sampling.n`` samples, request-major (prompt i's samples together).
         ``request_seeds`` (one per prompt) replace the prompt's index in the seed of its
-        samples, so a request samples the same wherever it lands (which dp rank, which batch)."""
+        samples, so a request samples the same wherever it lands (which dp rank, which batch).
+        ``resume`` (one per prompt, with ``n = 1``): each prompt continues a sample."""
 
 
 class ServingEngine(GenerationEngine):
@@ -105,7 +122,12 @@ class ServingEngine(GenerationEngine):
         """Shut the engine down."""
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], sampling: SamplingConfig, context: int) -> None:
+def check_prompts(
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    context: int,
+    resume: Sequence[Resume] | None = None,
+) -> None:
     if not prompts:
         raise GenerationError("no prompts to generate from (an empty prompt list)")
     for i, prompt in enumerate(prompts):
@@ -117,11 +139,37 @@ def check_prompts(prompts: Sequence[Sequence[int]], sampling: SamplingConfig, co
                 f"{sampling.max_new_tokens} it exceeds the model's context of {context}; "
                 "shorten the prompt or lower max_new_tokens"
             )
+    if resume is not None:
+        check_resume(prompts, sampling, resume)
+
+
+def check_resume(
+    prompts: Sequence[Sequence[int]], sampling: SamplingConfig, resume: Sequence[Resume]
+) -> None:
+    if len(resume) != len(prompts):
+        raise GenerationError(f"{len(resume)} resume entries for {len(prompts)} prompts")
+    if sampling.n != 1:
+        raise GenerationError(f"a continued sample is one sample: use n=1 (got n={sampling.n})")
+    for i, (prompt, where) in enumerate(zip(prompts, resume, strict=True)):
+        if where.sample < 0 or not 0 <= where.offset < len(prompt):
+            raise GenerationError(
+                f"prompt {i}: resume at sample {where.sample}, offset {where.offset} does not fit "
+                f"a prompt of {len(prompt)} tokens (0 <= offset < prompt length, sample >= 0)"
+            )
 
 
 def sample_seed(seed: int, request: int, index: int) -> int:
     """One generator seed per (request, sample): reproducible whatever the batch holds."""
     return (seed * 1_000_003 + request) * 1_009 + index
+
+
+def resumed_seed(seed: int, request: int, index: int, resume: Resume | None = None) -> int:
+    """The seed of a sample for engines that seed each sample once (vLLM, SGLang): a continued
+    sample's is its own ``sample_seed`` moved by its offset (a fresh, reproducible stream)."""
+    if resume is None:
+        return sample_seed(seed, request, index)
+    base = sample_seed(seed, request, resume.sample)
+    return base if resume.offset == 0 else (base * 1_000_033 + resume.offset) % 2**63
 
 
 def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> TensorBatch:

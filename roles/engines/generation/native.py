@@ -13,7 +13,8 @@ Where the time goes in generation on a CPU, and what this engine does about it:
 
 Sampling is per sample: each draws its uniforms from its own generator (seeded from the request
 seed, the request index and the sample index), so a sample's tokens do not depend on the batch it
-ran in. The reported log-probs follow ``roles/modeling/logprob.py``. With tensor parallel (the model's
+ran in; a continued sample (``Resume``) picks its stream up where it left off, so a response
+generated in chunks is the one-call response (when the weights stay the same). The reported log-probs follow ``roles/modeling/logprob.py``. With tensor parallel (the model's
 projections split by ``roles/engines/training/fsdp.py``'s plan), each rank runs the same loop on its heads;
 the row-parallel projections all-reduce, so every rank samples the same tokens.
 """
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from roles.engines.generation.interface import (
     GenerationEngine,
     LogitsProcessor,
+    Resume,
     Sample,
     SamplingConfig,
     check_prompts,
@@ -58,8 +60,9 @@ class NativeEngine(GenerationEngine):
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
         request_seeds: Sequence[int] | None = None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Sample]:
-        check_prompts(prompts, sampling, self.context)
+        check_prompts(prompts, sampling, self.context, resume)
         self._fuse()
         samples = [
             Sample(request=i, prompt=list(p))
@@ -68,16 +71,7 @@ class NativeEngine(GenerationEngine):
         ]
         uniforms = torch.stack(
             [
-                torch.rand(
-                    sampling.max_new_tokens,
-                    generator=torch.Generator().manual_seed(
-                        sample_seed(
-                            sampling.seed,
-                            request_seeds[s.request] if request_seeds else s.request,
-                            j % sampling.n,
-                        )
-                    ),
-                )
+                self._uniforms(sampling, request_seeds, s.request, j % sampling.n, resume)
                 for j, s in enumerate(samples)
             ]
         )
@@ -107,6 +101,24 @@ class NativeEngine(GenerationEngine):
         for s in samples:
             s.finish = s.finish or "length"
         return samples
+
+    @staticmethod
+    def _uniforms(
+        sampling: SamplingConfig,
+        request_seeds: Sequence[int] | None,
+        request: int,
+        index: int,
+        resume: Sequence[Resume] | None,
+    ) -> torch.Tensor:
+        """The uniforms sample ``index`` of ``request`` draws its tokens with, one per step. A
+        continued sample skips the ones its first ``offset`` tokens used: ``torch.rand`` draws a
+        generator's stream in order, so it then samples as it would have in one call."""
+        where = resume[request] if resume is not None else Resume(index, 0)
+        seed = sample_seed(
+            sampling.seed, request_seeds[request] if request_seeds else request, where.sample
+        )
+        stream = torch.Generator().manual_seed(seed)
+        return torch.rand(where.offset + sampling.max_new_tokens, generator=stream)[where.offset :]
 
     # -- the model, step by step ---------------------------------------------------------------
 

@@ -6,13 +6,26 @@ data sources), and sampling settings. A ``seed`` column gives each request its o
 samples the same on whichever dp rank it lands. It returns one row per sample in the training layout
 (``roles/engines/generation/interface.py``), the request's other columns repeated for each of its samples,
 the decoded ``response`` text, and the weight version in ``meta``.
+
+A ``continuation`` column (``[sample, offset]`` per row, with ``prompt_ids`` and ``n = 1``) makes
+each row continue a sample of an earlier call (partial rollout, ``controller/streaming.py``):
+``prompt_ids`` is the original prompt plus the ``offset`` response tokens generated so far,
+``sample`` the sample's index among its request's samples, ``seed`` its request's seed as before.
+The reply's rows hold only the tokens this call generated (its ``response_mask``, ``log_probs``),
+but ``response`` decodes the whole response so far; ``prompt_ids`` is not echoed back.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from roles.engines.generation.interface import GenerationEngine, SamplingConfig, samples_to_batch
+from roles.engines.generation.interface import (
+    GenerationEngine,
+    GenerationError,
+    Resume,
+    SamplingConfig,
+    samples_to_batch,
+)
 from transport.batch import BatchError, TensorBatch
 
 EngineName = Literal["native", "hf", "vllm", "sglang"]
@@ -52,18 +65,44 @@ def serve(
 ) -> TensorBatch:
     settings = SamplingConfig.model_validate(sampling)
     seeds = batch.non_tensors.get("seed")
+    resume = continuations(batch)
     samples = engine.generate(
         prompt_ids(batch, tokenizer),
         settings,
         request_seeds=[int(x) for x in seeds] if seeds else None,
+        resume=resume,
     )
     out = samples_to_batch(samples, tokenizer.pad_token_id)
     requests = [s.request for s in samples]
-    for name, column in batch.non_tensors.items():
-        if name not in out.non_tensors:
-            out.non_tensors[name] = [column[r] for r in requests]
+    echoed = [n for n in batch.non_tensors if n not in out.non_tensors]
+    for name in echoed if resume is None else [n for n in echoed if n != "prompt_ids"]:
+        out.non_tensors[name] = [batch.non_tensors[name][r] for r in requests]
     out.non_tensors["response"] = [
-        tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples
+        tokenizer.decode(_so_far(s.prompt, s.tokens, resume, s.request), skip_special_tokens=True)
+        for s in samples
     ]
     out.meta["weight_version"] = version
     return out
+
+
+def continuations(batch: TensorBatch) -> list[Resume] | None:
+    """The ``continuation`` column as ``Resume`` entries (None without one)."""
+    if "continuation" not in batch.non_tensors:
+        return None
+    if "prompt_ids" not in batch.non_tensors:
+        raise BatchError("a 'continuation' column continues the token ids of a 'prompt_ids' column")
+    found = []
+    for i, entry in enumerate(batch.non_tensor("continuation")):
+        if not isinstance(entry, list | tuple) or len(entry) != 2:
+            raise GenerationError(f"continuation row {i} is {entry!r}, not [sample, offset]")
+        found.append(Resume(sample=int(entry[0]), offset=int(entry[1])))
+    return found
+
+
+def _so_far(
+    prompt: list[int], tokens: list[int], resume: list[Resume] | None, row: int
+) -> list[int]:
+    """The response so far: a continued sample's earlier tokens (its prompt's tail), then these."""
+    if resume is None or resume[row].offset == 0:
+        return tokens
+    return prompt[len(prompt) - resume[row].offset :] + tokens

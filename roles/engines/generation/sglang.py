@@ -38,11 +38,12 @@ import torch
 from roles.engines.generation.interface import (
     GenerationError,
     LogitsProcessor,
+    Resume,
     Sample,
     SamplingConfig,
     ServingEngine,
     check_prompts,
-    sample_seed,
+    resumed_seed,
 )
 
 EXTRA = "pip install 'sglang==0.5.23' (a CUDA machine)"
@@ -97,8 +98,9 @@ class SGLangEngine(ServingEngine):
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
         request_seeds: Sequence[int] | None = None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Sample]:
-        check_prompts(prompts, sampling, self.context)
+        check_prompts(prompts, sampling, self.context, resume)
         if processor is not None:
             raise GenerationError("engine 'sglang' takes no hybridflow logits processor")
         self._resume()
@@ -109,7 +111,8 @@ class SGLangEngine(ServingEngine):
             for j in range(sampling.n):
                 samples.append(Sample(request=i, prompt=list(prompt)))
                 ids.append(list(prompt))
-                params.append(self._params(sampling, stops, sample_seed(sampling.seed, seed_of, j)))
+                seed = resumed_seed(sampling.seed, seed_of, j, resume[i] if resume else None)
+                params.append(self._params(sampling, stops, seed))
         outputs = self.engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
         for sample, out in zip(samples, outputs, strict=True):
             _fill(sample, out)

@@ -57,11 +57,12 @@ import torch.distributed as dist
 from roles.engines.generation.interface import (
     GenerationError,
     LogitsProcessor,
+    Resume,
     Sample,
     SamplingConfig,
     ServingEngine,
     check_prompts,
-    sample_seed,
+    resumed_seed,
 )
 
 EXTRA = "pip install -e '.[vllm]'"
@@ -279,8 +280,9 @@ class VLLMEngine(ServingEngine):
         sampling: SamplingConfig,
         processor: LogitsProcessor | None = None,
         request_seeds: Sequence[int] | None = None,
+        resume: Sequence[Resume] | None = None,
     ) -> list[Sample]:
-        check_prompts(prompts, sampling, self.context)
+        check_prompts(prompts, sampling, self.context, resume)
         if self._weights_released:
             raise GenerationError("the vLLM engine's weights were released; load_weights first")
         self.resume()
@@ -295,7 +297,10 @@ class VLLMEngine(ServingEngine):
                 requests.append(self._prompt(prompt_token_ids=list(prompt)))
                 params.append(
                     self._params(
-                        sampling, stops, sample_seed(sampling.seed, seed_of, j), len(params)
+                        sampling,
+                        stops,
+                        resumed_seed(sampling.seed, seed_of, j, resume[i] if resume else None),
+                        len(params),
                     )
                 )
         bridge = self._bridge
