@@ -100,6 +100,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 out[f"chunked_{name}"] = await generate_partial(
                     rollout, prompts(), settings, chunks
                 )
+            out["actor_one"] = await actor.generate(prompts(), sampling=sampling)
+            out["actor_chunked"] = await generate_partial(actor, prompts(), sampling, chunks)
             out["one_scores"] = await scores(roles.reward, out["one_seeded"])
             out["streamed"] = await stream(roles, prompts(), sampling, sub_batches=3)
             out["streamed_partial"] = await stream(
@@ -182,6 +184,11 @@ def test_chunked_generation_without_an_update_is_the_one_call_batch(
     if name == "seeded":  # some samples stopped inside a chunk, some ran to the budget
         lengths = set(mask.sum(-1).tolist())
         assert 12 in lengths and lengths - {4, 8, 12}, lengths
+
+
+def test_the_colocated_actor_generates_in_chunks_too(results: dict[str, Any]) -> None:
+    assert_same_samples(results["actor_chunked"], results["actor_one"])
+    assert_same_samples(results["actor_one"], results["one_seeded"])  # same weights, same seeds
 
 
 def test_streamed_batch_is_the_one_call_batch_with_its_scores(results: dict[str, Any]) -> None:
