@@ -56,7 +56,9 @@ if TYPE_CHECKING:
 TOKENS = ("input_ids", "attention_mask", "response_mask")
 NO_VERSION = -1  # token_versions outside responses
 Generator = ActorClient | RolloutClient
-#: ``on_chunk(index, reply)``: awaited after generation call ``index`` returned, before the next
+#: ``on_chunk(index, reply)``: awaited after generation call ``index`` returned, before the next.
+#: Under ``on_update: finish`` it runs while the batch holds the gate: it may start a push as a
+#: task (which then waits for the batch) but must not await one.
 OnChunk = Callable[[int, TensorBatch], Awaitable[None]]
 
 
