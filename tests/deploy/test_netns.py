@@ -162,6 +162,7 @@ def ssh_to_c(three_hosts: tuple[str, str, str], tmp_path: Path) -> Iterator[list
         yield login
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_hosts_from_a_cluster_spec_with_strangers_refused(

@@ -82,6 +82,7 @@ def test_each_seed_varies_the_initial_weights_and_the_trainer_seed(tmp_path: Pat
     assert "--quick" in argv and "--json" in argv and argv[-2:] == ["--run-dir", str(tmp_path)]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_runner_runs_three_quick_seeds_and_reports_their_spread(

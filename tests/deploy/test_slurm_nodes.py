@@ -133,6 +133,7 @@ def two_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_over_two_slurm_nodes(

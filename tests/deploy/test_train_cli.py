@@ -68,6 +68,7 @@ def test_sft_on_two_ranks_lowers_held_out_loss_and_exports(tiny: Path, tmp_path:
     )
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reward_model_on_two_ranks_ranks_chosen_over_rejected_on_80_percent_of_held_out_pairs(

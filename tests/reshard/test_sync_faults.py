@@ -64,7 +64,7 @@ def killed_mid_sync(model: str, path: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("path", ["shm", "group", "zmq"])
+@pytest.mark.parametrize("path", ["shm", pytest.param("group", marks=pytest.mark.extended), "zmq"])
 def test_a_sender_killed_mid_sync_fails_fast_and_the_old_weights_stay(
     model: str, path: str
 ) -> None:

@@ -30,7 +30,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.extended)])
 def test_kill_9_of_a_pipeline_rank_mid_step_raises_role_dead_within_5s(
     tiny: Path, victim: int
 ) -> None:

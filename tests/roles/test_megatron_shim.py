@@ -41,6 +41,7 @@ def test_the_engine_runs_with_the_whole_shim(model: Path, tmp_path: Path) -> Non
     assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-12)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("removed", REMOVABLE)
 def test_each_part_of_the_shim_is_needed(model: Path, tmp_path: Path, removed: str) -> None:

@@ -180,6 +180,7 @@ def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int, fanou
     assert not any(pid_alive(p) for p in pids)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_long_compute_over_tcp_with_short_heartbeats_is_not_a_death() -> None:
     timeouts = TEST_TIMEOUTS.model_copy(update={"heartbeat_s": 0.5, "heartbeat_timeout_s": 2.0})

@@ -409,7 +409,10 @@ RUNS = {
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", list(RUNS))
+@pytest.mark.parametrize(
+    "where",
+    [pytest.param(w, marks=[pytest.mark.extended] if w == "actor-tp2" else []) for w in RUNS],
+)
 def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_path: Path) -> None:
     """The quickstart's quick run (SFT, then GRPO) with vLLM as a rollout group of its own, or
     colocated in the actor (at tp 1 and tp 2); in fp32 its log-probs are the trainer's within
@@ -431,6 +434,7 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
     assert all(r["train/rollout/logprob_gap_mean"] < LOGPROB_BOUND_MEAN for r in rl)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_resume_with_vllm_reproduces_the_straight_run(needs_vllm: None, tmp_path: Path) -> None:
     """Stopped after step 3 (mid-GRPO) and resumed, with vLLM colocated in the actor: the same
