@@ -162,10 +162,10 @@ class Actor(Reference):
         """One optimizer step of the clipped surrogate on the whole batch. Needs ``input_ids``,
         ``attention_mask``, ``response_mask``, ``old_log_probs``, ``advantages`` (and
         ``ref_log_probs`` when ``loss.kl_coef`` > 0, ``rollout_log_probs``, the generator's,
-        when ``loss.tis_cap`` is set)."""
+        when ``loss.tis_cap`` or ``loss.decoupled`` is set)."""
         cfg = PolicyLossConfig.model_validate(loss or {})
         needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.kl_coef else [])
-        needed += ["rollout_log_probs"] if cfg.tis_cap is not None else []
+        needed += ["rollout_log_probs"] if cfg.behaviour_cap is not None else []
         batch.require_tensors(*TOKENS, *needed)
 
         def loss_fn(

@@ -13,6 +13,7 @@ tokens that count (response tokens, not prompt or padding).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -170,6 +171,12 @@ class PolicyLossConfig(BaseModel):
         "min(pi_old / pi_rollout, tis_cap), pi_rollout being the generator's own log-probs "
         "(rollout_log_probs), as verl and slime do for vLLM rollouts; null: off",
     )
+    decoupled: bool = Field(
+        False,
+        description="AReaL's decoupled PPO: clip pi / pi_prox (pi_prox = the recomputed pi_old) "
+        "and weight each token by the behaviour weight pi_prox / pi_behav (pi_behav = the "
+        "generator's log-probs), capped at tis_cap when that is set, uncapped otherwise",
+    )
 
     @field_validator("clip_ratio_low", "clip_ratio_high", "kl_coef")
     @classmethod
@@ -188,6 +195,23 @@ class PolicyLossConfig(BaseModel):
     @property
     def clip_high(self) -> float:
         return self.clip_ratio_low if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @property
+    def behaviour_cap(self) -> float | None:
+        """Cap of the per-token behaviour weight pi_old / pi_rollout; None: no weight at all.
+
+        Truncated IS (``tis_cap``) and decoupled PPO (``decoupled``) are one formula: with
+        r = pi / pi_prox and w = pi_prox / pi_behav (no gradient),
+
+            loss_t = w_t * max(-A_t * r_t, -A_t * clip(r_t, 1 - eps_low, 1 + eps_high))
+
+        where pi_prox is the trainer's recomputed pi_old. Decoupled PPO (Fu et al. 2025, AReaL)
+        is that objective with w uncapped (cap = inf) unless ``tis_cap`` bounds it; TIS is it
+        with w capped. So ``decoupled`` only names the uncapped case, on the same code path.
+        """
+        if self.tis_cap is not None:
+            return self.tis_cap
+        return math.inf if self.decoupled else None
 
 
 class ValueLossConfig(BaseModel):
@@ -217,13 +241,16 @@ def policy_loss(
     rollout_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(this micro-batch's loss share, metrics): agg(pg) - entropy_coef*agg(H) + kl_coef*agg(KL),
-    with pg weighted per token by the truncated importance ratio when ``cfg.tis_cap`` is set.
+    with pg weighted per token by the behaviour weight min(pi_old / pi_rollout, cap) when
+    ``cfg.tis_cap`` or ``cfg.decoupled`` is set (``PolicyLossConfig.behaviour_cap``).
 
     Loss terms use cfg.agg; the diagnostic fractions and ppo_kl are per-token means.
     """
-    if cfg.tis_cap is not None and rollout_logp is None:
+    cap = cfg.behaviour_cap
+    if cap is not None and rollout_logp is None:
         raise ValueError(
-            f"tis_cap={cfg.tis_cap} needs rollout_logp (rollout_log_probs); pass it or set null"
+            f"tis_cap={cfg.tis_cap}, decoupled={cfg.decoupled} need rollout_logp "
+            "(rollout_log_probs); pass it or turn them off"
         )
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} needs entropy; pass it or set 0")
@@ -237,11 +264,11 @@ def policy_loss(
         logp, old_logp, advantages, cfg.clip_ratio_low, cfg.clip_high, cfg.dual_clip
     )
     per_token, extra = terms.loss, {}
-    if cfg.tis_cap is not None and rollout_logp is not None:
-        weight = truncated_is_weight(old_logp, rollout_logp, cfg.tis_cap)
+    if cap is not None and rollout_logp is not None:
+        weight = truncated_is_weight(old_logp, rollout_logp, cap)
         per_token = per_token * weight
         extra = {"tis_weight": agg(weight, "token-mean")}
-        extra["tis_capped_frac"] = agg((weight >= cfg.tis_cap).float(), "token-mean")
+        extra["tis_capped_frac"] = agg((weight >= cap).float(), "token-mean")
     loss = agg(per_token)
     metrics = {
         "pg_loss": loss.detach(),

@@ -246,6 +246,40 @@ def test_truncated_importance_sampling_weights_each_token() -> None:
         policy_loss(**_policy_batch(), cfg=cfg, tokens=3.0, seqs=2.0)
 
 
+def test_decoupled_ppo_on_a_two_by_three_batch_by_hand() -> None:
+    """Decoupled PPO (AReaL): clip r = pi / pi_prox, weight by w = pi_prox / pi_behav, here
+    uncapped; with tis_cap the same formula caps w (TIS is decoupled PPO with a finite cap)."""
+    log = math.log
+    prox = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    # r = 1, 1.5, 0.5 / 1.1, 0.9, 1 (masked)
+    logp = prox + torch.tensor([[0.0, log(1.5), log(0.5)], [log(1.1), log(0.9), 0.0]])
+    logp.requires_grad_(True)
+    # w = 2, 0.5, 4 / 1, 3, 7 (masked)
+    behav = prox - torch.tensor([[log(2.0), log(0.5), log(4.0)], [0.0, log(3.0), log(7.0)]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0], [-2.0, 2.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    cfg = PolicyLossConfig(decoupled=True, dual_clip=None)
+    assert cfg.behaviour_cap == math.inf
+    args = (logp, prox, advantages, mask)
+    loss, metrics = policy_loss(*args, cfg=cfg, tokens=5.0, seqs=2.0, rollout_logp=behav)
+    # per token max(-A r, -A clip(r, 0.8, 1.2)) * w:
+    #   -1 * 2, -1.2 * 0.5 (clipped), 0.8 * 4 (clipped) / 2.2 * 1, -1.8 * 3 -> sum -2.6 over 5
+    assert loss.item() == pytest.approx(-0.52)
+    assert metrics["tis_weight"].item() == pytest.approx(2.1)  # (2 + 0.5 + 4 + 1 + 3) / 5
+    assert metrics["tis_capped_frac"].item() == 0.0
+    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)
+    loss.backward()  # -A r w where the unclipped term is taken, 0 where clipped
+    expected = torch.tensor([[-2.0, 0.0, 0.0], [2.2, -5.4, 0.0]]) / 5
+    assert torch.allclose(logp.grad, expected)  # type: ignore[arg-type]
+    capped = PolicyLossConfig(decoupled=True, dual_clip=None, tis_cap=3.0)
+    loss, metrics = policy_loss(*args, cfg=capped, tokens=5.0, seqs=2.0, rollout_logp=behav)
+    assert loss.item() == pytest.approx(-0.68)  # 0.8 * 4 becomes 0.8 * 3
+    assert metrics["tis_capped_frac"].item() == pytest.approx(2 / 5)  # w = 4 -> 3, and w = 3
+    with pytest.raises(ValueError, match="decoupled=True need rollout_logp"):
+        policy_loss(*args, cfg=cfg, tokens=5.0, seqs=2.0)
+    assert PolicyLossConfig().behaviour_cap is None
+
+
 @pytest.mark.parametrize(
     ("model", "kwargs", "field"),
     [
