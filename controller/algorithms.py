@@ -18,6 +18,7 @@ same program runs under any placement.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -125,12 +126,35 @@ class AlgorithmConfig(BaseModel):
         description="rollout: take pi_old from the generator's own log-probs (saves a forward "
         "pass; exact for fp32 on-policy, the behaviour policy when off-policy)",
     )
+    max_staleness: int = Field(
+        0,
+        description="k: batches for steps n+1..n+k are generated while step n trains, on "
+        "weights at most k RL steps old; 0: on-policy (generate, train, sync). Overlaps only "
+        "with a rollout group apart from the actor; the colocated actor alternates on its ranks "
+        "(same samples, no overlap)",
+    )
     overlap: bool = Field(
         False,
-        description="generate the next batch while training on this one (needs a rollout "
-        "group apart from the actor; one step off-policy)",
+        description="alias of max_staleness: 1 (generate the next batch while training on this "
+        "one); refused together with another max_staleness",
     )
     safe: SafeConfig | None = None
+
+    @model_validator(mode="after")
+    def _staleness(self) -> AlgorithmConfig:
+        if self.max_staleness < 0:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} must be >= 0 (0: on-policy; k: batches "
+                "generated on weights up to k RL steps old)"
+            )
+        if self.overlap:
+            if self.max_staleness not in (0, 1):
+                raise ValueError(
+                    f"overlap: true means max_staleness: 1, but max_staleness={self.max_staleness}"
+                    " is set too; drop overlap and keep max_staleness"
+                )
+            self.max_staleness = 1
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmConfig:
@@ -147,12 +171,18 @@ class AlgorithmConfig(BaseModel):
             )
         if self.kl.target is not None and self.kl.mode == "loss":
             raise ValueError("kl.target (the adaptive controller) only applies to kl.mode: reward")
-        if self.loss.get("tis_cap") is not None and self.old_log_probs == "rollout":
+        if self.behaviour_weighted and self.old_log_probs == "rollout":
             raise ValueError(
-                "loss.tis_cap reweights the recomputed pi_old toward the generator's log-probs; "
-                "with old_log_probs: rollout they are the same (use old_log_probs: recompute)"
+                "loss.tis_cap / loss.decoupled reweight the recomputed pi_old toward the "
+                "generator's log-probs; with old_log_probs: rollout they are the same (use "
+                "old_log_probs: recompute)"
             )
         return self
+
+    @property
+    def behaviour_weighted(self) -> bool:
+        """The loss weights tokens by pi_old / pi_behav (``tis_cap`` or ``decoupled``)."""
+        return self.loss.get("tis_cap") is not None or bool(self.loss.get("decoupled"))
 
     @property
     def rows(self) -> int:
@@ -243,6 +273,11 @@ class State:
     version: int = 0  # optimizer steps of the actor the generator's weights reflect
     lagrange: float = 0.0  # Safe-RLHF's lambda
     timings: dict[str, float] = field(default_factory=dict)
+    # stage -> (first start, last end), perf_counter seconds: the step's timeline
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def timer(self) -> Timer:
+        return Timer(self.timings, self.spans)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl": self.kl.state_dict(), "version": self.version, "lagrange": self.lagrange}
@@ -254,24 +289,33 @@ class State:
 
 
 class Timer:
-    """Wall time of each stage of a step: ``async with timer("gen"): ...``."""
+    """Wall time of each stage of a step: ``async with timer("gen"): ...``; with ``spans``,
+    also when each stage first started and last ended (the step's timeline)."""
 
-    def __init__(self, into: dict[str, float]) -> None:
-        self.into = into
+    def __init__(
+        self, into: dict[str, float], spans: dict[str, tuple[float, float]] | None = None
+    ) -> None:
+        self.into, self.spans = into, spans
 
     def __call__(self, name: str) -> _Span:
-        return _Span(self.into, name)
+        return _Span(self.into, name, self.spans)
 
 
 class _Span:
-    def __init__(self, into: dict[str, float], name: str) -> None:
-        self.into, self.name = into, name
+    def __init__(
+        self, into: dict[str, float], name: str, spans: dict[str, tuple[float, float]] | None
+    ) -> None:
+        self.into, self.name, self.spans = into, name, spans
 
     async def __aenter__(self) -> None:
         self.start = time.perf_counter()
 
     async def __aexit__(self, *exc: object) -> None:
-        self.into[self.name] = self.into.get(self.name, 0.0) + time.perf_counter() - self.start
+        end = time.perf_counter()
+        self.into[self.name] = self.into.get(self.name, 0.0) + end - self.start
+        if self.spans is not None:
+            first = self.spans.get(self.name, (self.start, end))[0]
+            self.spans[self.name] = (first, end)
 
 
 def need(client: C | None, name: str) -> C:
@@ -351,7 +395,7 @@ async def learn(
     actor_columns = [*TOKENS, "old_log_probs", "advantages"]
     if cfg.kl.mode == "loss" and cfg.kl.coef:
         actor_columns.append("ref_log_probs")
-    if cfg.loss.get("tis_cap") is not None:  # the behaviour policy: the generator's log-probs
+    if cfg.behaviour_weighted:  # the behaviour policy: the generator's log-probs
         batch = with_columns(batch, rollout_log_probs=batch.tensors["log_probs"])
         actor_columns.append("rollout_log_probs")
     sums: dict[str, float] = {}
@@ -382,7 +426,26 @@ async def learn(
                 for key, value in result.items():
                     sums[f"{name}/{key}"] = sums.get(f"{name}/{key}", 0.0) + float(value)
             updates += 1
-    return {k: v / updates for k, v in sums.items()}
+    found = {k: v / updates for k, v in sums.items()}
+    cap = cfg.loss.get("tis_cap")
+    if cfg.behaviour_weighted:
+        found.update(behaviour_weights(batch, math.inf if cap is None else float(cap)))
+    return found
+
+
+def behaviour_weights(batch: TensorBatch, cap: float) -> dict[str, float]:
+    """Stats of the per-token weight min(pi_old / pi_behav, cap) the loss applies (TIS,
+    decoupled PPO): mean, max (before the cap) and the fraction of tokens capped."""
+    mask = batch.tensors["response_mask"].bool()
+    log_ratio = batch.tensors["old_log_probs"] - batch.tensors["log_probs"]
+    weight = log_ratio[mask].clamp(max=20.0).exp()
+    if weight.numel() == 0:
+        return {}
+    return {
+        "is/weight_mean": float(weight.clamp(max=cap).mean()),
+        "is/weight_max": float(weight.max()),
+        "is/capped_frac": float((weight >= cap).float().mean()),
+    }
 
 
 def summarize(
@@ -436,7 +499,7 @@ async def ppo_step(
     roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
 ) -> dict[str, Any]:
     """PPO with a critic and GAE: the paper's Figure 4 program. ``batch``: the generated samples."""
-    t = Timer(state.timings)
+    t = state.timer()
     mask = batch.tensors["response_mask"]
     async with t("prepare"):  # the four calls overlap when the roles live in different groups
         old, ref, value, (score, extras) = await asyncio.gather(
@@ -469,7 +532,7 @@ async def remax_step(
     roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
 ) -> dict[str, Any]:
     """ReMax: PPO's program without a critic; the greedy response's reward is the baseline."""
-    t = Timer(state.timings)
+    t = state.timer()
     mask = batch.tensors["response_mask"]
     async with t("gen"):  # the one extra call ReMax makes
         prompts = first_of_each(batch)
@@ -495,7 +558,7 @@ async def safe_rlhf_step(
 ) -> dict[str, Any]:
     """Safe-RLHF: PPO for reward and for cost, advantages mixed by the Lagrange multiplier."""
     assert cfg.safe is not None
-    t = Timer(state.timings)
+    t = state.timer()
     mask = batch.tensors["response_mask"]
     async with t("prepare"):
         old, ref, value, cost_value, (score, extras), (cost, _) = await asyncio.gather(
@@ -545,7 +608,7 @@ async def group_step(
 ) -> dict[str, Any]:
     """Critic-free: GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline differ only in the
     estimator over the n samples of each prompt (or the whole batch)."""
-    t = Timer(state.timings)
+    t = state.timer()
     mask = batch.tensors["response_mask"]
     async with t("prepare"):
         old, ref, (score, extras) = await asyncio.gather(

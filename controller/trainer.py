@@ -24,15 +24,22 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, Timer, generate, scores
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, generate, scores
 from controller.clients import EngineClient
+from controller.rollouts import (
+    check_staleness,
+    load_pending,
+    save_pending,
+    staleness_metrics,
+    stamp,
+)
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
@@ -209,6 +216,11 @@ class Trainer:
         self.validations: list[dict[str, Any]] = []
         self.stale = False  # the rollout group's weights lag the actor's
         self.synced = 0  # the weight version last synced to the rollout group
+        self.synced_step = 0  # the global step whose weights the rollout group holds
+        self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch generated ahead
+        self.restored: dict[int, TensorBatch] = {}  # pending batches read from a checkpoint
+        self.gen_spans: dict[int, tuple[float, float]] = {}  # step -> its batch's generation
+        self.t0 = time.perf_counter()
         self.weights = WeightSync(roles.actor, cfg.weight_sync)
         self.saved_step = -1
         self.precision: dict[str, dict[str, str]] = {}
@@ -326,45 +338,50 @@ class Trainer:
         cfg, rows = stage.algorithm, self.data[stage.data]
         seed = self.cfg.seed + 7919 * index
         program = STEPS[cfg.name]
-        pending: asyncio.Task[TensorBatch] | None = None
+        lag = cfg.max_staleness
+        restored, self.restored = self.restored, {}
+        self.ahead = {m: _done(batch) for m, batch in restored.items()}
 
-        async def rollout(k: int) -> TensorBatch:
-            prompts = self._prompts(rows, cfg.prompts_per_step, seed, k, stage.shuffle)
-            await self._sync()
-            seeded = request_seed(seed, k, -1)
-            return await generate(self.roles, prompts, cfg, seeded, min_version=self.synced)
+        async def rollout(m: int, sync: bool = True) -> TensorBatch:
+            """Batch m on the generator's weights now (``generate`` is the one call site)."""
+            prompts = self._prompts(rows, cfg.prompts_per_step, seed, m, stage.shuffle)
+            if sync:
+                await self._sync()
+            version = self.synced_step if self.roles.rollout is not None else self.global_step
+            seeded = request_seed(seed, m, -1)
+            began = time.perf_counter()
+            batch = await generate(self.roles, prompts, cfg, seeded, min_version=self.synced)
+            self.gen_spans[m] = (began, time.perf_counter())
+            return stamp(batch, version)
 
         try:
             for k in range(first, stage.steps):
-                self.state.timings = {}
-                timer = Timer(self.state.timings)
+                self.state.timings, self.state.spans = {}, {}
+                timer = self.state.timer()
                 start = time.perf_counter()
                 async with timer("gen"):
-                    batch = await (pending if pending is not None else rollout(k))
-                pending = None
-                if cfg.overlap and k + 1 < stage.steps:
-                    await self._sync()
-                    pending = asyncio.create_task(rollout(k + 1))
-                # How many updates the weights that sampled this batch lag the learner's.
-                behind = self.state.version - int(batch.meta.get("weight_version", 0))
-                staleness = behind if self.roles.rollout is not None else 0
+                    if lag:  # batches k..k+lag out (or done), each on the weights at its launch
+                        await self._launch(rollout, range(k, min(k + lag + 1, stage.steps)))
+                    batch = await (self.ahead.pop(k) if k in self.ahead else rollout(k))
+                behind = check_staleness(batch, self.global_step, lag, k)
                 metrics = await program(self.roles, batch, cfg, self.state, k)
                 updates = cfg.ppo_epochs * cfg.mini_batches
                 self.state.version += updates
                 self.stale = True
                 if cfg.safe is not None and cfg.safe.ptx_coef and stage.ptx_data:
                     await self._ptx(stage, seed, k)
-                if not cfg.overlap:
+                if not lag:
                     async with timer("sync"):
                         await self._sync()
                 self.global_step += 1
                 record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
                 elapsed = time.perf_counter() - start
                 record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
+                record.update(self._timeline(start, self.gen_spans.pop(k, None)))
                 record["time/step_s"] = elapsed
                 record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
                 record["train/weight_version"] = self.state.version
-                record["train/staleness"] = staleness
+                record.update(staleness_metrics(behind, lag))
                 if "reshard_s" in batch.meta:  # the actor generated at its gen_tp (reshard/)
                     record["time/reshard_s"] = float(batch.meta["reshard_s"])
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
@@ -372,8 +389,42 @@ class Trainer:
                 self._emit(record)
                 await self._maybe_save(index, stage, k)
         finally:
-            if pending is not None:
-                pending.cancel()
+            for task in self.ahead.values():
+                task.cancel()
+            self.ahead = {}
+
+    async def _launch(
+        self, rollout: Callable[..., Awaitable[TensorBatch]], steps: Sequence[int]
+    ) -> None:
+        """Start generating the batches of ``steps`` not yet out. On a rollout group they run in
+        the background after one sync (which first waits for the group's batches in flight); the
+        colocated actor generates them here, one after another, on the weights it has now."""
+        missing = [m for m in steps if m not in self.ahead]
+        if not missing:
+            return
+        if self.roles.rollout is None:
+            for m in missing:
+                self.ahead[m] = _done(await rollout(m, sync=False))
+            return
+        async with self.state.timer()("sync"):
+            await self._sync()
+        for m in missing:
+            self.ahead[m] = asyncio.ensure_future(rollout(m, sync=False))
+
+    def _timeline(self, start: float, gen: tuple[float, float] | None) -> dict[str, float]:
+        """Flat ``timeline/<stage>@<role>_start_s`` / ``_end_s`` offsets from the step's start
+        (a batch generated ahead starts and ends before 0), and the step's start in the run."""
+        where = {"prepare": "actor", "update": "actor", "sync": "actor"}
+        found = {"timeline/step_start_s": start - self.t0}
+        spans = dict(self.state.spans)
+        if gen is not None:
+            spans["generate"] = gen
+            where["generate"] = "rollout" if self.roles.rollout is not None else "actor"
+        for name, (begin, end) in spans.items():
+            if name in where:
+                found[f"timeline/{name}@{where[name]}_start_s"] = begin - start
+                found[f"timeline/{name}@{where[name]}_end_s"] = end - start
+        return found
 
     async def _ptx(self, stage: RLStage, seed: int, k: int) -> None:
         assert stage.ptx_data and stage.algorithm.safe is not None
@@ -410,12 +461,22 @@ class Trainer:
         return {"step": self.global_step, "stage": stage.name, "stage_step": k + 1, **values}
 
     async def _sync(self) -> None:
-        """Weights to a separate rollout group when the actor has trained since the last sync."""
+        """Weights to a separate rollout group when the actor has trained since the last sync,
+        after the batches it is still generating (they were promised the older weights)."""
         if self.roles.rollout is None or not self.stale:
             return
+        await self._drain()
         await self.weights.push(self.roles.rollout, self.state.version)
         self.synced = self.state.version
+        self.synced_step = self.global_step
         self.stale = False
+
+    async def _drain(self) -> dict[int, TensorBatch]:
+        """Wait for every batch generated ahead; step -> batch."""
+        found = {}
+        for m, task in sorted(self.ahead.items()):
+            found[m] = await task
+        return found
 
     # -- validation -----------------------------------------------------------------------------
 
@@ -490,6 +551,9 @@ class Trainer:
             "stale": self.stale,
             "validations": self.validations,
         }
+        pending = await self._drain()
+        if pending:  # generated ahead (max_staleness): the resumed run trains on these
+            save_pending(aside / "pending", stage, pending)
         (aside / "controller.json").write_text(json.dumps(state, indent=1))
         if final.exists():
             shutil.rmtree(final)
@@ -516,10 +580,22 @@ class Trainer:
         self.state.load_state_dict(saved["algorithm"])
         self.validations = list(saved["validations"])
         self.stale = True  # a rollout group starts from the initial weights
+        pending_stage, self.restored = load_pending(latest / "pending")
+        if self.restored and pending_stage != stage:
+            raise RuntimeError(
+                f"{latest}: pending batches of stage {pending_stage} in a checkpoint of stage "
+                f"{stage}; the checkpoint is inconsistent"
+            )
         self.saved_step = self.global_step
         if stage_step >= self.stages[stage].steps:
             return stage + 1, 0
         return stage, stage_step
+
+
+def _done(batch: TensorBatch) -> asyncio.Future[TensorBatch]:
+    found: asyncio.Future[TensorBatch] = asyncio.get_running_loop().create_future()
+    found.set_result(batch)
+    return found
 
 
 class _Stopped(Exception):

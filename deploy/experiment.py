@@ -304,7 +304,8 @@ def _placed(exp: Experiment) -> dict[str, str]:
 
 
 def _check_stages(exp: Experiment, placed: dict[str, str]) -> None:
-    """Each RL stage has the roles its algorithm needs, and overlap has a rollout apart."""
+    """Each RL stage has the roles its algorithm needs. (``max_staleness`` >= 1 runs on any
+    placement: only a rollout group apart from the actor overlaps generation with training.)"""
     for i, stage in enumerate(exp.stages):
         if not isinstance(stage, RLStage):
             continue
@@ -313,13 +314,6 @@ def _check_stages(exp: Experiment, placed: dict[str, str]) -> None:
             raise ExperimentError(
                 f"stages.{i} ({stage.algorithm.name}): needs role(s) {sorted(missing)}; "
                 "define them under roles" + _kl_hint(stage, missing)
-            )
-        if stage.algorithm.overlap and (
-            "rollout" not in exp.roles or placed["rollout"] == placed["actor"]
-        ):
-            raise ExperimentError(
-                f"stages.{i}.algorithm.overlap: generation can only overlap training on a "
-                "'rollout' role in a group apart from the actor's"
             )
 
 

@@ -62,7 +62,11 @@ def test_quick_and_set_override_in_that_order() -> None:
         (["placement.other={roles: [reward]}"], "role 'reward' is in both"),
         (["roles.judge={model: base}", "placement.main.roles=[actor, reward, judge]"], "cls:"),
         (["roles.actor.model=nowhere"], "roles.actor.model: 'nowhere'"),
-        (["stages.1.algorithm.overlap=true"], "overlap"),
+        (["stages.1.algorithm.max_staleness=-1"], "max_staleness=-1 must be >= 0"),
+        (
+            ["stages.1.algorithm.overlap=true", "stages.1.algorithm.max_staleness=2"],
+            "overlap: true means max_staleness: 1, but max_staleness=2",
+        ),
         (["stages.1.optim={lr: -1}"], "stages.1.optim"),
         (["stages.1.optim={schedule: cosine, total_steps: 5, warmup_steps: 9}"], "warmup_steps"),
         (["stages.1.algorithm.loss={clip_ratio_low: -1}"], "stages.1.algorithm.loss"),
