@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, generate, scores
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, scores
 from controller.clients import EngineClient
 from controller.rollouts import (
     check_staleness,
@@ -40,6 +40,7 @@ from controller.rollouts import (
     staleness_metrics,
     stamp,
 )
+from controller.streaming import WeightGate, stream
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
@@ -222,6 +223,8 @@ class Trainer:
         self.gen_spans: dict[int, tuple[float, float]] = {}  # step -> its batch's generation
         self.t0 = time.perf_counter()
         self.weights = WeightSync(roles.actor, cfg.weight_sync)
+        self.gate = WeightGate()  # weight pushes to the rollout group vs. its generation calls
+        self.switch = False  # partial rollout 'switch': a push need not wait for batches out
         self.saved_step = -1
         self.precision: dict[str, dict[str, str]] = {}
         first_rl = next((s for s in self.stages if isinstance(s, RLStage)), None)
@@ -339,18 +342,28 @@ class Trainer:
         seed = self.cfg.seed + 7919 * index
         program = STEPS[cfg.name]
         lag = cfg.max_staleness
+        self.switch = cfg.partial_rollout is not None and cfg.partial_rollout.on_update == "switch"
         restored, self.restored = self.restored, {}
         self.ahead = {m: _done(batch) for m, batch in restored.items()}
 
         async def rollout(m: int, sync: bool = True) -> TensorBatch:
-            """Batch m on the generator's weights now (``generate`` is the one call site)."""
+            """Batch m on the generator's weights now (``stream`` is the one call site: one
+            ``generate`` call unless streamed or partial, controller/streaming.py)."""
             prompts = self._prompts(rows, cfg.prompts_per_step, seed, m, stage.shuffle)
             if sync:
                 await self._sync()
             version = self.synced_step if self.roles.rollout is not None else self.global_step
             seeded = request_seed(seed, m, -1)
             began = time.perf_counter()
-            batch = await generate(self.roles, prompts, cfg, seeded, min_version=self.synced)
+            batch = await stream(
+                self.roles,
+                prompts,
+                cfg.sampling(seeded),
+                sub_batches=cfg.stream_chunks,
+                partial=cfg.partial_rollout,
+                min_version=self.synced,
+                gate=self.gate,
+            )
             self.gen_spans[m] = (began, time.perf_counter())
             return stamp(batch, version)
 
@@ -368,12 +381,12 @@ class Trainer:
                 updates = cfg.ppo_epochs * cfg.mini_batches
                 self.state.version += updates
                 self.stale = True
+                self.global_step += 1  # the actor's weights are now this step's
                 if cfg.safe is not None and cfg.safe.ptx_coef and stage.ptx_data:
                     await self._ptx(stage, seed, k)
                 if not lag:
                     async with timer("sync"):
                         await self._sync()
-                self.global_step += 1
                 record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
                 elapsed = time.perf_counter() - start
                 record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
@@ -465,8 +478,10 @@ class Trainer:
         after the batches it is still generating (they were promised the older weights)."""
         if self.roles.rollout is None or not self.stale:
             return
-        await self._drain()
-        await self.weights.push(self.roles.rollout, self.state.version)
+        if not self.switch:  # else the batches out take the new weights at their next chunk
+            await self._drain()
+        async with self.gate.push():
+            await self.weights.push(self.roles.rollout, self.state.version)
         self.synced = self.state.version
         self.synced_step = self.global_step
         self.stale = False
