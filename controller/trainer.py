@@ -425,18 +425,18 @@ class Trainer:
             self.ahead[m] = asyncio.ensure_future(rollout(m, sync=False))
 
     def _timeline(self, start: float, gen: tuple[float, float] | None) -> dict[str, float]:
-        """Flat ``timeline/<stage>@<role>_start_s`` / ``_end_s`` offsets from the step's start
+        """Flat ``time/timeline/<stage>@<role>_start_s`` / ``_end_s`` offsets from the step's start
         (a batch generated ahead starts and ends before 0), and the step's start in the run."""
         where = {"prepare": "actor", "update": "actor", "sync": "actor"}
-        found = {"timeline/step_start_s": start - self.t0}
+        found = {"time/timeline/step_start_s": start - self.t0}
         spans = dict(self.state.spans)
         if gen is not None:
             spans["generate"] = gen
             where["generate"] = "rollout" if self.roles.rollout is not None else "actor"
         for name, (begin, end) in spans.items():
             if name in where:
-                found[f"timeline/{name}@{where[name]}_start_s"] = begin - start
-                found[f"timeline/{name}@{where[name]}_end_s"] = end - start
+                found[f"time/timeline/{name}@{where[name]}_start_s"] = begin - start
+                found[f"time/timeline/{name}@{where[name]}_end_s"] = end - start
         return found
 
     async def _ptx(self, stage: RLStage, seed: int, k: int) -> None:

@@ -177,8 +177,8 @@ def test_no_batch_is_older_than_k_versions(runs: dict[str, Any], run: str, k: in
 
 
 def span(record: dict[str, Any], stage: str) -> tuple[float, float]:
-    start = record["timeline/step_start_s"]
-    keys = [k for k in record if k.startswith(f"timeline/{stage}@") and k.endswith("_start_s")]
+    start = record["time/timeline/step_start_s"]
+    keys = [k for k in record if k.startswith(f"time/timeline/{stage}@") and k.endswith("_start_s")]
     (key,) = keys
     return start + record[key], start + record[key.replace("_start_s", "_end_s")]
 
@@ -194,7 +194,7 @@ def test_generation_of_the_next_step_overlaps_training_with_a_rollout_group(
             trained = (span(before, "prepare")[0], span(before, "update")[1])
             generated = span(after, "generate")
             assert generated[0] < trained[1] and generated[1] > trained[0], (name, before["step"])
-            assert "timeline/generate@rollout_start_s" in after
+            assert "time/timeline/generate@rollout_start_s" in after
     # on-policy: the next batch is generated only after the step trained and synced
     records = steps_of(runs["k0"])
     for before, after in itertools.pairwise(records):
