@@ -38,6 +38,7 @@ from controller.clients import (
     RolloutClient,
 )
 from controller.server import Controller
+from controller.streaming import PartialRollout, scored
 from transport.batch import TensorBatch
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")
@@ -137,6 +138,15 @@ class AlgorithmConfig(BaseModel):
         False,
         description="alias of max_staleness: 1 (generate the next batch while training on this "
         "one); refused together with another max_staleness",
+    )
+    stream_chunks: int = Field(
+        1,
+        ge=1,
+        description="sub-batches a step's prompts are generated in, each scored while the next "
+        "generates (controller/streaming.py)",
+    )
+    partial_rollout: PartialRollout | None = Field(
+        None, description="generate chunk_tokens per call; weight updates may land in between"
     )
     safe: SafeConfig | None = None
 
@@ -367,10 +377,12 @@ async def values(role: CriticClient | None, batch: TensorBatch) -> Any:
 
 async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """One score per row, plus the batch means of any ``reward/<key>`` extras."""
-    text = [k for k in batch.non_tensors if k not in ("finish", "request")]
-    out = await role.compute_reward(batch.select(TOKENS, text, []))
-    extras = {k: float(v.float().mean()) for k, v in out.tensors.items() if k.startswith("reward/")}
-    return out.tensors["scores"].float(), extras
+    found = scored(batch, role.role)  # scored as its sub-batch arrived (controller/streaming.py)
+    if found is None:
+        text = [k for k in batch.non_tensors if k not in ("finish", "request")]
+        found = (await role.compute_reward(batch.select(TOKENS, text, []))).tensors
+    extras = {k: float(v.float().mean()) for k, v in found.items() if k.startswith("reward/")}
+    return found["scores"].float(), extras
 
 
 def kl_of(old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:

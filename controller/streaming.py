@@ -41,7 +41,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,9 +50,6 @@ from controller.clients import ActorClient, RewardClient, RoleClient, RolloutCli
 from transport.batch import TensorBatch
 from transport.protocol import Layout
 
-if TYPE_CHECKING:
-    from controller.algorithms import Roles
-
 TOKENS = ("input_ids", "attention_mask", "response_mask")
 NO_VERSION = -1  # token_versions outside responses
 Generator = ActorClient | RolloutClient
@@ -60,6 +57,16 @@ Generator = ActorClient | RolloutClient
 #: Under ``on_update: finish`` it runs while the batch holds the gate: it may start a push as a
 #: task (which then waits for the batch) but must not await one.
 OnChunk = Callable[[int, TensorBatch], Awaitable[None]]
+
+
+class Scored(Protocol):
+    """What ``stream`` needs of ``algorithms.Roles``: who generates and who scores."""
+
+    reward: RewardClient
+    cost: RewardClient | None
+
+    @property
+    def generator(self) -> Generator: ...
 
 
 class PartialRollout(BaseModel):
@@ -243,7 +250,7 @@ def assemble(first: TensorBatch, responses: Sequence[_Response]) -> TensorBatch:
 
 
 async def stream(
-    roles: Roles,
+    roles: Scored,
     prompts: TensorBatch,
     sampling: dict[str, Any],
     *,
