@@ -19,8 +19,8 @@ Runs, in turn:
 - **hybridflow_best** — ``dtype: auto``, i.e. the dtype this machine runs fastest (bf16 autocast
   with fp32 master weights where the CPU multiplies bf16 natively, fp32 where it does not; the JSON
   says which and why), same ranks, pi_old from the generator's log-probs (the behaviour policy, no
-  recompute); with ``--overlap`` also one rank training while a second generates the next batch
-  (one step off-policy; said in the JSON).
+  recompute); with ``--max-staleness K`` (``--overlap``: K = 1) also one rank training while a
+  second generates the next K batches (up to K steps off-policy; said in the JSON).
 
 Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
 median step after the first, tok/s = median of tokens/step time. The last line is a JSON object
@@ -103,8 +103,8 @@ def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> 
         # pi_old stays the generator's log-probs: under bf16 they differ from a recompute by
         # rounding, so the ratio is taken against the behaviour policy as sampled (one forward
         # pass saved; the loss is the same clipped surrogate).
-        if args.overlap:
-            algorithm["overlap"] = True
+        if args.max_staleness:
+            algorithm["max_staleness"] = args.max_staleness
             roles["rollout"] = {"model": "sft", "dtype": "auto"}
             placement = {
                 "train": {"roles": ["actor", "reward"], "nproc": 1},
@@ -192,9 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--overlap", action="store_true", help="best: overlap generation (off-policy)")
+    ap.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="best: generate k batches ahead on a rollout rank (k steps off-policy; 0: on-policy)",
+    )
+    ap.add_argument("--overlap", action="store_true", help="same as --max-staleness 1")
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
     args = ap.parse_args(argv)
+    if args.overlap:
+        args.max_staleness = args.max_staleness or 1
     args.sft_steps = args.sft_steps or (60 if args.quick else 300)
     args.steps = args.steps or (5 if args.quick else 20)
 
@@ -252,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             "best": round(best["reward_second_half"], 4),
             "trl": round(statistics.fmean(trl["reward_per_step"][args.steps // 2 :]), 4),
         },
-        "best_config": best["dtype"] + (", overlap (one step off-policy)" if args.overlap else ""),
+        "best_config": best["dtype"]
+        + (f", max_staleness {args.max_staleness} (rollout rank)" if args.max_staleness else ""),
         "dtype": {"hybridflow": hf["dtype"], "best": best["dtype"], "trl": "fp32"},
         "best_dtype_reason": best["dtype_reason"],
         "split_s": {"hybridflow": hf["split_s"], "best": best["split_s"]},
