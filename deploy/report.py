@@ -1,7 +1,9 @@
 """``hybridflow report RUN_DIR``: PNG plots of a run's ``metrics.jsonl`` into ``RUN_DIR/plots``.
 
 reward.png (train reward and validation score), kl.png, length.png (response length) and
-time.png (per-step seconds split into generation, preparation, update and weight sync). A plot
+time.png (per-step seconds split into generation, preparation, update and weight sync) and
+timeline.png (when each stage ran, one lane per stage and role, from ``time/timeline/...``: with
+``max_staleness`` >= 1 on a rollout group the generation lane overlaps the update lane). A plot
 whose metric the run never logged (e.g. KL without a reference) is skipped.
 """
 
@@ -40,6 +42,7 @@ def write_report(run_dir: Path) -> list[Path]:
         _lines(plt, rows, out / "length.png", "response length (tokens)", LENGTH),
         _lines(plt, rows, out / "sft.png", "SFT loss", SFT),
         _time_split(plt, rows, out / "time.png"),
+        _timeline(plt, rows, out / "timeline.png"),
     ]
     return [path for path in written if path is not None]
 
@@ -96,6 +99,48 @@ def _time_split(plt: Any, rows: list[dict[str, Any]], path: Path) -> Path | None
     ax.set_ylabel("seconds")
     ax.set_title("time per RL step")
     ax.legend()
+    return _save(plt, fig, path)
+
+
+TIMELINE = "time/timeline/"
+
+
+def timeline_spans(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Lane (``stage@role``) -> (start, end) seconds since the run's start, over every step."""
+    lanes: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        base = r.get(TIMELINE + "step_start_s")
+        if not isinstance(base, int | float):
+            continue
+        for key, start in r.items():
+            if not (key.startswith(TIMELINE) and key.endswith("_start_s") and "@" in key):
+                continue
+            lane = key[len(TIMELINE) : -len("_start_s")]
+            end = r.get(TIMELINE + lane + "_end_s")
+            if isinstance(end, int | float):
+                lanes.setdefault(lane, []).append((base + start, base + end))
+    return lanes
+
+
+def _timeline(plt: Any, rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """A Gantt chart: one lane per stage and role, a bar per step's span in it."""
+    lanes = timeline_spans(rows)
+    if not lanes:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(lanes)))
+    stages = ("generate", "prepare", "update", "sync")
+    order = sorted(lanes, key=lambda lane: (lane.split("@")[0] not in stages, lane))
+    order.sort(
+        key=lambda lane: stages.index(lane.split("@")[0]) if lane.split("@")[0] in stages else 9
+    )
+    for y, lane in enumerate(order):
+        bars = [(start, end - start) for start, end in lanes[lane]]
+        ax.broken_barh(bars, (y - 0.4, 0.8), alpha=0.8)
+    ax.set_yticks(range(len(order)), order)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run's start")
+    ax.set_title("when each stage ran (RL steps)")
+    ax.grid(axis="x", alpha=0.3)
     return _save(plt, fig, path)
 
 
