@@ -28,7 +28,13 @@ from transport.batch import TensorBatch
 from transport.weight_sync import WeightSyncSettings
 
 STEPS_PER_RUN = 4
-ALGORITHM = {"name": "grpo", "prompts_per_step": 4, "n": 2, "max_new_tokens": 8}
+PROMPTS, SAMPLES = 4, 2
+ALGORITHM: dict[str, Any] = {
+    "name": "grpo",
+    "prompts_per_step": PROMPTS,
+    "n": SAMPLES,
+    "max_new_tokens": 8,
+}
 ROWS = arithmetic(32, "train", seed=0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,7 @@ from deploy.report import timeline_spans, write_report
 
 
 def test_timeline_lanes_are_offsets_from_each_step_start(tmp_path: Path) -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "step": 1,
             "time/timeline/step_start_s": 10.0,
