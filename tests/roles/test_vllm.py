@@ -159,7 +159,9 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     out["digits"] = digits
     short = vllm.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=2))
     out["short"] = [[len(s.tokens), s.finish] for s in short]
-    forced = ForcedLengths(eos, 16, seed=3)
+    # sample i ends after exactly lengths[i] tokens, lengths drawn in [4, 16]
+    lengths = torch.randint(4, 17, (64,), generator=torch.Generator().manual_seed(3))
+    forced = ForcedLengths(eos, lengths.tolist())
     shaped = SamplingConfig(temperature=0, max_new_tokens=16)
     with_processor = vllm.generate(prompts, shaped, forced)
     native_processor = native.generate(prompts, shaped, forced)
