@@ -20,7 +20,9 @@ Runs, in turn:
   with fp32 master weights where the CPU multiplies bf16 natively, fp32 where it does not; the JSON
   says which and why), same ranks, pi_old from the generator's log-probs (the behaviour policy, no
   recompute); with ``--max-staleness K`` (``--overlap``: K = 1) also one rank training while a
-  second generates the next K batches (up to K steps off-policy; said in the JSON).
+  second generates the next K batches (up to K steps off-policy; said in the JSON);
+- **hybridflow_vllm** (``--vllm``) — best's settings with vLLM generating (the rollout rank's
+  engine, or the actor's colocated generator); pi_old is then vLLM's own log-probs.
 
 Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
 median step after the first, tok/s = median of tokens/step time. The last line is a JSON object
@@ -77,7 +79,9 @@ def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Pa
     return out
 
 
-def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> dict[str, Any]:
+def experiment(
+    model: Path, data: str, args: argparse.Namespace, best: bool, vllm: bool = False
+) -> dict[str, Any]:
     # on-policy: fp32, the exact recompute; best: the dtype this machine runs fastest (auto)
     actor: dict[str, Any] = {
         "model": "sft",
@@ -110,6 +114,11 @@ def experiment(model: Path, data: str, args: argparse.Namespace, best: bool) -> 
                 "train": {"roles": ["actor", "reward"], "nproc": 1},
                 "gen": {"roles": ["rollout"], "nproc": 1},
             }
+    if vllm:  # the best runner's settings, generation by vLLM (its log-probs are pi_old)
+        if "rollout" in roles:
+            roles["rollout"]["engine"] = "vllm"
+        else:
+            actor["generator"] = "vllm"
     return {
         "name": "e2e-best" if best else "e2e",
         "models": {"sft": {"path": str(model)}},
@@ -199,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         help="best: generate k batches ahead on a rollout rank (k steps off-policy; 0: on-policy)",
     )
     ap.add_argument("--overlap", action="store_true", help="same as --max-staleness 1")
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run the best runner's settings with vLLM generating (pip install -e '.[vllm]')",
+    )
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
     args = ap.parse_args(argv)
     if args.overlap:
@@ -232,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         log("hybridflow best ...")
         best = run_hybridflow(work, "best", experiment(model, data, args, best=True))
         log(f"  {best['step_s_median']:.2f} s/step, {best['tok_s']:.0f} tok/s")
+        with_vllm = None
+        if args.vllm:
+            log("hybridflow best, vLLM generating ...")
+            config = experiment(model, data, args, best=True, vllm=True)
+            with_vllm = run_hybridflow(work, "vllm", config)
+            log(f"  {with_vllm['step_s_median']:.2f} s/step, {with_vllm['tok_s']:.0f} tok/s")
 
     report = {
         "bench": "e2e_vs_trl",
@@ -266,6 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         "best_dtype_reason": best["dtype_reason"],
         "split_s": {"hybridflow": hf["split_s"], "best": best["split_s"]},
     }
+    if with_vllm is not None:
+        report.update(
+            {
+                "hybridflow_vllm_tok_s": round(with_vllm["tok_s"], 1),
+                "vllm_speedup": round(with_vllm["tok_s"] / trl["tok_s"], 2),
+                "hybridflow_vllm_step_s": round(with_vllm["step_s_median"], 3),
+                "hybridflow_vllm_reward": round(with_vllm["reward_last"], 4),
+            }
+        )
+        report["split_s"]["vllm"] = with_vllm["split_s"]
     print(json.dumps(report))
     return 0
 
