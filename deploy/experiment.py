@@ -237,10 +237,10 @@ def placement(exp: Experiment) -> dict[str, GroupConfig]:
 
 def check(exp: Experiment) -> None:
     """Cross-field checks that need no files (files: ``prepare``)."""
-    placed = _placed(exp)
+    _placed(exp)  # raises unless every role is defined and placed exactly once
     if "actor" not in exp.roles:
         raise ExperimentError("roles: every experiment needs an 'actor'")
-    _check_stages(exp, placed)
+    _check_stages(exp)
     _check_settings(exp)
     if exp.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ExperimentError(
@@ -303,7 +303,7 @@ def _placed(exp: Experiment) -> dict[str, str]:
     return placed
 
 
-def _check_stages(exp: Experiment, placed: dict[str, str]) -> None:
+def _check_stages(exp: Experiment) -> None:
     """Each RL stage has the roles its algorithm needs. (``max_staleness`` >= 1 runs on any
     placement: only a rollout group apart from the actor overlaps generation with training.)"""
     for i, stage in enumerate(exp.stages):
