@@ -29,6 +29,7 @@ Needs the ``bench`` extra (trl, accelerate, datasets). TRL details this relies o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -40,6 +41,15 @@ from typing import Any
 import torch
 
 RewardFn = Callable[[str, str, dict], float]
+
+
+def _no_checkpointing(config: type) -> dict[str, bool]:
+    """Activation checkpointing off, in the spelling this transformers has: 5.20+ names it
+    ``activation_checkpointing``; 5.19 (vLLM's cap) only ``gradient_checkpointing``."""
+    names = {f.name for f in dataclasses.fields(config)}
+    if "activation_checkpointing" in names:
+        return {"activation_checkpointing": False}
+    return {"gradient_checkpointing": False}
 
 
 def run_trl(
@@ -77,7 +87,7 @@ def run_trl(
             output_dir=out,
             use_cpu=True,
             bf16=False,
-            activation_checkpointing=False,
+            **_no_checkpointing(GRPOConfig),
             beta=0.0,
             report_to="none",
             save_strategy="no",
