@@ -43,7 +43,7 @@ import torch
 RewardFn = Callable[[str, str, dict], float]
 
 
-def _no_checkpointing(config: type) -> dict[str, bool]:
+def _no_checkpointing(config: type) -> dict[str, Any]:
     """Activation checkpointing off, in the spelling this transformers has: 5.20+ names it
     ``activation_checkpointing``; 5.19 (vLLM's cap) only ``gradient_checkpointing``."""
     names = {f.name for f in dataclasses.fields(config)}
