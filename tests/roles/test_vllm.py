@@ -436,7 +436,6 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
     assert all(r["train/rollout/logprob_gap_mean"] < LOGPROB_BOUND_MEAN for r in rl)
 
 
-@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_resume_with_vllm_reproduces_the_straight_run(needs_vllm: None, tmp_path: Path) -> None:
     """Stopped after step 3 (mid-GRPO) and resumed, with vLLM colocated in the actor: the same
