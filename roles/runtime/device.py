@@ -197,3 +197,22 @@ def group_dtype(
         choice = DtypeChoice(agreed, f"{mine.reason}; another rank of the group chose fp32")
     log.info("compute dtype %s (%s)", choice.dtype, choice.reason)
     return choice
+
+
+#: the widest row (tokens) for which ``attention: auto`` picks eager attention on CPU in bf16
+EAGER_MAX_WIDTH = 512
+
+
+def attention_kernel(choice: str, device: RankDevice, dtype: str, width: int) -> str:
+    """The attention implementation of a training forward over rows ``width`` tokens wide.
+
+    ``sdpa`` and ``eager`` are taken as given. ``auto`` is eager for bf16 on CPU up to
+    ``EAGER_MAX_WIDTH`` tokens: there torch's CPU flash-attention kernel (fused, bf16) runs its
+    backward at a few GFLOP/s, and plain matmuls + softmax make the whole training step 10-30%
+    faster on short RL rows (``python -m bench.attention`` measures both on this machine); past
+    that width, and in fp32 or on CUDA, the fused kernel wins or ties, so auto keeps ``sdpa``.
+    """
+    if choice != "auto":
+        return choice
+    eager = device.kind == DeviceKind.CPU and dtype == "bf16" and width <= EAGER_MAX_WIDTH
+    return "eager" if eager else "sdpa"

@@ -78,6 +78,13 @@ class EngineConfig(BaseModel):
         "where the hardware multiplies bf16 natively, else fp32 (roles/runtime/device.py)",
     )
     micro_batch_size: int = Field(8, ge=1, description="rows per forward/backward on one rank")
+    attention: Literal["auto", "sdpa", "eager"] = Field(
+        "auto",
+        description="attention kernel of the training forward: sdpa (torch's fused kernel), "
+        "eager (plain matmuls + softmax); auto: eager for bf16 on CPU up to "
+        "EAGER_MAX_WIDTH tokens a row, where torch's CPU flash kernel is the slower "
+        "(python -m bench.attention), sdpa otherwise",
+    )
     dp_mode: Literal["fsdp", "replicate"] = Field(
         "fsdp",
         description="fsdp: shard weights, gradients and optimizer state over dp (FSDP2); "

@@ -45,7 +45,7 @@ from roles.modeling.models import (
     load_tokenizer,
 )
 from roles.modeling.text import block_causal_mask, segment_positions
-from roles.runtime.device import group_dtype
+from roles.runtime.device import attention_kernel, group_dtype
 from transport.batch import TensorBatch
 
 # Column-wise splits the output features (heads), row-wise the input features; a row-wise layer
@@ -204,6 +204,10 @@ class FSDPEngine(TrainingEngine):
         else:
             attention = None if bool(mask.all()) else mask
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        # packed rows keep the fused kernel: their 4-d block mask is built for sdpa
+        choice = "sdpa" if segments is not None else self.cfg.attention
+        kernel = attention_kernel(choice, self.device, self.precision.dtype, int(ids.shape[1]))
+        self.module.config._attn_implementation = kernel  # read by every layer at each forward
         with self.autocast():
             out = self.module(
                 input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
