@@ -44,6 +44,9 @@ from typing import Any, Literal
 
 import yaml
 
+from bench.e2e_stages import matmul_peak, project, prompt_tokens, stage_report
+from bench.generate import Shape
+
 # Addition with operands <= 19, answered as "21 because 9+12=21" (~20 tokens). Half the SFT rows
 # write "21!", which the exact-answer reward rejects: GRPO's reward moves as the format flips.
 # The GRPO prompts are the SFT problems (a benchmark of throughput, not of generalisation).
@@ -69,8 +72,11 @@ def hybridflow_cli(argv: list[str], threads: int = 1) -> dict[str, Any]:
 def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Path:
     from roles.modeling.models import init_model
 
-    base = init_model(work / "base", size, seed=0)
     out = work / "sft"
+    if (out / "model.safetensors").exists():  # a kept --work folder: its checkpoint is reused
+        log(f"  reusing {out}")
+        return out
+    base = init_model(work / "base", size, seed=0)
     argv = ["sft", "--model", str(base), "--out", str(out), "--run-dir", str(work / "sft-run")]
     argv += ["--data", SFT_DATA, "--val", "builtin:arithmetic?n=64&split=test&" + TASK]
     argv += ["--steps", str(steps), "--batch-size", "32", "--lr", "1e-3", "--warmup", "10"]
@@ -80,7 +86,12 @@ def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Pa
 
 
 def experiment(
-    model: Path, data: str, args: argparse.Namespace, best: bool, vllm: bool = False
+    model: Path,
+    data: str,
+    args: argparse.Namespace,
+    best: bool,
+    vllm: bool = False,
+    staleness: int = 0,
 ) -> dict[str, Any]:
     # on-policy: fp32, the exact recompute; best: the dtype this machine runs fastest (auto)
     actor: dict[str, Any] = {
@@ -107,8 +118,8 @@ def experiment(
         # pi_old stays the generator's log-probs: under bf16 they differ from a recompute by
         # rounding, so the ratio is taken against the behaviour policy as sampled (one forward
         # pass saved; the loss is the same clipped surrogate).
-        if args.max_staleness:
-            algorithm["max_staleness"] = args.max_staleness
+        if staleness:
+            algorithm["max_staleness"] = staleness
             roles["rollout"] = {"model": "sft", "dtype": "auto"}
             placement = {
                 "train": {"roles": ["actor", "reward"], "nproc": 1},
@@ -167,12 +178,37 @@ def run_hybridflow(work: Path, name: str, config: dict[str, Any]) -> dict[str, A
         },
         "wall_s": round(wall, 1),
         "dtype": summary["precision"]["actor"]["dtype"],
+        "run_dir": run_dir,
         "dtype_reason": summary["precision"]["actor"]["reason"],
     }
 
 
+def stages_of(
+    runners: dict[str, dict[str, Any]],
+    model: Path,
+    rows: list[dict[str, Any]],
+    peak: dict[str, float],
+) -> dict[str, Any]:
+    """``bench.e2e_stages.stage_report`` of each runner (its run folder is still there)."""
+    from transformers import AutoConfig
+
+    shape = Shape.of(AutoConfig.from_pretrained(str(model)))
+    lengths = prompt_tokens(model, [r["prompt"] for r in rows])
+    found = {}
+    for name, result in runners.items():
+        config = yaml.safe_load((result["run_dir"] / "config.yaml").read_text())
+        ranks: dict[str, int] = {}
+        for spec in config["placement"].values():
+            for role in spec["roles"]:
+                ranks[role] = spec["nproc"]
+        found[name] = stage_report(
+            result["run_dir"], shape, lengths, 8, ranks, peak[result["dtype"]]
+        )
+    return found
+
+
 def run_trl_side(
-    model: Path, rows: list[dict[str, Any]], args: argparse.Namespace, threads: int
+    model: Path, rows: list[dict[str, Any]], args: argparse.Namespace, threads: int, bf16: bool
 ) -> dict[str, Any]:
     from bench.trl_side import run_trl
     from roles.rules import arithmetic_reward
@@ -188,6 +224,7 @@ def run_trl_side(
         lr=args.lr,
         seed=0,
         threads=threads,
+        bf16=bf16,
     )
 
 
@@ -213,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the best runner's settings with vLLM generating (pip install -e '.[vllm]')",
     )
+    ap.add_argument(
+        "--no-trl-bf16",
+        action="store_true",
+        help="skip TRL with bf16=True (its mixed precision; the peer of our best runner)",
+    )
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
     args = ap.parse_args(argv)
     if args.overlap:
@@ -225,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]  # again at the end; the best
         start = time.perf_counter()
         log(f"SFT checkpoint: {args.size} model, {args.sft_steps} steps ...")
         model = sft_checkpoint(work, args.size, args.sft_steps)
@@ -236,22 +279,58 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {hf['step_s_median']:.2f} s/step, {hf['tok_s']:.0f} tok/s")
         trl_runs = {}
         for threads in sorted({1, args.threads}, reverse=True):
-            log(f"TRL GRPOTrainer, {threads} thread(s) ...")
-            trl_runs[threads] = run_trl_side(model, rows, args, threads)
+            log(f"TRL GRPOTrainer, fp32, {threads} thread(s) ...")
+            trl_runs[threads] = run_trl_side(model, rows, args, threads, bf16=False)
             log(
                 f"  {trl_runs[threads]['step_s_median']:.2f} s/step, {trl_runs[threads]['tok_s']:.0f} tok/s"
             )
         trl_threads = max(trl_runs, key=lambda t: trl_runs[t]["tok_s"])
         trl = trl_runs[trl_threads]
-        log("hybridflow best ...")
-        best = run_hybridflow(work, "best", experiment(model, data, args, best=True))
-        log(f"  {best['step_s_median']:.2f} s/step, {best['tok_s']:.0f} tok/s")
+        trl_bf16 = None
+        if not args.no_trl_bf16:  # TRL's mixed precision: the Trainer's bf16=True, CPU autocast
+            log(f"TRL GRPOTrainer, bf16, {trl_threads} thread(s) ...")
+            trl_bf16 = run_trl_side(model, rows, args, trl_threads, bf16=True)
+            log(f"  {trl_bf16['step_s_median']:.2f} s/step, {trl_bf16['tok_s']:.0f} tok/s")
+        trl_best = max([trl] + ([trl_bf16] if trl_bf16 else []), key=lambda r: r["tok_s"])
+        best_runs = {}
+        for k in sorted({0, args.max_staleness}):
+            log(f"hybridflow best, max_staleness {k} ...")
+            config = experiment(model, data, args, best=True, staleness=k)
+            best_runs[k] = run_hybridflow(work, f"best-k{k}", config)
+            log(f"  {best_runs[k]['step_s_median']:.2f} s/step, {best_runs[k]['tok_s']:.0f} tok/s")
+        best_k = max(best_runs, key=lambda k: best_runs[k]["tok_s"])
+        best = best_runs[best_k]
         with_vllm = None
         if args.vllm:
             log("hybridflow best, vLLM generating ...")
-            config = experiment(model, data, args, best=True, vllm=True)
+            config = experiment(
+                model, data, args, best=True, vllm=True, staleness=args.max_staleness
+            )
             with_vllm = run_hybridflow(work, "vllm", config)
             log(f"  {with_vllm['step_s_median']:.2f} s/step, {with_vllm['tok_s']:.0f} tok/s")
+        peaks.append({d: matmul_peak(d) for d in ("fp32", "bf16")})
+        peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
+        runners = {"hybridflow": hf} | {f"best_k{k}": r for k, r in best_runs.items()}
+        runners |= {"vllm": with_vllm} if with_vllm is not None else {}
+        stages = stages_of(runners, model, rows[: args.prompts], peak)
+        projection = None
+        if 1 in trl_runs and 2 in trl_runs:
+            projection = project(
+                stages.get("best_k0"),
+                stages.get(f"best_k{args.max_staleness}") if args.max_staleness else None,
+                {t: r["tok_s"] for t, r in trl_runs.items()},
+                best["tokens_per_step"],
+            )
+            if trl_bf16 is not None:  # TRL's bf16 gain at its thread count, carried to 4 cores
+                gain = trl_bf16["tok_s"] / trl["tok_s"]
+                projection["trl_bf16_tok_s_scaled"] = round(
+                    projection["trl_tok_s_scaled"] * gain, 1
+                )
+                for mode in ("on_policy", "async"):
+                    if f"{mode}_tok_s" in projection:
+                        projection[f"{mode}_vs_trl_bf16_scaled"] = round(
+                            projection[f"{mode}_tok_s"] / projection["trl_bf16_tok_s_scaled"], 2
+                        )
 
     report = {
         "bench": "e2e_vs_trl",
@@ -281,16 +360,30 @@ def main(argv: list[str] | None = None) -> int:
             "trl": round(statistics.fmean(trl["reward_per_step"][args.steps // 2 :]), 4),
         },
         "best_config": best["dtype"]
-        + (f", max_staleness {args.max_staleness} (rollout rank)" if args.max_staleness else ""),
+        + (f", max_staleness {best_k} (rollout rank)" if best_k else ", on-policy"),
+        "best_by_staleness": {
+            k: {"tok_s": round(r["tok_s"], 1), "step_s": round(r["step_s_median"], 3)}
+            for k, r in best_runs.items()
+        },
         "dtype": {"hybridflow": hf["dtype"], "best": best["dtype"], "trl": "fp32"},
+        "trl_bf16_tok_s": round(trl_bf16["tok_s"], 1) if trl_bf16 else None,
+        "trl_bf16_step_s": round(trl_bf16["step_s_median"], 3) if trl_bf16 else None,
+        "trl_bf16_reward": round(trl_bf16["reward_last"], 4) if trl_bf16 else None,
+        "trl_best_tok_s": round(trl_best["tok_s"], 1),
+        "best_vs_trl_best": round(best["tok_s"] / trl_best["tok_s"], 2),
         "best_dtype_reason": best["dtype_reason"],
-        "split_s": {"hybridflow": hf["split_s"], "best": best["split_s"]},
+        "peak_gflops": {d: round(v, 1) for d, v in peak.items()},
+        "stages": stages,
+        "projection_4_ranks": projection,
+        "split_s": {"hybridflow": hf["split_s"]}
+        | {f"best_k{k}": r["split_s"] for k, r in best_runs.items()},
     }
     if with_vllm is not None:
         report.update(
             {
                 "hybridflow_vllm_tok_s": round(with_vllm["tok_s"], 1),
                 "vllm_speedup": round(with_vllm["tok_s"] / trl["tok_s"], 2),
+                "vllm_vs_trl_best": round(with_vllm["tok_s"] / trl_best["tok_s"], 2),
                 "hybridflow_vllm_step_s": round(with_vllm["step_s_median"], 3),
                 "hybridflow_vllm_reward": round(with_vllm["reward_last"], 4),
             }

@@ -65,12 +65,14 @@ def run_trl(
     temperature: float = 1.0,
     seed: int = 0,
     threads: int = 1,
+    bf16: bool = False,
 ) -> dict[str, Any]:
     """Train with trl.GRPOTrainer on CPU for ``steps`` steps; timings, token counts and rewards.
 
     ``prompts`` are rows with a plain-text "prompt"; the whole row is passed to ``reward`` as its
     third argument. Rows are taken in the order given (``shuffle_dataset=False``), cycling if
-    fewer than ``steps * prompts_per_step``.
+    fewer than ``steps * prompts_per_step``. ``bf16`` is the Trainer's own ``bf16=True`` (bf16
+    autocast through accelerate, on CPU too), TRL's mixed-precision setting.
     """
     from trl import GRPOConfig, GRPOTrainer
 
@@ -86,7 +88,7 @@ def run_trl(
         config = GRPOConfig(
             output_dir=out,
             use_cpu=True,
-            bf16=False,
+            bf16=bf16,
             **_no_checkpointing(GRPOConfig),
             beta=0.0,
             report_to="none",

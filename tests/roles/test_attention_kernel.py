@@ -40,7 +40,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(model: Path, dtype: str, attention: str) -> FSDPEngine:
     cfg = EngineConfig(
         model=str(model), dtype=dtype, attention=attention, micro_batch_size=3, optim=None
-    )  # type: ignore[arg-type]
+    )
     ctx = RoleContext("actor", "g", 0, 1, Layout(), None, HOST_DEVICE)
     return FSDPEngine(cfg, ctx)
 
@@ -50,7 +50,7 @@ def log_probs(e: FSDPEngine, batch: TensorBatch) -> tuple[torch.Tensor, str]:
         return token_log_probs(logits, micro.tensor("input_ids"), 1.0)
 
     found = e.infer(batch, read)
-    return found, str(e.module.config._attn_implementation)
+    return found, str(e.model_config._attn_implementation)
 
 
 @pytest.mark.parametrize("dtype, atol", [("fp32", 1e-5), ("bf16", 0.02)])

@@ -207,7 +207,7 @@ class FSDPEngine(TrainingEngine):
         # packed rows keep the fused kernel: their 4-d block mask is built for sdpa
         choice = "sdpa" if segments is not None else self.cfg.attention
         kernel = attention_kernel(choice, self.device, self.precision.dtype, int(ids.shape[1]))
-        self.module.config._attn_implementation = kernel  # read by every layer at each forward
+        self.model_config._attn_implementation = kernel  # read by every layer at each forward
         with self.autocast():
             out = self.module(
                 input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
