@@ -13,16 +13,26 @@ one process run twice, with ``--threads`` intra-op threads and with one, and the
 Runs, in turn:
 
 - **trl** — TRL 1.16, ``use_cpu=True``, fp32, gradient checkpointing off (``bench/trl_side.py``);
+- **trl_bf16** — the same with ``bf16=True`` (the Trainer's mixed precision: CPU autocast through
+  accelerate), at TRL's faster thread count (``--no-trl-bf16`` skips it). It is the peer of our
+  best runner: ``trl_best_tok_s`` is the faster of the two TRL runs;
 - **hybridflow** — on-policy fp32, semantics identical to TRL's: generation on the actor's own
   weights, pi_old = the generator's log-probs of the same weights (TRL detaches the current
   log-probs; in fp32 the two are equal), ranks in replicate data parallel;
 - **hybridflow_best** — ``dtype: auto``, i.e. the dtype this machine runs fastest (bf16 autocast
   with fp32 master weights where the CPU multiplies bf16 natively, fp32 where it does not; the JSON
   says which and why), same ranks, pi_old from the generator's log-probs (the behaviour policy, no
-  recompute); with ``--max-staleness K`` (``--overlap``: K = 1) also one rank training while a
-  second generates the next K batches (up to K steps off-policy; said in the JSON);
+  recompute). Run on-policy (k = 0, both ranks generate then train) and, for each k of
+  ``--max-staleness 1,2`` (``--overlap``: 1), with one rank training while a second generates the
+  next k batches (up to k steps off-policy); the fastest is "best" (``best_by_staleness`` has all);
 - **hybridflow_vllm** (``--vllm``) — best's settings with vLLM generating (the rollout rank's
-  engine, or the actor's colocated generator); pi_old is then vLLM's own log-probs.
+  engine at the largest k, or the actor's colocated generator); pi_old is then vLLM's own
+  log-probs.
+
+Where the time goes: ``stages`` has, per runner, each stage's median seconds and, for the update
+and generation, the FLOP rate per rank against the core's matmul peak measured in the same run
+(``bench/e2e_stages.py``); ``projection_4_ranks`` carries the measured core-seconds to 4 ranks
+(arithmetic, not a run; its assumptions are in that module's docstring).
 
 Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
 median step after the first, tok/s = median of tokens/step time. The last line is a JSON object
@@ -240,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--max-staleness",
-        type=int,
-        default=0,
-        help="best: generate k batches ahead on a rollout rank (k steps off-policy; 0: on-policy)",
+        default="0",
+        help="best: also generate k batches ahead on a rollout rank (k steps off-policy), for each "
+        "k of a comma list such as 1,2 (0: on-policy only)",
     )
     ap.add_argument("--overlap", action="store_true", help="same as --max-staleness 1")
     ap.add_argument(
@@ -257,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
     args = ap.parse_args(argv)
-    if args.overlap:
-        args.max_staleness = args.max_staleness or 1
+    staleness = sorted({0} | {int(k) for k in str(args.max_staleness).split(",") if k})
+    if args.overlap and staleness == [0]:
+        staleness = [0, 1]
+    args.max_staleness = staleness[-1]  # the vLLM runner's and the projection's k
     args.sft_steps = args.sft_steps or (60 if args.quick else 300)
     args.steps = args.steps or (5 if args.quick else 20)
 
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {trl_bf16['step_s_median']:.2f} s/step, {trl_bf16['tok_s']:.0f} tok/s")
         trl_best = max([trl] + ([trl_bf16] if trl_bf16 else []), key=lambda r: r["tok_s"])
         best_runs = {}
-        for k in sorted({0, args.max_staleness}):
+        for k in staleness:
             log(f"hybridflow best, max_staleness {k} ...")
             config = experiment(model, data, args, best=True, staleness=k)
             best_runs[k] = run_hybridflow(work, f"best-k{k}", config)
