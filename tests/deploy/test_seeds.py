@@ -120,3 +120,47 @@ def test_reduced_quickstart_gains_from_rl_on_three_seeds(
     assert {r["dtype"] for r in result["seeds"]} == {"fp32"}
     assert [r["seed"] for r in result["seeds"]] == [0, 1, 2]
     assert all(r["before"] <= 0.1 for r in result["seeds"])  # right sums, wrong format
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_reduced_quickstart_still_gains_from_rl_at_max_staleness_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 18: reward still rises when every batch is generated one version behind (the actor
+    # generates batch n+1 before training step n; colocated, in alternation). Measured (fp32,
+    # seeds 0-2): after RL 0.341 / 0.439 / 0.488, against 0.537 / 0.463 / 0.415 on-policy; the
+    # 0.05-on-average comparison is made at full size (the extended test below: 41 test
+    # problems make one answer 0.024 here).
+    argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", "3", "--out", str(tmp_path)]
+    sets = [*REDUCED, "stages.1.algorithm.max_staleness=1"]
+    code = seeds.main([*argv, *(x for s in sets for x in ("--set", s)), "--timeout", "300"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and [r["seed"] for r in result["seeds"]] == [0, 1, 2]
+    assert all(r["gain"] >= 0.25 for r in result["seeds"]), result["seeds"]
+    staleness = [
+        json.loads(line).get("train/staleness_max")
+        for s in range(3)
+        for line in (tmp_path / f"seed-{s}" / "metrics.jsonl").read_text().splitlines()
+        if '"stage_step"' in line and '"grpo"' in line
+    ]
+    assert max(staleness) == 1 and staleness[0] == 0  # the first batch is on-policy
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_async_quickstart_ends_within_0_05_of_on_policy_over_three_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The issue's criterion, full size (about 15 minutes on 2 idle cores). Measured in bf16
+    # (dtype auto): on-policy 0.892 / 0.964 / 0.933, max_staleness 1 0.894 / 0.941 / 0.935 (means
+    # 0.930 and 0.923); fp32 in the module's README table.
+    means = {}
+    for k in (0, 1):
+        argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", "3", "--out", str(tmp_path / f"{k}")]
+        code = seeds.main([*argv, "--set", f"stages.1.algorithm.max_staleness={k}"])
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert code == 0
+        means[k] = sum(r["after"] for r in result["seeds"]) / 3
+    assert abs(means[1] - means[0]) <= 0.05, means
