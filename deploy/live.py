@@ -3,15 +3,83 @@
 Shows the stage and step, reward, KL, response length, tokens/s, where the last step's time went
 and the last validation score. When stderr is not a terminal (CI, a log file) it prints a plain
 line every few steps instead, so logs stay readable.
+
+In RL stages a **pipeline** panel has one row per role group: the stages it ran in the last step
+(from the records' ``time/timeline/<stage>@<role>`` spans, a role mapped to the group that hosts
+it), and its idle fraction over the last ``WINDOW`` steps: 1 - (the union of its spans inside the
+window) / (the window's wall time, from the first step's start to the last one's end). Batches
+generated ahead (``max_staleness`` k >= 1) are spans that began in earlier steps; they count where
+they fall. The staleness in use (mean and max of the last step) sits beside it.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from deploy.experiment import placement
+
+#: steps the pipeline panel's idle fractions cover
+WINDOW = 10
+_PREFIX = "time/timeline/"
+
+
+def spans(record: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
+    """(stage, role, start, end) of a step record's timeline, in seconds since the run began."""
+    base = record.get(f"{_PREFIX}step_start_s")
+    if base is None:
+        return []
+    found = []
+    for key, start in record.items():
+        if key.startswith(_PREFIX) and key.endswith("_start_s") and "@" in key:
+            name = key[len(_PREFIX) : -len("_start_s")]
+            end = record.get(f"{_PREFIX}{name}_end_s")
+            if end is not None:
+                stage, role = name.split("@", 1)
+                found.append((stage, role, base + float(start), base + float(end)))
+    return found
+
+
+def _covered(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] inside the union of ``intervals``."""
+    total, reach = 0.0, lo
+    for start, end in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def pipeline(
+    records: Iterable[Mapping[str, Any]], group_of: Mapping[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Per group: the stages of the last step and the idle fraction over ``records`` (module
+    docstring). ``group_of`` maps a role to the group that hosts it."""
+    steps = [r for r in records if f"{_PREFIX}step_start_s" in r and "time/step_s" in r]
+    groups = sorted(set(group_of.values()))
+    found: dict[str, dict[str, Any]] = {g: {"last": [], "idle": None} for g in groups}
+    if not steps:
+        return found
+    lo = float(steps[0][f"{_PREFIX}step_start_s"])
+    hi = float(steps[-1][f"{_PREFIX}step_start_s"]) + float(steps[-1]["time/step_s"])
+    busy: dict[str, list[tuple[float, float]]] = {g: [] for g in groups}
+    for record in steps:
+        for _, role, start, end in spans(record):
+            if role in group_of:
+                busy[group_of[role]].append((start, end))
+    for stage, role, _, _ in sorted(spans(steps[-1]), key=lambda s: s[2]):
+        if role in group_of and stage not in found[group_of[role]]["last"]:
+            found[group_of[role]]["last"].append(stage)
+    for g in groups:
+        if hi > lo:
+            found[g]["idle"] = max(0.0, 1.0 - _covered(busy[g], lo, hi) / (hi - lo))
+    return found
 
 
 class LiveView:
@@ -23,6 +91,10 @@ class LiveView:
         self.live: Live | None = None
         self.enabled = enabled
         self.tty = enabled and console.is_terminal
+        self.group_of = {
+            role: name for name, group in placement(exp).items() for role in group.roles
+        }
+        self.recent: deque[dict[str, Any]] = deque(maxlen=WINDOW)
 
     def __enter__(self) -> LiveView:
         if self.tty:
@@ -39,7 +111,10 @@ class LiveView:
         if any(k.startswith("val/") for k in record):
             self.val = record
         if "stage_step" in record:
+            if self.last.get("stage") != record.get("stage"):
+                self.recent.clear()  # idle fractions of one stage at a time
             self.last = record
+            self.recent.append(record)
         if self.live is not None:
             self.live.update(self._table())
         elif self.enabled and self._due(record):
@@ -65,6 +140,9 @@ class LiveView:
         ):
             if key in r:
                 parts.append(f"{label} {r[key]:.4g}")
+        idle = {g: row["idle"] for g, row in pipeline(self.recent, self.group_of).items()}
+        if "stage_step" in r and len(self.recent) > 1 and None not in idle.values():
+            parts.append("idle " + " ".join(f"{g} {v:.0%}" for g, v in idle.items()))
         return "  ".join(parts)
 
     def _table(self) -> Table:
@@ -86,10 +164,26 @@ class LiveView:
         ):
             if key in r:
                 table.add_row(label, f"{r[key]:.4g}")
-        times = {k[5:-2]: v for k, v in r.items() if k.startswith("time/") and k != "time/step_s"}
+        times = {
+            k[5:-2]: v
+            for k, v in r.items()
+            if k.startswith("time/") and k != "time/step_s" and not k.startswith(_PREFIX)
+        }
         if times:
             table.add_row("time split", "  ".join(f"{k} {v:.2f}s" for k, v in times.items()))
         if self.val:
             shown = f"{self.val.get('val/score', float('nan')):.3f} at step {self.val['step']}"
             table.add_row("validation score", shown)
+        for name, row in pipeline(self.recent, self.group_of).items():
+            if row["idle"] is None:
+                continue
+            doing = ", ".join(row["last"]) or "-"
+            table.add_row(
+                f"group {name}", f"{doing}  idle {row['idle']:.0%} (last {len(self.recent)} steps)"
+            )
+        if "train/staleness" in r:
+            table.add_row(
+                "staleness",
+                f"mean {r['train/staleness']:.2f}  max {r.get('train/staleness_max', 0):.0f}",
+            )
         return table
