@@ -540,29 +540,52 @@ async def ppo_step(
     return summarize(batch, score, kl, kl_coef=state.kl.value, **extras, **metrics)
 
 
+async def greedy_baseline(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, seed: int, min_version: int = 0
+) -> torch.Tensor:
+    """ReMax's baseline per row: the reward of its prompt's greedy response, generated now (on
+    the weights that just sampled ``batch`` when called right after it)."""
+    prompts = first_of_each(batch)
+    greedy = await generate(roles, prompts, cfg, seed, greedy=True, min_version=min_version)
+    base, _ = await scores(roles.reward, greedy)
+    return base[index_of(batch, greedy)]
+
+
 async def remax_step(
     roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
 ) -> dict[str, Any]:
-    """ReMax: PPO's program without a critic; the greedy response's reward is the baseline."""
+    """ReMax: PPO's program without a critic; the greedy response's reward is the baseline.
+
+    On-policy the greedy response is generated here. A batch generated ahead (max_staleness
+    >= 1) brings its ``remax_baseline`` column, made by the trainer's rollout right after the
+    samples and on the same weights; generating it here would use newer weights than the
+    samples had."""
     t = state.timer()
     mask = batch.tensors["response_mask"]
-    async with t("gen"):  # the one extra call ReMax makes
-        prompts = first_of_each(batch)
-        greedy = await generate(roles, prompts, cfg, step, greedy=True)
+    ahead = batch.tensors.get("remax_baseline")
+    async with t("gen"):  # the one extra call ReMax makes (on-policy)
+        if ahead is None:
+            prompts = first_of_each(batch)
+            greedy = await generate(roles, prompts, cfg, step, greedy=True)
     async with t("prepare"):
-        old, ref, (score, extras), (base, _) = await asyncio.gather(
+        old, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg),
             log_probs(roles.reference, batch, cfg.temperature),
             scores(roles.reward, batch),
-            scores(roles.reward, greedy),
         )
+        if ahead is None:
+            base, _ = await scores(roles.reward, greedy)
+            baseline = base[index_of(batch, greedy)]
+            base_mean = float(base.mean())
+        else:
+            baseline = ahead.float()
+            base_mean = float(baseline[torch.tensor(first_rows(batch))].mean())
     kl = kl_of(old, ref, mask)
-    baseline = base[index_of(batch, greedy)]
     advantages = adv.remax(score, baseline, mask)
     batch = with_columns(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages)
     async with t("update"):
         metrics = await learn(roles, batch, cfg, state, step)
-    return summarize(batch, score, kl, baseline=float(base.mean()), **extras, **metrics)
+    return summarize(batch, score, kl, baseline=base_mean, **extras, **metrics)
 
 
 async def safe_rlhf_step(
@@ -663,13 +686,18 @@ def _group_stats(solved: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
     }
 
 
-def first_of_each(batch: TensorBatch) -> TensorBatch:
-    """One row per prompt (by ``uid``), text columns only: the prompts a batch was drawn from."""
+def first_rows(batch: TensorBatch) -> list[int]:
+    """The first row of each prompt (by ``uid``), in order of appearance."""
     seen: dict[Any, int] = {}
     for i, uid in enumerate(batch.non_tensors["uid"]):
         seen.setdefault(uid, i)
+    return list(seen.values())
+
+
+def first_of_each(batch: TensorBatch) -> TensorBatch:
+    """One row per prompt (by ``uid``), text columns only: the prompts a batch was drawn from."""
     keep = [k for k in batch.non_tensors if k not in ("response", "finish", "request")]
-    rows = batch.select([], keep, []).index(torch.tensor(list(seen.values()), dtype=torch.long))
+    rows = batch.select([], keep, []).index(torch.tensor(first_rows(batch), dtype=torch.long))
     return rows
 
 

@@ -31,7 +31,15 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, scores
+from controller.algorithms import (
+    STEPS,
+    AlgorithmConfig,
+    Roles,
+    State,
+    greedy_baseline,
+    scores,
+    with_columns,
+)
 from controller.clients import EngineClient
 from controller.rollouts import (
     check_staleness,
@@ -364,6 +372,9 @@ class Trainer:
                 min_version=self.synced,
                 gate=self.gate,
             )
+            if cfg.name == "remax" and lag:  # the baseline on the weights of the samples
+                baseline = await greedy_baseline(self.roles, batch, cfg, m, self.synced)
+                batch = with_columns(batch, remax_baseline=baseline)
             self.gen_spans[m] = (began, time.perf_counter())
             return stamp(batch, version)
 
