@@ -2,7 +2,7 @@
 
     hybridflow reshard-plan --model llama2-70b --train 1-8-16 --gen 1-4 [--scheme all] [--json]
 
-``--model`` is a preset (``reshard.shapes.PRESETS``: llama2-7b, llama2-13b, llama3-8b,
+``--model`` is a preset (``reshard.shapes.PRESETS``: llama2-7b, llama2-13b, llama3-8b, llama-34b,
 llama2-70b) or a model folder / ``config.json`` of a Llama-family model. ``--train P-T-D`` is the
 training layout (pipeline stages, tensor shards, data replicas), ``--gen PG-TG`` the generation
 one (the micro-DP size d_g = P·T/(PG·TG) follows). For each scheme (``reshard.plan``) it plans the

@@ -65,6 +65,7 @@ PRESETS: dict[str, LlamaDims] = {
     "llama2-13b": LlamaDims(5120, 13824, 40, 40, 40, 32000),
     "llama3-8b": LlamaDims(4096, 14336, 32, 32, 8, 128256),
     "llama2-70b": LlamaDims(8192, 28672, 80, 64, 8, 32000),
+    "llama-34b": LlamaDims(8192, 22016, 48, 64, 8, 32000),  # CodeLlama-34B (the paper's 34B)
 }
 
 

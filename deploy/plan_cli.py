@@ -1,0 +1,239 @@
+"""``hybridflow plan``: which roles share devices, and each group's parallel sizes (docs/plan.md).
+
+    hybridflow plan EXP.yaml --gpus N [--gpus-per-node U] [--gpu-mem Q] [--device-profile a100]
+        [--model-size llama2-7b] [--prompts 1024 --prompt-len 1024 --response-len 1024]
+        [--top 10] [--json] [--write PLANNED.yaml]
+
+The experiment gives the models (roles with a model; rule rewards have none), the algorithm's
+workload (the first RL stage: prompts x samples, max new tokens as the response length, PPO
+epochs and mini-batches, whether pi_old is recomputed) and the engines' micro-batch size; flags
+override any of it (``--model-size`` gives every model a preset's dimensions, as in the paper's
+evaluation, and allows pipeline parallel). The plans are ranked by predicted step time
+(``deploy/plan/cost.py``); ``--write`` saves the experiment with the best plan's ``placement:``
+block in place of its own, ready for ``hybridflow run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from deploy.experiment import Experiment, ExperimentError, load, read_yaml
+from deploy.plan.cost import STAGES, ModelShape, Workload
+from deploy.plan.profiles import PROFILES, ProfileError, load_profile
+from deploy.plan.search import Plan, PlanError, Planner
+from reshard.shapes import PRESETS, LlamaDims, from_hf_config
+
+EXIT_BAD_INPUT = 2
+BYTE_VOCAB = 259  # the byte tokenizer of init models: 256 bytes + pad, bos, eos
+SMOLLM2 = LlamaDims(576, 1536, 30, 9, 3, 49152, tied=True, head_dim=64)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    experiment: Path
+    gpus: int
+    per_node: int
+    gpu_mem: float | None
+    profile: str
+    model_size: str | None
+    prompts: int | None
+    prompt_len: int
+    response_len: int | None
+    top: int
+    json: bool
+    write: Path | None
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> PlanOptions:
+        return cls(
+            a.experiment, a.gpus, a.gpus_per_node, a.gpu_mem, a.device_profile, a.model_size,
+            a.prompts, a.prompt_len, a.response_len, a.top, a.json, a.write,
+        )  # fmt: skip
+
+
+def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="propose a placement (auto-mapping, docs/plan.md)")
+    p.add_argument("experiment", type=Path)
+    p.add_argument("--gpus", type=int, required=True, help="devices in all (N)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per machine (U)")
+    p.add_argument("--gpu-mem", type=float, help="usable GB per device (Q; default: profile's)")
+    p.add_argument("--device-profile", default="a100", help=f"{', '.join(PROFILES)} or a JSON file")
+    p.add_argument("--model-size", choices=sorted(PRESETS), help="every model at this size")
+    p.add_argument("--prompts", type=int, help="prompts per step (default: the experiment's)")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
+    p.add_argument("--response-len", type=int, help="tokens per response (default: max_new)")
+    p.add_argument("--top", type=int, default=10, help="plans shown (default 10)")
+    p.add_argument("--json", action="store_true", help="print the plans as one JSON line")
+    p.add_argument("--write", type=Path, help="save the experiment with the best placement")
+    p.set_defaults(fn=plan_command)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    opts = PlanOptions.from_args(args)
+    try:
+        return run_plan(opts)
+    except (ExperimentError, ProfileError, PlanError, ValueError) as exc:
+        print(f"hybridflow plan: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def model_dims(exp: Experiment, role: str) -> LlamaDims | None:
+    name = exp.roles[role].model
+    if name is None:
+        return None
+    source = exp.models.get(name)
+    if source is None:
+        return from_hf_config(name)
+    if source.init is not None:
+        from roles.modeling.models import SIZES
+
+        c = SIZES[source.init]
+        return LlamaDims(
+            c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+            c["num_attention_heads"], c["num_key_value_heads"], BYTE_VOCAB,
+        )  # fmt: skip
+    if source.gguf is not None:
+        return SMOLLM2
+    assert source.path is not None  # ModelSource has exactly one source
+    return from_hf_config(source.path)
+
+
+def workload(exp: Experiment, opts: PlanOptions) -> Workload:
+    """The first RL stage's step, the experiment's models (or the preset size for all)."""
+    rl = next((s for s in exp.stages if getattr(s, "kind", "") == "rl"), None)
+    if rl is None:
+        raise ExperimentError(f"{opts.experiment}: no rl stage to plan for")
+    algo = rl.algorithm  # type: ignore[union-attr]
+    models: dict[str, ModelShape] = {}
+    for role in exp.roles:
+        if role == "rollout":
+            continue  # the planner places the actor's generation itself (the hybrid engine)
+        dims = PRESETS[opts.model_size] if opts.model_size else model_dims(exp, role)
+        if dims is not None:
+            models[role] = ModelShape(dims)
+    if "actor" not in models:
+        raise ExperimentError(f"{opts.experiment}: the planner needs an actor with a model")
+    micro = int(exp.roles["actor"].settings().get("micro_batch_size", 8))
+    return Workload(
+        models=models,
+        rows=(opts.prompts or algo.prompts_per_step) * algo.n,
+        prompt_len=opts.prompt_len,
+        response_len=opts.response_len or algo.max_new_tokens,
+        epochs=algo.ppo_epochs,
+        optimizer_steps=algo.ppo_epochs * algo.mini_batches,
+        recompute_old=algo.old_log_probs != "rollout",
+        micro_batch=1 if opts.model_size else micro,
+    )
+
+
+def placement_block(exp: Experiment, plan: Plan) -> dict[str, dict[str, Any]]:
+    """The plan as an experiment's ``placement:`` (roles without a model join the actor)."""
+    planned = {r for g in plan.groups for r in g}
+    extra = [r for r in exp.roles if r not in planned]
+    block: dict[str, dict[str, Any]] = {}
+    for group, cost in zip(plan.groups, plan.costs, strict=True):
+        roles = list(group) + (extra if "actor" in group else [])
+        entry: dict[str, Any] = {
+            "roles": roles,
+            "nproc": cost.strategy.p * cost.strategy.t * cost.strategy.d,
+        }
+        if cost.strategy.t > 1:
+            entry["tp"] = cost.strategy.t
+        if cost.strategy.p > 1:
+            entry["pp"] = cost.strategy.p
+        if "actor" in group and cost.strategy.gen_t != cost.strategy.t:
+            entry["gen_tp"] = cost.strategy.gen_t
+        if cost.strategy.p > 1 and "actor" in group:
+            entry["gen_pp"] = 1
+        block["_".join(group)] = entry
+    return block
+
+
+def describe(plan: Plan) -> dict[str, Any]:
+    return {
+        "step_s": plan.total,
+        "stages_s": {s: plan.stages[s] for s in STAGES},
+        "groups": [
+            {
+                "roles": list(g),
+                "devices": c.strategy.p * c.strategy.t * c.strategy.d,
+                "p_t_d": [c.strategy.p, c.strategy.t, c.strategy.d],
+                "gen_tp": c.strategy.gen_t,
+                "memory_gb": round(c.memory / 1e9, 2),
+                "waves": c.waves,
+            }
+            for g, c in zip(plan.groups, plan.costs, strict=True)
+        ],
+    }
+
+
+def run_plan(opts: PlanOptions) -> int:
+    if opts.gpus < 1 or opts.per_node < 1:
+        raise PlanError("--gpus and --gpus-per-node must be at least 1")
+    exp = load(opts.experiment)
+    profile = load_profile(opts.profile)
+    if opts.gpu_mem is not None:
+        from dataclasses import replace
+
+        profile = replace(profile, mem_bytes=opts.gpu_mem * 1e9)
+    wl = workload(exp, opts)
+    allow_pp = bool(opts.model_size) or all(
+        exp.roles[r].settings().get("backend") == "megatron" for r in wl.trained
+    )
+    start = time.perf_counter()
+    plans = Planner(wl, opts.gpus, opts.per_node, profile, allow_pp).plans(opts.top)
+    seconds = time.perf_counter() - start
+    result = {
+        "experiment": str(opts.experiment),
+        "gpus": opts.gpus,
+        "gpus_per_node": opts.per_node,
+        "profile": profile.name,
+        "models": {r: m.params for r, m in wl.models.items()},
+        "plan_s": round(seconds, 3),
+        "plans": [describe(p) for p in plans],
+        "placement": placement_block(exp, plans[0]),
+    }
+    if opts.write is not None:
+        raw = read_yaml(opts.experiment, "experiment file")
+        raw["placement"] = result["placement"]
+        opts.write.write_text(yaml.safe_dump(raw, sort_keys=False))
+        result["written"] = str(opts.write)
+    if opts.json:
+        print(json.dumps(result))
+    else:
+        print_plans(result, wl)
+    return 0
+
+
+def print_plans(result: dict[str, Any], wl: Workload) -> None:
+    console = Console()
+    title = (
+        f"{result['experiment']}: {result['gpus']} devices ({result['gpus_per_node']} per node, "
+        f"{result['profile']}), {wl.rows} sequences of {wl.prompt_len}+{wl.response_len} tokens"
+    )
+    table = Table(title=title, box=box.SIMPLE_HEAVY)
+    for column in ("#", "groups (devices, p-t-d, gen tp)", "step s", *STAGES):
+        table.add_column(column, justify="left" if column.startswith("groups") else "right")
+    for i, plan in enumerate(result["plans"], 1):
+        groups = "  ".join(
+            f"{{{'+'.join(g['roles'])}}} {g['devices']}, {'-'.join(map(str, g['p_t_d']))}, g{g['gen_tp']}"
+            for g in plan["groups"]
+        )
+        stages = [f"{plan['stages_s'][s]:.3g}" for s in STAGES]
+        table.add_row(str(i), groups, f"{plan['step_s']:.3g}", *stages)
+    console.print(table)
+    console.print(f"planned in {result['plan_s']:.2f} s; best placement:")
+    console.print(yaml.safe_dump({"placement": result["placement"]}, sort_keys=False))
+    if "written" in result:
+        console.print(f"written: {result['written']}")
