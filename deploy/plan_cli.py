@@ -28,9 +28,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from deploy.experiment import Experiment, ExperimentError, load, read_yaml
-from deploy.plan.cost import STAGES, ModelShape, Workload
-from deploy.plan.profiles import PROFILES, ProfileError, load_profile
+from deploy.experiment import Experiment, ExperimentError, load, placement, read_yaml
+from deploy.plan.cost import STAGES, ModelShape, Strategy, Workload, group_cost, step_cost
+from deploy.plan.profiles import PROFILES, DeviceProfile, ProfileError, load_profile
 from deploy.plan.search import Plan, PlanError, Planner
 from reshard.shapes import PRESETS, LlamaDims, from_hf_config
 
@@ -158,6 +158,18 @@ def placement_block(exp: Experiment, plan: Plan) -> dict[str, dict[str, Any]]:
             entry["gen_pp"] = 1
         block["_".join(group)] = entry
     return block
+
+
+def predict(
+    exp: Experiment, wl: Workload, profile: DeviceProfile, per_node: int
+) -> dict[str, float]:
+    """The cost model's step time for the experiment's own placement (per stage and total)."""
+    costs = []
+    for group in placement(exp).values():
+        d = group.nproc // (group.tp * group.pp)
+        s = Strategy(p=group.pp, t=group.tp, d=d, gen_t=group.gen_tp or group.tp)
+        costs.append(group_cost(group.roles, wl, s, per_node, profile))
+    return step_cost(costs)
 
 
 def describe(plan: Plan) -> dict[str, Any]:

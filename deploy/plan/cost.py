@@ -172,7 +172,10 @@ def pass_s(
         per_micro = wl.micro_batch * wl.seq * m.dims.hidden * WEIGHT_BYTES / s.t
         sends = micro * (2 if backward else 1)
         p2p = sends * (per_micro / _bw(s.p * s.t, per_node, profile) + profile.collective_latency_s)
-    return compute * bubble + tp + latency + p2p
+    # the engine's own small all-reduces over dp per call (micro-batch counts, token counts,
+    # metric sums: 3 for a training step, 1 for a forward, roles/engines/training/fsdp.py)
+    agree = (3 if backward else 1) * profile.collective_latency_s if s.d > 1 else 0.0
+    return compute * bubble + tp + latency + p2p + agree
 
 
 def forward_s(
