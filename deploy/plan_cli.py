@@ -3,6 +3,7 @@
     hybridflow plan EXP.yaml --gpus N [--gpus-per-node U] [--gpu-mem Q] [--device-profile a100]
         [--model-size llama2-7b] [--prompts 1024 --prompt-len 1024 --response-len 1024]
         [--top 10] [--json] [--write PLANNED.yaml]
+    hybridflow plan [EXP.yaml --gpus N ...] --calibrate [--quick] [--out PROFILE.json]
 
 The experiment gives the models (roles with a model; rule rewards have none), the algorithm's
 workload (the first RL stage: prompts x samples, max new tokens as the response length, PPO
@@ -10,7 +11,9 @@ epochs and mini-batches, whether pi_old is recomputed) and the engines' micro-ba
 override any of it (``--model-size`` gives every model a preset's dimensions, as in the paper's
 evaluation, and allows pipeline parallel). The plans are ranked by predicted step time
 (``deploy/plan/cost.py``); ``--write`` saves the experiment with the best plan's ``placement:``
-block in place of its own, ready for ``hybridflow run``.
+block in place of its own, ready for ``hybridflow run``. ``--calibrate`` measures this
+machine's profile first (``deploy/plan/calibrate.py``), prints it (``--out``: saves it, a file
+``--device-profile`` takes later) and, given an experiment, plans with it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from deploy.plan.search import Plan, PlanError, Planner
 from reshard.shapes import PRESETS, LlamaDims, from_hf_config
 
 EXIT_BAD_INPUT = 2
-BYTE_VOCAB = 259  # the byte tokenizer of init models: 256 bytes + pad, bos, eos
+BYTE_VOCAB = 320  # init models: 256 bytes + pad, bos, eos, rounded up to a multiple of 64
 SMOLLM2 = LlamaDims(576, 1536, 30, 9, 3, 49152, tied=True, head_dim=64)
 
 
@@ -45,7 +48,7 @@ class PlanOptions:
     gpus: int
     per_node: int
     gpu_mem: float | None
-    profile: str
+    profile: str | DeviceProfile
     model_size: str | None
     prompts: int | None
     prompt_len: int
@@ -64,11 +67,16 @@ class PlanOptions:
 
 def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="propose a placement (auto-mapping, docs/plan.md)")
-    p.add_argument("experiment", type=Path)
-    p.add_argument("--gpus", type=int, required=True, help="devices in all (N)")
+    p.add_argument("experiment", type=Path, nargs="?", help="(optional with --calibrate)")
+    p.add_argument("--gpus", type=int, help="devices in all (N); needed with an experiment")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per machine (U)")
     p.add_argument("--gpu-mem", type=float, help="usable GB per device (Q; default: profile's)")
-    p.add_argument("--device-profile", default="a100", help=f"{', '.join(PROFILES)} or a JSON file")
+    p.add_argument("--device-profile", help=f"{', '.join(PROFILES)} or a JSON file (default: a100)")
+    p.add_argument(
+        "--calibrate", action="store_true", help="measure this machine's profile and use it"
+    )
+    p.add_argument("--quick", action="store_true", help="--calibrate in a few seconds")
+    p.add_argument("--out", type=Path, help="--calibrate: save the profile JSON here")
     p.add_argument("--model-size", choices=sorted(PRESETS), help="every model at this size")
     p.add_argument("--prompts", type=int, help="prompts per step (default: the experiment's)")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default 64)")
@@ -80,12 +88,37 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    opts = PlanOptions.from_args(args)
     try:
-        return run_plan(opts)
+        if args.calibrate and args.device_profile:
+            raise ProfileError("--calibrate measures the profile: drop --device-profile")
+        if (args.quick or args.out) and not args.calibrate:
+            raise ProfileError("--quick and --out go with --calibrate")
+        if args.experiment is None and not args.calibrate:
+            raise PlanError("give an experiment to plan (or --calibrate alone)")
+        if args.experiment is not None and args.gpus is None:
+            raise PlanError("--gpus N is needed to plan an experiment")
+        if args.calibrate:
+            args.device_profile = run_calibrate(args.quick, args.out, quiet=args.json)
+        if args.device_profile is None:
+            args.device_profile = "a100"
+        return 0 if args.experiment is None else run_plan(PlanOptions.from_args(args))
     except (ExperimentError, ProfileError, PlanError, ValueError) as exc:
         print(f"hybridflow plan: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def run_calibrate(quick: bool, out: Path | None, quiet: bool) -> DeviceProfile:
+    """Measure this machine's profile, print it (to stderr under ``--json``), save it."""
+    from deploy.plan.calibrate import calibrate
+
+    found = calibrate(quick=quick, name=out.stem if out else "calibrated")
+    text = json.dumps(found.to_json_dict(), indent=2)
+    if out is not None:
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(out)
+    print(text, file=sys.stderr if quiet else sys.stdout)
+    return found.profile
 
 
 def model_dims(exp: Experiment, role: str) -> LlamaDims | None:
@@ -125,6 +158,13 @@ def workload(exp: Experiment, opts: PlanOptions) -> Workload:
     if "actor" not in models:
         raise ExperimentError(f"{opts.experiment}: the planner needs an actor with a model")
     micro = int(exp.roles["actor"].settings().get("micro_batch_size", 8))
+    fsdp = frozenset(
+        r
+        for r in models
+        if not opts.model_size
+        and exp.roles[r].settings().get("backend", "fsdp") == "fsdp"
+        and exp.roles[r].settings().get("dp_mode", "fsdp") == "fsdp"
+    )
     return Workload(
         models=models,
         rows=(opts.prompts or algo.prompts_per_step) * algo.n,
@@ -134,6 +174,7 @@ def workload(exp: Experiment, opts: PlanOptions) -> Workload:
         optimizer_steps=algo.ppo_epochs * algo.mini_batches,
         recompute_old=algo.old_log_probs != "rollout",
         micro_batch=1 if opts.model_size else micro,
+        fsdp=fsdp,
     )
 
 
@@ -194,7 +235,9 @@ def run_plan(opts: PlanOptions) -> int:
     if opts.gpus < 1 or opts.per_node < 1:
         raise PlanError("--gpus and --gpus-per-node must be at least 1")
     exp = load(opts.experiment)
-    profile = load_profile(opts.profile)
+    profile = (
+        opts.profile if isinstance(opts.profile, DeviceProfile) else load_profile(opts.profile)
+    )
     if opts.gpu_mem is not None:
         from dataclasses import replace
 

@@ -15,10 +15,13 @@ roles, ``controller/placement.py``):
 - **compute-bound passes** (prefill, prepare, train): FLOPs = 2 x non-embedding params x tokens
   + causal attention 2 x 2 x L x A x tokens x seq / 2 + the output head 2 x h x V x tokens;
   training is 3x a forward. Time = FLOPs / (n x flops), stretched by the pipeline bubble
-  (m + p - 1) / m for m = sequences per dp replica, plus tensor-parallel all-reduces (2 per layer
-  and pass; 4 when training) of the replica's activations, pipeline sends of each micro-batch's
-  activations (and gradients) between stages, a dp gradient all-reduce per optimizer step, and
-  ``op_latency_s`` per layer and micro-batch;
+  (m + p - 1) / m for m = micro-batches per dp replica, plus tensor-parallel all-reduces (2 per
+  layer and micro-batch in a forward, 4 when training) of the micro-batch's activations,
+  pipeline sends of each micro-batch's activations (and gradients) between stages, a dp
+  gradient all-reduce per optimizer step, and ``op_latency_s`` per layer and micro-batch. A
+  model whose dp is FSDP (``Workload.fsdp``: the fsdp engine's default ``dp_mode``) also
+  all-gathers each layer's weights per micro-batch, once in a forward and again in a backward;
+  Megatron's dp (and ``dp_mode: replicate``) does not;
 - **generation** (memory-bound): each decode step reads the generation shard's weights and the
   KV cache of the sequences in flight; a step costs max(bytes / mem_bw, FLOPs / flops) plus
   ``L`` x ``op_latency_s`` and two latency-bound all-reduces per layer at gen tp > 1. Sequences
@@ -99,6 +102,7 @@ class Workload:
     recompute_old: bool = True  # the actor recomputes pi_old in prepare
     micro_batch: int = 1  # sequences per micro-batch in forward / backward passes
     generator: str = "actor"
+    fsdp: frozenset[str] = frozenset()  # roles whose dp all-gathers weights per layer (FSDP)
 
     @property
     def seq(self) -> int:
@@ -153,6 +157,7 @@ def pass_s(
     per_node: int,
     profile: DeviceProfile,
     backward: bool,
+    fsdp: bool = False,
 ) -> float:
     """Forward (and backward) over the step's sequences on ``p x t x d`` devices."""
     n = s.p * s.t * s.d
@@ -161,9 +166,15 @@ def pass_s(
     compute = factor * m.forward_flops(tokens, wl.seq) / (n * profile.flops)
     micro = max(1.0, math.ceil(wl.rows / s.d / wl.micro_batch))  # micro-batches per replica
     bubble = (micro + s.p - 1) / micro
-    tp_bytes = tokens / s.d * m.dims.hidden * WEIGHT_BYTES
-    tp_calls = (2 if backward else 1) * 2 * m.dims.layers / s.p
+    tp_bytes = wl.micro_batch * wl.seq * m.dims.hidden * WEIGHT_BYTES
+    tp_calls = micro * (2 if backward else 1) * 2 * m.dims.layers / s.p
     tp = tp_calls * all_reduce_s(tp_bytes, s.t, _bw(s.t, per_node, profile), profile)
+    gather = 0.0
+    if fsdp and s.d > 1:  # each layer's weights, per micro-batch (and again for its backward)
+        units = m.dims.layers / s.p + 1  # the decoder layers and the root (embeddings, head)
+        nbytes = WEIGHT_BYTES * m.params / (s.p * s.t) / units
+        one = (s.d - 1) / s.d * nbytes / _bw(s.p * s.t * s.d, per_node, profile)
+        gather = micro * (2 if backward else 1) * units * (one + profile.collective_latency_s)
     latency = factor * micro * m.dims.layers / s.p * profile.op_latency_s
     # pipeline: each micro-batch's activations (and, training, their gradients) cross each of
     # a device's stage boundaries; over nodes once a pipeline spans more than one
@@ -175,19 +186,29 @@ def pass_s(
     # the engine's own small all-reduces over dp per call (micro-batch counts, token counts,
     # metric sums: 3 for a training step, 1 for a forward, roles/engines/training/fsdp.py)
     agree = (3 if backward else 1) * profile.collective_latency_s if s.d > 1 else 0.0
-    return compute * bubble + tp + latency + p2p + agree
+    return compute * bubble + tp + gather + latency + p2p + agree
 
 
 def forward_s(
-    m: ModelShape, wl: Workload, s: Strategy, per_node: int, profile: DeviceProfile
+    m: ModelShape,
+    wl: Workload,
+    s: Strategy,
+    per_node: int,
+    profile: DeviceProfile,
+    fsdp: bool = False,
 ) -> float:
-    return pass_s(m, wl, s, per_node, profile, backward=False)
+    return pass_s(m, wl, s, per_node, profile, backward=False, fsdp=fsdp)
 
 
 def train_s(
-    m: ModelShape, wl: Workload, s: Strategy, per_node: int, profile: DeviceProfile
+    m: ModelShape,
+    wl: Workload,
+    s: Strategy,
+    per_node: int,
+    profile: DeviceProfile,
+    fsdp: bool = False,
 ) -> float:
-    passes = wl.epochs * pass_s(m, wl, s, per_node, profile, backward=True)
+    passes = wl.epochs * pass_s(m, wl, s, per_node, profile, backward=True, fsdp=fsdp)
     grads = WEIGHT_BYTES * m.params / (s.p * s.t)
     n = s.p * s.t * s.d
     reduce = all_reduce_s(grads, s.d, _bw(n, per_node, profile), profile)
@@ -264,10 +285,11 @@ def group_cost(
     stages = dict.fromkeys(STAGES, 0.0)
     transient = 0.0
     for r, m in models.items():
+        fsdp = r in wl.fsdp
         if r in wl.prepared():
-            stages["prepare"] += forward_s(m, wl, s, per_node, profile)
+            stages["prepare"] += forward_s(m, wl, s, per_node, profile, fsdp)
         if r in TRAINED:
-            stages["train"] += train_s(m, wl, s, per_node, profile)
+            stages["train"] += train_s(m, wl, s, per_node, profile, fsdp)
             transient = max(transient, activation_bytes(m, wl, s))
     waves = 1
     if wl.generator in models:
