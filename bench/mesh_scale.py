@@ -50,6 +50,7 @@ from rich.table import Table
 
 from controller.placement import GroupSpec, RoleSpec
 from controller.server import Controller
+from deploy.terminal import run_async  # on uvloop where installed
 from transport.channel import connect_dealer, host_id, send_frames, spare_port
 from transport.codec import decode, encode
 from transport.protocol import PROTOCOL_VERSION, Layout, Message, MsgType, Transfer
@@ -211,13 +212,7 @@ def measure(groups: int, ranks: int, calls: int, warmup: int = 20) -> dict[str, 
     for p in procs:
         p.start()
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    try:
-        return runner(drive(address, specs, token, calls, warmup))
+        return run_async(lambda: drive(address, specs, token, calls, warmup))
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -96,7 +96,8 @@ def _llama(dims: LlamaDims, layers: int, dtype: torch.dtype) -> torch.nn.Module:
     )
     config._attn_implementation = "eager" if dtype == torch.bfloat16 else "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(dtype)
+    model: torch.nn.Module = LlamaForCausalLM(config)
+    return model.to(dtype=dtype)
 
 
 def training_flops(dtype: torch.dtype, batch: int, seq: int, repeats: int) -> float:
@@ -116,11 +117,15 @@ def op_latency(dtype: torch.dtype, repeats: int) -> float:
     """Seconds one layer adds to a one-token forward (a 10-layer minus a 2-layer model)."""
     narrow = LlamaDims(64, 128, 2, 2, 1, 320)
     ids = torch.zeros(1, 1, dtype=torch.long)
-    times = {}
+    times: dict[int, float] = {}
     for layers in (2, 10):
         model = _llama(narrow, layers, dtype)
+
+        def forward(m: torch.nn.Module = model) -> object:
+            return m(input_ids=ids)
+
         with torch.no_grad():
-            times[layers] = _median(lambda m=model: m(input_ids=ids), repeats)
+            times[layers] = _median(forward, repeats)
     return max(1e-7, (times[10] - times[2]) / 8)
 
 
