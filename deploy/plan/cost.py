@@ -189,17 +189,6 @@ def pass_s(
     return compute * bubble + tp + gather + latency + p2p + agree
 
 
-def forward_s(
-    m: ModelShape,
-    wl: Workload,
-    s: Strategy,
-    per_node: int,
-    profile: DeviceProfile,
-    fsdp: bool = False,
-) -> float:
-    return pass_s(m, wl, s, per_node, profile, backward=False, fsdp=fsdp)
-
-
 def train_s(
     m: ModelShape,
     wl: Workload,
@@ -287,7 +276,7 @@ def group_cost(
     for r, m in models.items():
         fsdp = r in wl.fsdp
         if r in wl.prepared():
-            stages["prepare"] += forward_s(m, wl, s, per_node, profile, fsdp)
+            stages["prepare"] += pass_s(m, wl, s, per_node, profile, False, fsdp)
         if r in TRAINED:
             stages["train"] += train_s(m, wl, s, per_node, profile, fsdp)
             transient = max(transient, activation_bytes(m, wl, s))
