@@ -91,7 +91,7 @@ def pack_rows(
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     """0, 1, 2, ... restarting at each new segment of a row."""
-    index = torch.arange(segment_ids.shape[1]).expand_as(segment_ids)
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
     starts = torch.ones_like(segment_ids, dtype=torch.bool)
     starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
@@ -101,10 +101,10 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """``[B, 1, T, T]`` bool: a token sees earlier tokens of its own segment. Padding sees only
     itself, so no attention row is empty (an empty row is NaN under softmax)."""
     width = segment_ids.shape[1]
-    index = torch.arange(width)
+    index = torch.arange(width, device=segment_ids.device)
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     causal = index[None, :] <= index[:, None]
-    return ((same & causal) | torch.eye(width, dtype=torch.bool))[:, None]
+    return ((same & causal) | torch.eye(width, dtype=torch.bool, device=segment_ids.device))[:, None]
 
 
 def decode_rows(tokenizer: Any, batch: TensorBatch) -> tuple[list[str], list[str]]:
@@ -120,5 +120,6 @@ def decode_rows(tokenizer: Any, batch: TensorBatch) -> tuple[list[str], list[str
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of each row's last real token (where a sequence-scoring head reads)."""
-    positions = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    positions = positions.expand_as(attention_mask)
     return (positions * attention_mask.bool()).max(-1).values

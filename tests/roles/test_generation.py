@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from pydantic import ValidationError
+from torch.overrides import TorchFunctionMode
 
 from controller.tasks import arithmetic
 from roles.engines.generation.hf import HFEngine
@@ -140,9 +141,10 @@ def test_finished_rows_leave_the_batch(setup: Any, monkeypatch: pytest.MonkeyPat
     widths: list[int] = []
     decode = native._decode
 
-    def spy(caches: Any, lengths: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def spy(caches: Any, lengths: torch.Tensor, tokens: torch.Tensor, span: int) -> torch.Tensor:
         widths.append(len(tokens))
-        return decode(caches, lengths, tokens)
+        assert span == int(lengths.max()) + 1  # the host's count matches the device's lengths
+        return decode(caches, lengths, tokens, span)
 
     monkeypatch.setattr(native, "_decode", spy)
     samples = native.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=30))
@@ -168,3 +170,60 @@ def test_request_seeds_make_samples_independent_of_position(setup: Any) -> None:
     assert [s.tokens for s in whole[6:]] == [s.tokens for s in tail]
     by_index = native.generate(prompts[3:], sampling)  # seeds from positions 0..2 differ
     assert [s.tokens for s in by_index] != [s.tokens for s in tail]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to the host — each one is a device-to-host
+    synchronisation on an accelerator (a boolean-mask index sizes its result by the data)."""
+
+    SCALAR = frozenset({"item", "__bool__", "__int__", "__index__", "__float__", "nonzero"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scalar = self.lists = self.masks = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.SCALAR:
+            self.scalar += 1
+        elif name == "tolist":
+            self.lists += 1
+        elif name == "__getitem__":
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            self.masks += any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        return func(*args, **(kwargs or {}))
+
+
+def test_native_decoding_reads_the_device_only_where_the_host_looks(setup: Any) -> None:
+    """Between the host's looks (every ``check_every`` steps) the decode loop keeps tokens,
+    log-probs and finished rows on the device; the results are read once, at the end."""
+    model, tokenizer, prompts = setup
+    sampling = SamplingConfig(temperature=1.0, n=4, max_new_tokens=24, seed=5)
+    results = {}
+    for check_every in (1, 8, 24):
+        engine = NativeEngine(model, tokenizer.eos_token_id, check_every=check_every)
+        with HostReads() as reads:
+            samples = engine.generate(prompts, sampling)
+        results[check_every] = [(s.tokens, s.log_probs, s.finish) for s in samples]
+        looks = (sampling.max_new_tokens - 1) // check_every  # the last step needs no look
+        compactions = reads.masks // (2 * len(model.model.layers) + 3)  # k, v per layer; 3 more
+        assert reads.masks == compactions * (2 * len(model.model.layers) + 3)
+        assert reads.scalar == looks + compactions  # a count per look, a longest row per compact
+        assert reads.lists == 4  # tokens, log-probs, lengths, stopped: once per call
+    assert "stop" in {finish for *_, finish in results[1]}
+    # when the host looks changes only when finished rows leave the batch, not what is sampled
+    # (log-probs to float rounding: a product's summation order depends on the batch's size)
+    for other in (results[8], results[24]):
+        assert [(t, f) for t, _, f in other] == [(t, f) for t, _, f in results[1]]
+        for (_, ours, _), (_, theirs, _) in zip(other, results[1], strict=True):
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), atol=1e-5, rtol=0)
+    # one look per step, the default on the host, and compaction then happens
+    with HostReads() as reads:
+        NativeEngine(model, tokenizer.eos_token_id).generate(prompts, sampling)
+    assert reads.scalar >= sampling.max_new_tokens - 1 and reads.masks > 0
+
+
+def test_check_every_must_be_positive(setup: Any) -> None:
+    model, tokenizer, _ = setup
+    with pytest.raises(GenerationError, match="check_every"):
+        NativeEngine(model, tokenizer.eos_token_id, check_every=0)

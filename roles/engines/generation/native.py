@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from roles.engines.generation.interface import (
     GenerationEngine,
+    GenerationError,
     LogitsProcessor,
     Resume,
     Sample,
@@ -38,14 +39,29 @@ from roles.engines.generation.interface import (
     sample_seed,
 )
 from roles.modeling.text import segment_positions
+from transport.device import in_host_memory
 
 COMPACT_FRACTION = 0.25  # compact the caches once this share of the rows has finished
+#: decode steps between the host's looks at the live rows when the weights are on an
+#: accelerator (each look waits for the device; finished rows compute until the next one)
+ACCELERATOR_CHECK_EVERY = 16
 
 
 class NativeEngine(GenerationEngine):
-    def __init__(self, model: Any, eos_token_id: int) -> None:
+    def __init__(self, model: Any, eos_token_id: int, check_every: int | None = None) -> None:
+        """``check_every``: decode steps between the host's looks at which samples are still
+        live (to stop early and to compact the caches). Each look is one device-to-host
+        synchronisation; on the host itself it costs nothing, so ``None`` means every step on
+        the host and every ``ACCELERATOR_CHECK_EVERY`` steps on an accelerator."""
+        if check_every is not None and check_every < 1:
+            raise GenerationError(f"check_every must be >= 1, got {check_every}")
         self.model = model
         self.base = getattr(model, str(model.base_model_prefix))
+        weights = _local(self.base.embed_tokens.weight)
+        self.device = weights.device  # where the weights are; every tensor of a call goes there
+        if check_every is None:
+            check_every = 1 if in_host_memory(weights) else ACCELERATOR_CHECK_EVERY
+        self.check_every = check_every
         config = model.config
         self.head_dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -64,43 +80,60 @@ class NativeEngine(GenerationEngine):
     ) -> list[Sample]:
         check_prompts(prompts, sampling, self.context, resume)
         self._fuse()
-        samples = [
-            Sample(request=i, prompt=list(p))
-            for i, p in enumerate(prompts)
-            for _ in range(sampling.n)
-        ]
+        n, steps = sampling.n, sampling.max_new_tokens
+        requests = [i for i in range(len(prompts)) for _ in range(n)]  # per sample
         uniforms = torch.stack(
             [
-                self._uniforms(sampling, request_seeds, s.request, j % sampling.n, resume)
-                for j, s in enumerate(samples)
+                self._uniforms(sampling, request_seeds, request, j % n, resume)
+                for j, request in enumerate(requests)
             ]
-        )
-        stops = torch.tensor(sampling.stop_token_ids or [self.eos])
-        caches, lengths, logits = self._prefill(prompts, sampling.n, sampling.max_new_tokens)
-        rows = torch.arange(len(samples))  # sample index of each cache row
-        live = torch.ones(len(samples), dtype=torch.bool)
-        for step in range(sampling.max_new_tokens):
+        ).to(self.device)
+        stops = torch.tensor(sampling.stop_token_ids or [self.eos], device=self.device)
+        caches, lengths, logits = self._prefill(prompts, n, steps)
+        # What the loop produces stays on the device: one column per step, and each sample's
+        # length (steps + 1 = still live). The host looks every ``check_every`` steps.
+        out_tokens = torch.zeros((len(requests), steps), dtype=torch.long, device=self.device)
+        out_log_probs = torch.zeros((len(requests), steps), device=self.device)
+        produced = torch.full((len(requests),), steps + 1, dtype=torch.long, device=self.device)
+        rows = torch.arange(len(requests), device=self.device)  # sample index of each cache row
+        longest = max(len(p) for p in prompts)  # the longest live row, on the host
+        check_every = self.check_every or 1
+        for step in range(steps):
             tokens, log_probs = self._choose(logits, rows, step, uniforms, sampling, processor)
-            columns = (rows.tolist(), tokens.tolist(), log_probs.tolist(), live[rows].tolist())
-            for row, token, logp, alive in zip(*columns, strict=True):
-                if alive:  # rows that finished stay until the next compaction; skip them
-                    samples[row].tokens.append(token)
-                    samples[row].log_probs.append(logp)
-            ended = torch.isin(tokens, stops) & live[rows]
-            for row in rows[ended].tolist():
-                samples[row].finish = "stop"
-            live[rows[ended]] = False
-            if not bool(live.any()) or step == sampling.max_new_tokens - 1:
+            # rows that finished stay until the next compaction; what they write after their
+            # end is past their length and never read
+            out_tokens[rows, step] = tokens
+            out_log_probs[rows, step] = log_probs
+            alive = produced[rows] > steps
+            ended = torch.isin(tokens, stops) & alive
+            produced[rows] = torch.where(ended, step + 1, produced[rows])
+            if step == steps - 1:
                 break
-            keep = live[rows]
-            if int((~keep).sum()) >= max(1, int(len(rows) * COMPACT_FRACTION)):
-                caches = [(k[keep], v[keep]) for k, v in caches]
-                rows, lengths, tokens = rows[keep], lengths[keep], tokens[keep]
-            logits = self._decode(caches, lengths, tokens)
-            lengths = lengths + 1
-        for s in samples:
-            s.finish = s.finish or "length"
-        return samples
+            if (step + 1) % check_every == 0:  # the host looks: one synchronisation
+                keep = produced[rows] > steps
+                finished = len(rows) - int(keep.sum())
+                if finished == len(rows):
+                    break
+                if finished >= max(1, int(len(rows) * COMPACT_FRACTION)):
+                    caches = [(k[keep], v[keep]) for k, v in caches]
+                    rows, lengths, tokens = rows[keep], lengths[keep], tokens[keep]
+                    longest = int(lengths.max())
+            logits = self._decode(caches, lengths, tokens, longest + 1)
+            lengths, longest = lengths + 1, longest + 1
+        # the one read of the results
+        counts = produced.clamp(max=steps).tolist()
+        stopped = (produced <= steps).tolist()
+        token_rows, log_prob_rows = out_tokens.tolist(), out_log_probs.tolist()
+        return [
+            Sample(
+                request=request,
+                prompt=list(prompts[request]),
+                tokens=token_rows[j][: counts[j]],
+                log_probs=log_prob_rows[j][: counts[j]],
+                finish="stop" if stopped[j] else "length",
+            )
+            for j, request in enumerate(requests)
+        ]
 
     @staticmethod
     def _uniforms(
@@ -130,7 +163,7 @@ class NativeEngine(GenerationEngine):
         self.fused = []
         # Under a bf16 autocast the fused matrices are cast once here, not at every product
         # (autocast caches casts only of leaf weights that require grad).
-        where = _local(self.base.embed_tokens.weight).device.type  # where the weights are
+        where = self.device.type
         cast = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else None
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -179,15 +212,19 @@ class NativeEngine(GenerationEngine):
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
         """All prompts packed in one forward pass; returns per-layer caches (one row per sample,
         room for ``max_new`` more tokens), the lengths, and each sample's next-token logits."""
-        ids = torch.tensor([t for p in prompts for t in p])[None]
-        segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p])[None]
+        device = self.device
+        ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
+        segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p], device=device)[None]
         x = self.base.embed_tokens(ids)
-        lengths = torch.tensor([len(p) for p in prompts])
-        starts = torch.cumsum(lengths, 0) - lengths
-        spans = list(zip(starts.tolist(), (starts + lengths).tolist(), strict=True))
-        width = int(lengths.max()) + max_new
+        sizes = [len(p) for p in prompts]
+        firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        spans = [(a, a + size) for a, size in zip(firsts, sizes, strict=True)]
+        lengths = torch.tensor(sizes, device=device)
+        starts = torch.tensor(firsts, device=device)
+        width = max(sizes) + max_new
         # rotary tables for every position this call can reach, looked up per step
-        self.cos, self.sin = (t[0] for t in self.base.rotary_emb(x, torch.arange(width)[None]))
+        where = torch.arange(width, device=device)[None]
+        self.cos, self.sin = (t[0] for t in self.base.rotary_emb(x, where))
         positions = segment_positions(segments)[0]
         cos, sin = self.cos[positions][None], self.sin[positions][None]
         caches = []
@@ -204,24 +241,19 @@ class NativeEngine(GenerationEngine):
                 ],
                 dim=2,
             )
-            caches.append(
-                (
-                    self._scatter(k, starts, lengths, n, width),
-                    self._scatter(v, starts, lengths, n, width),
-                )
-            )
+            caches.append((self._scatter(k, spans, n, width), self._scatter(v, spans, n, width)))
             x = self._finish_layer(index, x, attended)
         last = self._logits(x[0, starts + lengths - 1])
         return caches, lengths.repeat_interleave(n), last.repeat_interleave(n, dim=0)
 
     @staticmethod
     def _scatter(
-        packed: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, n: int, width: int
+        packed: torch.Tensor, spans: list[tuple[int, int]], n: int, width: int
     ) -> torch.Tensor:
         heads, dim = packed.shape[1], packed.shape[3]
-        cache = packed.new_zeros((len(lengths) * n, heads, width, dim))
-        for i, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
-            cache[i * n : (i + 1) * n, :, :length] = packed[0, :, start : start + length]
+        cache = packed.new_zeros((len(spans) * n, heads, width, dim))
+        for i, (start, end) in enumerate(spans):
+            cache[i * n : (i + 1) * n, :, : end - start] = packed[0, :, start:end]
         return cache
 
     def _decode(
@@ -229,11 +261,15 @@ class NativeEngine(GenerationEngine):
         caches: list[tuple[torch.Tensor, torch.Tensor]],
         lengths: torch.Tensor,
         tokens: torch.Tensor,
+        span: int,
     ) -> torch.Tensor:
-        """One token per live row at position ``lengths``; returns the next logits ``[B, V]``."""
-        batch = torch.arange(len(tokens))
-        span = int(lengths.max()) + 1
-        hidden = (torch.arange(span)[None, :] > lengths[:, None])[:, None, None, :]
+        """One token per live row at position ``lengths``; returns the next logits ``[B, V]``.
+        ``span`` (the longest row's length + 1) comes from the host: reading it off ``lengths``
+        would synchronise at every step."""
+        batch = torch.arange(len(tokens), device=self.device)
+        hidden = (torch.arange(span, device=self.device)[None, :] > lengths[:, None])[
+            :, None, None, :
+        ]
         x = self.base.embed_tokens(tokens[:, None])
         cos, sin = self.cos[lengths][:, None], self.sin[lengths][:, None]
         for index, (k_cache, v_cache) in enumerate(caches):
