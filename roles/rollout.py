@@ -34,6 +34,7 @@ from roles.runtime.device import Precision, group_dtype
 from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
 from roles.weight_sync import WeightSink, local_piece
 from transport.batch import TensorBatch
+from transport.device import HOST
 from transport.protocol import Layout
 
 
@@ -94,7 +95,8 @@ class Rollout(WeightSink, Role):
         )
 
     def _build_module_engine(self) -> None:
-        self.model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype).eval()
+        model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype)
+        self.model = model.to(self.ctx.device.device).eval()  # a no-op on the host
         layout = self.ctx.layout
         if layout.tp > 1:
             if self.cfg.engine != "native":
@@ -135,10 +137,12 @@ class Rollout(WeightSink, Role):
             )
         prompts = prompt_ids(batch, self.tokenizer)
         rows = pad_rows(prompts, [[0] * len(p) for p in prompts], self.tokenizer.pad_token_id)
-        ids, mask = rows.tensor("input_ids"), rows.tensor("attention_mask")
+        device = self.ctx.device.device
+        ids, mask = rows.tensor("input_ids").to(device), rows.tensor("attention_mask").to(device)
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
         last = mask.sum(-1) - 1
-        return TensorBatch.from_dict({"logits": logits[torch.arange(len(ids)), last]})
+        picked = logits[torch.arange(len(ids), device=device), last]
+        return TensorBatch.from_dict({"logits": picked.to(HOST)})
 
     @endpoint(ONE_TO_ALL)
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:

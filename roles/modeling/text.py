@@ -104,7 +104,9 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     index = torch.arange(width, device=segment_ids.device)
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     causal = index[None, :] <= index[:, None]
-    return ((same & causal) | torch.eye(width, dtype=torch.bool, device=segment_ids.device))[:, None]
+    return ((same & causal) | torch.eye(width, dtype=torch.bool, device=segment_ids.device))[
+        :, None
+    ]
 
 
 def decode_rows(tokenizer: Any, batch: TensorBatch) -> tuple[list[str], list[str]]:

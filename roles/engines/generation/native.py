@@ -214,7 +214,9 @@ class NativeEngine(GenerationEngine):
         room for ``max_new`` more tokens), the lengths, and each sample's next-token logits."""
         device = self.device
         ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
-        segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p], device=device)[None]
+        segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p], device=device)[
+            None
+        ]
         x = self.base.embed_tokens(ids)
         sizes = [len(p) for p in prompts]
         firsts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -47,6 +47,7 @@ from roles.modeling.models import (
 from roles.modeling.text import block_causal_mask, segment_positions
 from roles.runtime.device import attention_kernel, group_dtype
 from transport.batch import TensorBatch
+from transport.device import HOST, DeviceKind
 
 # Column-wise splits the output features (heads), row-wise the input features; a row-wise layer
 # ends with an all-reduce over tp.
@@ -125,7 +126,8 @@ class FSDPEngine(TrainingEngine):
         self.device = ctx.device  # mesh and autocast device type come from the device seam
         self.precision = group_dtype(cfg.dtype, ctx.device, ctx.process_group)
         self.dp, self.tp, self.world = layout.dp, layout.tp, layout.world_size
-        self.module = load_module(cfg, head)
+        # on the rank's device before it is split or an optimizer sees it (a no-op on the host)
+        self.module = load_module(cfg, head).to(self.device.device)
         self.model_config = self.module.config
         self.mesh: DeviceMesh | None = None
         if self.world > 1:
@@ -182,7 +184,9 @@ class FSDPEngine(TrainingEngine):
         largest count on any dp rank; yields (micro-batch, is_real)."""
         size = self.cfg.micro_batch_size
         local = [batch[i : i + size] for i in range(0, len(batch), size)]
-        stats = torch.tensor([len(local), -len(batch)], dtype=torch.int64)
+        stats = torch.tensor(
+            [len(local), -len(batch)], dtype=torch.int64, device=self.device.device
+        )
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
@@ -239,7 +243,15 @@ class FSDPEngine(TrainingEngine):
 
     # -- the interface -------------------------------------------------------------------------
 
+    def _on_device(self, batch: TensorBatch) -> TensorBatch:
+        """A batch from the wire (host memory) on this rank's device; as is on the host."""
+        if self.device.kind == DeviceKind.CPU:
+            return batch
+        return batch.to(self.device.device, non_blocking=True)
+
     def infer(self, batch: TensorBatch, read: Read) -> torch.Tensor:
+        """``read``'s result per row, in host memory (callers mix it with the wire's batches)."""
+        batch = self._on_device(batch)
         width = _width(batch)
         parts = []
         with torch.no_grad():
@@ -248,13 +260,14 @@ class FSDPEngine(TrainingEngine):
                 result = read(self._forward(micro), micro)
                 if real:
                     parts.append(_pad_to(result, width))
-        return torch.cat(parts)
+        return torch.cat(parts).to(HOST)
 
     def train_step(
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]:
         if self.optimizer is None or self.scheduler is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
+        batch = self._on_device(batch)
         tokens, seqs = self._global_counts(batch, count_key)
         micro_batches = list(self._micro_batches(batch))
         self.optimizer.zero_grad(set_to_none=True)
@@ -274,6 +287,9 @@ class FSDPEngine(TrainingEngine):
             self._all_reduce_gradients()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
+        # the gradients are spent: freed now, not at the next step, so generation in between
+        # (the colocated actor) has their memory
+        self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
@@ -283,7 +299,7 @@ class FSDPEngine(TrainingEngine):
 
     def _global_counts(self, batch: TensorBatch, count_key: str) -> tuple[float, float]:
         mask = batch.tensor(count_key)
-        counts = torch.tensor(count(mask), dtype=torch.float64)
+        counts = torch.tensor(count(mask), dtype=torch.float64, device=self.device.device)
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(counts, group=group)
@@ -291,7 +307,12 @@ class FSDPEngine(TrainingEngine):
 
     def sum_over_dp(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(totals)
-        stacked = torch.stack([torch.as_tensor(totals[n], dtype=torch.float64) for n in names])
+        stacked = torch.stack(
+            [
+                torch.as_tensor(totals[n], dtype=torch.float64, device=self.device.device)
+                for n in names
+            ]
+        )
         group = self._dp_group()
         if group is not None and names:
             dist.all_reduce(stacked, group=group)
@@ -322,7 +343,7 @@ class FSDPEngine(TrainingEngine):
         """Global L2 norm of the gradients (per-tensor norms summed in fp64, one all-reduce);
         scale them down to ``grad_clip`` when above it, as ``clip_grad_norm_`` does."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64)
+        square = torch.zeros((), dtype=torch.float64, device=self.device.device)
         for grad in grads:
             local, copies = _local_and_copies(grad, self.world)
             square += torch.linalg.vector_norm(local).double() ** 2 / copies
@@ -430,7 +451,9 @@ class FSDPEngine(TrainingEngine):
         embedding is left out, as ``save_pretrained`` does."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=self.world > 1)
+        # gathered into host memory: rank 0 must not hold a second whole copy on its device
+        offload = self.world > 1 or self.device.kind != DeviceKind.CPU
+        options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
         full = get_model_state_dict(self.module, options=options)
         if dist.is_initialized() and dist.get_rank() != 0:
             return {}
