@@ -10,7 +10,7 @@ import pytest
 import uvloop
 
 from controller.placement import GroupSpec, RoleSpec
-from roles.runtime.device import AUTO_DTYPE_ENV
+from roles.runtime.device import AUTO_DTYPE_ENV, cuda_devices
 from transport.settings import Timeouts
 
 # ``dtype: auto`` picks bf16 or fp32 by the CPU it runs on; the suite's numbers must not depend on
@@ -68,9 +68,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+GPU_ENV = "HYBRIDFLOW_REQUIRE_GPU"
+_GPU_KEY = pytest.StashKey[int]()
+
+
+def skip_gpu_tests(items: list[pytest.Item], have_gpu: bool, require: bool) -> int:
+    """Tests marked ``gpu`` run where CUDA is; elsewhere they are skipped (CI has no GPU), or
+    failed when ``HYBRIDFLOW_REQUIRE_GPU=1`` says this machine should have one
+    (``pytest_runtest_setup``). Returns how many were skipped. ``HYBRIDFLOW_REQUIRE_SYSTEM_TESTS``
+    does not apply: a GPU is no system component ``.ci/run`` can install."""
+    if have_gpu or require:
+        return 0
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    for item in marked:
+        item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA device, none here"))
+    return len(marked)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and cuda_devices() == 0:
+        if os.environ.get(GPU_ENV) == "1":
+            pytest.fail(f"{GPU_ENV}=1 but torch.cuda.is_available() is False: no GPU here")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``extended`` tier (slow tests another test already covers in part) is deselected by
-    default and reported as such, so ``make test`` stays near 15-25 minutes on 2 cores."""
+    """``gpu`` tests are skipped without CUDA (``skip_gpu_tests``). The ``extended`` tier (slow
+    tests another test already covers in part) is deselected by default and reported as such, so
+    ``make test`` stays near 15-25 minutes on 2 cores."""
+    config.stash[_GPU_KEY] = skip_gpu_tests(
+        items, cuda_devices() > 0, os.environ.get(GPU_ENV) == "1"
+    )
     if config.getoption("--extended") or os.environ.get(EXTENDED_ENV) == "1":
         return
     if config.getoption("markexpr"):  # an explicit -m decides for itself
@@ -84,6 +111,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    skipped_gpu = config.stash.get(_GPU_KEY, 0)
+    if skipped_gpu:
+        terminalreporter.write_line(
+            f"{skipped_gpu} gpu tests skipped: no CUDA device here (they run on a GPU machine; "
+            f"{GPU_ENV}=1 makes a missing GPU a failure)"
+        )
     dropped = config.stash.get(_EXTENDED_KEY, 0)
     if dropped:
         terminalreporter.write_line(

@@ -188,7 +188,7 @@ def group_dtype(
     if group is None or dist.get_world_size(group) == 1:
         log.info("compute dtype %s (%s)", mine.dtype, mine.reason)
         return mine
-    vote = torch.tensor([1 if mine.dtype == "bf16" else 0], dtype=torch.int32)
+    vote = torch.tensor([1 if mine.dtype == "bf16" else 0], dtype=torch.int32, device=device.device)
     dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
     agreed: Dtype = "bf16" if int(vote.item()) == 1 else "fp32"
     if agreed == mine.dtype:
