@@ -37,6 +37,7 @@ from controller.clients import (
     RoleClient,
     RolloutClient,
 )
+from controller.rollouts import PEAK_MEMORY
 from controller.server import Controller
 from controller.streaming import PartialRollout, scored
 from transport.batch import TensorBatch
@@ -411,6 +412,7 @@ async def learn(
         batch = with_columns(batch, rollout_log_probs=batch.tensors["log_probs"])
         actor_columns.append("rollout_log_probs")
     sums: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     updates = 0
     generator = torch.Generator().manual_seed(step)
     for _ in range(cfg.ppo_epochs):
@@ -436,9 +438,12 @@ async def learn(
             names = ["actor"] + [c.role for c, _, _ in critics]
             for name, result in zip(names, results, strict=True):
                 for key, value in result.items():
-                    sums[f"{name}/{key}"] = sums.get(f"{name}/{key}", 0.0) + float(value)
+                    if key == PEAK_MEMORY:  # a peak is the largest over the updates
+                        peaks[f"{name}/{key}"] = max(peaks.get(f"{name}/{key}", 0.0), value)
+                    else:
+                        sums[f"{name}/{key}"] = sums.get(f"{name}/{key}", 0.0) + float(value)
             updates += 1
-    found = {k: v / updates for k, v in sums.items()}
+    found = {k: v / updates for k, v in sums.items()} | peaks
     cap = cfg.loss.get("tis_cap")
     if cfg.behaviour_weighted:
         found.update(behaviour_weights(batch, math.inf if cap is None else float(cap)))

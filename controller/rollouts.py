@@ -12,6 +12,7 @@ run would have.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,23 @@ def check_staleness(batch: TensorBatch, learner: int, limit: int, step: int) -> 
             f"algorithm.max_staleness={limit} allows 0..{limit} versions behind"
         )
     return behind
+
+
+#: what the actor's and rollout's ``generate`` (batch meta) and ``update_policy`` (result) report:
+#: the rank's peak memory over the call (``roles/runtime/device.py``: device allocator on CUDA,
+#: process resident set on the host)
+PEAK_MEMORY = "peak_memory_bytes"
+
+
+def memory_metrics(batch: TensorBatch, metrics: Mapping[str, float]) -> dict[str, float]:
+    """``mem/generate_peak_gib`` and ``mem/train_peak_gib``: the peak memory of the step's
+    generation (of the rank whose meta the batch carries) and of its largest policy update."""
+    found = {}
+    if PEAK_MEMORY in batch.meta:
+        found["mem/generate_peak_gib"] = float(batch.meta[PEAK_MEMORY]) / 2**30
+    if f"actor/{PEAK_MEMORY}" in metrics:
+        found["mem/train_peak_gib"] = float(metrics[f"actor/{PEAK_MEMORY}"]) / 2**30
+    return found
 
 
 def staleness_metrics(behind: torch.Tensor, limit: int) -> dict[str, float]:

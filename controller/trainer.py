@@ -44,6 +44,7 @@ from controller.clients import EngineClient
 from controller.rollouts import (
     check_staleness,
     load_pending,
+    memory_metrics,
     save_pending,
     staleness_metrics,
     stamp,
@@ -408,6 +409,7 @@ class Trainer:
                 record.update(staleness_metrics(behind, lag))
                 if "reshard_s" in batch.meta:  # the actor generated at its gen_tp (reshard/)
                     record["time/reshard_s"] = float(batch.meta["reshard_s"])
+                record.update(memory_metrics(batch, metrics))
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)

@@ -24,6 +24,7 @@ from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
 from roles.modeling.text import encode_rows
+from roles.runtime.device import peak_memory_bytes, reset_peak_memory
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, MICRO_DP, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
 
@@ -102,8 +103,11 @@ class Actor(Reference):
         tp (placement ``gen_tp``) the weights are resharded to it for the call
         (``roles/engines/hybrid.py``) and the batch is split over the d * d_g replicas. With
         ``generator: vllm`` see ``_generate_vllm``."""
+        reset_peak_memory(self.ctx.device)
         if self.engine.cfg.generator == "vllm":
-            return self._generate_vllm(batch, sampling or {})
+            out = self._generate_vllm(batch, sampling or {})
+            out.meta["peak_memory_bytes"] = peak_memory_bytes(self.ctx.device)
+            return out
         start = time.perf_counter()
         offload = (
             getattr(self.engine, "optimizer", None) if self.engine.cfg.offload_optimizer else None
@@ -117,6 +121,7 @@ class Actor(Reference):
         out.meta["offloaded_bytes"] = offloaded
         if self.hybrid is not None:
             out.meta.update(self.hybrid.last)  # reshard_s, reshard_recv_bytes
+        out.meta["peak_memory_bytes"] = peak_memory_bytes(self.ctx.device)
         return out
 
     def _generate_vllm(self, batch: TensorBatch, sampling: dict[str, Any]) -> TensorBatch:
@@ -185,7 +190,10 @@ class Actor(Reference):
                 rollout_logp=micro.tensors.get("rollout_log_probs"),
             )
 
-        return self.engine.train_step(batch, loss_fn)
+        reset_peak_memory(self.ctx.device)
+        result = self.engine.train_step(batch, loss_fn)
+        result["peak_memory_bytes"] = float(peak_memory_bytes(self.ctx.device))
+        return result
 
     def _sft_batch(
         self, batch: TensorBatch, response_only: bool, pack: bool

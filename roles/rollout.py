@@ -30,7 +30,7 @@ from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, 
 from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB
 from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
 from roles.modeling.text import pad_rows
-from roles.runtime.device import Precision, group_dtype
+from roles.runtime.device import Precision, group_dtype, peak_memory_bytes, reset_peak_memory
 from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
 from roles.weight_sync import WeightSink, local_piece
 from transport.batch import TensorBatch
@@ -96,7 +96,8 @@ class Rollout(WeightSink, Role):
 
     def _build_module_engine(self) -> None:
         model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype)
-        self.model = model.to(self.ctx.device.device).eval()  # a no-op on the host
+        # (a no-op on the host)
+        self.model = model.to(self.ctx.device.device).eval()  # type: ignore[arg-type]
         layout = self.ctx.layout
         if layout.tp > 1:
             if self.cfg.engine != "native":
@@ -124,7 +125,10 @@ class Rollout(WeightSink, Role):
                 f"{self.ctx.role} rank {self.ctx.rank} holds weight version {self.version}, "
                 f"older than the version {min_version} asked for (did the last weight sync fail?)"
             )
-        return serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
+        reset_peak_memory(self.ctx.device)
+        out = serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
+        out.meta["peak_memory_bytes"] = peak_memory_bytes(self.ctx.device)
+        return out
 
     @endpoint(DP_SPLIT)
     @torch.no_grad()

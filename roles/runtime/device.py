@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -216,3 +217,37 @@ def attention_kernel(choice: str, device: RankDevice, dtype: str, width: int) ->
         return choice
     eager = device.kind == DeviceKind.CPU and dtype == "bf16" and width <= EAGER_MAX_WIDTH
     return "eager" if eager else "sdpa"
+
+
+# -- peak memory per phase -------------------------------------------------------------------
+#
+# What a phase (a generation, an optimizer step) needed at most on this rank: on CUDA the caching
+# allocator's high-water mark of tensor bytes; on the host the process's peak resident set
+# (``VmHWM``), which Linux resets when "5" is written to ``/proc/self/clear_refs``. The host
+# figure counts everything the process holds (interpreter, libraries, weights), not only tensors.
+
+_STATUS, _CLEAR = "/proc/self/status", "/proc/self/clear_refs"
+
+
+def reset_peak_memory(device: RankDevice) -> None:
+    """Start a new phase: the next ``peak_memory_bytes`` counts from here."""
+    if device.kind == DeviceKind.CUDA:
+        torch.cuda.reset_peak_memory_stats(device.device)
+        return
+    try:
+        with open(_CLEAR, "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak then counts from the process's start
+        pass
+
+
+def peak_memory_bytes(device: RankDevice) -> int:
+    """The most this rank held since ``reset_peak_memory`` (0 where the host cannot say)."""
+    if device.kind == DeviceKind.CUDA:
+        return int(torch.cuda.max_memory_allocated(device.device))
+    try:
+        with open(_STATUS) as f:
+            found = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+    except OSError:
+        return 0
+    return int(found.group(1)) * 1024 if found else 0

@@ -68,6 +68,9 @@ def test_quickstart_quick_runs_reports_and_exports(tmp_path: Path) -> None:
     rl = [r for r in rows if r["stage"] == "grpo" and "stage_step" in r]
     assert [r["stage_step"] for r in rl] == list(range(1, len(rl) + 1)) and rl
     assert all(r["train/response/tokens"] > 0 and r["perf/tokens_per_s"] > 0 for r in rl)
+    # each rank's peak memory per phase (here the process's resident set: > the model's 5 MB)
+    assert all(0.005 < r["mem/generate_peak_gib"] < 20 for r in rl)
+    assert all(0.005 < r["mem/train_peak_gib"] < 20 for r in rl)
     sft = [r for r in rows if r["stage"] == "sft" and "train/loss" in r]
     assert sft[-1]["train/loss"] < 0.6 * sft[0]["train/loss"]  # SFT learns
     assert (run_dir / "config.yaml").exists() and list((run_dir / "tensorboard").iterdir())

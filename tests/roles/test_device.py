@@ -110,3 +110,20 @@ def test_ranks_get_the_seam_decision_and_their_group_uses_its_backend() -> None:
 
     seen = run(main)
     assert seen == {"device": "cpu", "backend": "gloo", "group_backend": "gloo"}
+
+
+def test_peak_memory_counts_from_the_last_reset_on_the_host() -> None:
+    """A phase that touches 256 MiB peaks at least that far above one that touches nothing."""
+    from roles.runtime.device import HOST_DEVICE, peak_memory_bytes, reset_peak_memory
+
+    reset_peak_memory(HOST_DEVICE)
+    quiet = peak_memory_bytes(HOST_DEVICE)
+    reset_peak_memory(HOST_DEVICE)
+    big = torch.ones(64 << 20)  # 256 MiB, written so the pages are resident
+    busy = peak_memory_bytes(HOST_DEVICE)
+    del big
+    reset_peak_memory(HOST_DEVICE)
+    after = peak_memory_bytes(HOST_DEVICE)
+    assert quiet > 0
+    assert busy >= quiet + (240 << 20)
+    assert after < busy - (200 << 20)  # the reset forgot the freed tensor
