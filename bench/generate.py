@@ -87,6 +87,8 @@ from roles.modeling.models import (
     load_config,
     load_tokenizer,
 )
+from roles.runtime.device import DeviceError, rank_device
+from transport.device import HOST, DeviceKind
 
 ENGINES = ("native", "hf", "vllm")
 PEAK_SIZE = 2048
@@ -140,9 +142,9 @@ def forced_lengths(batch: int, max_new: int, seed: int = 0) -> list[int]:
 class ForcedLengths:
     """The logits processor every engine gets: sample i ends after exactly ``lengths[i]`` tokens."""
 
-    def __init__(self, eos: int, lengths: list[int]) -> None:
+    def __init__(self, eos: int, lengths: list[int], device: torch.device = HOST) -> None:
         self.eos = eos
-        self.lengths = torch.tensor(lengths)
+        self.lengths = torch.tensor(lengths, device=device)  # where the engine's rows are
 
     def __call__(self, rows: torch.Tensor, step: int, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
@@ -219,16 +221,30 @@ def hf_executed_flops(
     return prefill + decode
 
 
-def matmul_peak(n: int = PEAK_SIZE, repeats: int = 8) -> float:
-    """GFLOP/s of the best of ``repeats`` fp32 ``n x n x n`` products on the current threads."""
-    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+def matmul_peak(
+    n: int = PEAK_SIZE,
+    repeats: int = 8,
+    device: torch.device = HOST,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """GFLOP/s of the best of ``repeats`` ``n x n x n`` products on the current threads (or on
+    ``device``: there each product is waited for before the clock stops)."""
+    a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
     torch.mm(a, b, out=c)  # warm-up
     best = float("inf")
     for _ in range(repeats):
+        wait(device)
         start = time.perf_counter()
         torch.mm(a, b, out=c)
+        wait(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def wait(device: torch.device) -> None:
+    """Until the device has done what was queued (nothing to wait for on the host)."""
+    if device.type == DeviceKind.CUDA:
+        torch.cuda.synchronize(device)
 
 
 # -- timing -----------------------------------------------------------------------------------
@@ -273,13 +289,14 @@ def measure_in_process(
     prompts: list[list[int]],
     lengths: list[int],
     work: Workload,
+    device: torch.device = HOST,
 ) -> dict[str, Timing]:
     """native and HF, taking turns call by call (the first turn warms up)."""
-    model = load_causal_lm(model_dir, dtype=dtype).eval()
+    model = load_causal_lm(model_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    processor = ForcedLengths(eos, lengths)
+    processor = ForcedLengths(eos, lengths, device)
     engines: dict[str, GenerationEngine] = {
         "native": NativeEngine(model, eos),
         "hf": HFEngine(model, pad, eos),
@@ -374,7 +391,13 @@ def vllm_missing() -> str | None:
 
 
 def run_size(
-    size: str, root: Path, dtype: torch.dtype, quick: bool, report: dict[str, Any], suffix: str
+    size: str,
+    root: Path,
+    dtype: torch.dtype,
+    quick: bool,
+    report: dict[str, Any],
+    suffix: str,
+    device: torch.device = HOST,
 ) -> list[list[str]]:
     """Measure every engine at one size; fills ``report``, returns the table rows."""
     kind, full, small = SIZES[size]
@@ -399,8 +422,8 @@ def run_size(
     report[f"hf_executed_share_{key}"] = round(
         useful / hf_executed_flops(shape, prompt_lengths, lengths), 3
     )
-    timings = measure_in_process(model_dir, dtype, prompts, lengths, work)
-    missing = vllm_missing()
+    timings = measure_in_process(model_dir, dtype, prompts, lengths, work, device)
+    missing = vllm_missing() if device == HOST else "vLLM is measured on the host only here"
     if missing is None:
         try:
             timings["vllm"] = measure_vllm(model_dir, dtype, prompts, lengths, work)
@@ -450,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--models", type=Path, help="keep the model directories here (reused)")
+    parser.add_argument(
+        "--device",
+        choices=[k.value for k in DeviceKind],
+        default=DeviceKind.CPU.value,
+        help="where native and HF generate (cuda: GPU 0; the peak is then that GPU's GEMM rate "
+        "in --dtype)",
+    )
     args = parser.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
@@ -458,16 +488,27 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     suffix = "" if args.dtype == "fp32" else "_bf16"
+    try:
+        device = rank_device(DeviceKind(args.device), 0, "bench").device
+    except DeviceError as exc:
+        parser.error(f"--device {args.device}: {exc}")
+    # the host's peak is fp32 on one thread; a GPU's is in the dtype measured
+    peak_dtype = torch.float32 if device == HOST else dtype
     started = time.perf_counter()
-    report: dict[str, Any] = {"quick": args.quick, "dtype": args.dtype, "missing": {}}
+    report: dict[str, Any] = {
+        "quick": args.quick,
+        "dtype": args.dtype,
+        "device": str(device),
+        "missing": {},
+    }
     rows: list[list[str]] = []
     peaks = []  # before every size and at the end: the VM's speed drifts
     with tempfile.TemporaryDirectory() as tmp:
         root = args.models or Path(tmp)
         for size in sizes:
-            peaks.append(matmul_peak())
-            rows += run_size(size, root, dtype, args.quick, report, suffix)
-    peaks.append(matmul_peak())
+            peaks.append(matmul_peak(device=device, dtype=peak_dtype))
+            rows += run_size(size, root, dtype, args.quick, report, suffix, device)
+    peaks.append(matmul_peak(device=device, dtype=peak_dtype))
     peak = max(peaks)
     report["peak_gflops"] = round(peak, 1)
     report["peak_gflops_samples"] = [round(p, 1) for p in peaks]

@@ -66,13 +66,15 @@ def run_trl(
     seed: int = 0,
     threads: int = 1,
     bf16: bool = False,
+    gpu: bool = False,
 ) -> dict[str, Any]:
     """Train with trl.GRPOTrainer on CPU for ``steps`` steps; timings, token counts and rewards.
 
     ``prompts`` are rows with a plain-text "prompt"; the whole row is passed to ``reward`` as its
     third argument. Rows are taken in the order given (``shuffle_dataset=False``), cycling if
     fewer than ``steps * prompts_per_step``. ``bf16`` is the Trainer's own ``bf16=True`` (bf16
-    autocast through accelerate, on CPU too), TRL's mixed-precision setting.
+    autocast through accelerate, on CPU too), TRL's mixed-precision setting. ``gpu``: on the
+    first CUDA device (the Trainer moves the model there; ``use_cpu=False``).
     """
     from trl import GRPOConfig, GRPOTrainer
 
@@ -87,7 +89,7 @@ def run_trl(
     with tempfile.TemporaryDirectory(prefix="trl_bench_") as out:
         config = GRPOConfig(
             output_dir=out,
-            use_cpu=True,
+            use_cpu=not gpu,
             bf16=bf16,
             **_no_checkpointing(GRPOConfig),
             beta=0.0,

@@ -30,6 +30,8 @@ from controller.server import Controller
 from controller.supervised import Log, LoopConfig, reward_model, sft
 from deploy.session import local_session
 from deploy.terminal import console, run_async
+from roles.runtime.device import DeviceError, check_device
+from transport.device import DeviceKind
 
 EXIT_BAD_INPUT = 2
 
@@ -61,6 +63,7 @@ class TrainOptions:
     dtype: str = "auto"
     nproc: int = 1
     tp: int = 1
+    device: str = DeviceKind.CPU.value
     dp_mode: str = "fsdp"
     seed: int = 0
     json: bool = False
@@ -86,6 +89,7 @@ class TrainOptions:
             dtype=args.dtype,
             nproc=args.nproc,
             tp=args.tp,
+            device=args.device,
             dp_mode=args.dp_mode,
             seed=args.seed,
             json=args.json,
@@ -129,6 +133,12 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks in the training group")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument(
+        "--device",
+        choices=[k.value for k in DeviceKind],
+        default=DeviceKind.CPU.value,
+        help="where the ranks compute (cuda: one GPU per rank, NCCL between them)",
+    )
+    p.add_argument(
         "--dp-mode",
         choices=("fsdp", "replicate"),
         default="fsdp",
@@ -171,6 +181,7 @@ def _prepare(opts: TrainOptions) -> tuple[GroupSpec, Rows, Rows]:
             "roles": {role: {"cls": cls, "config": engine.model_dump()}},
             "nproc": opts.nproc,
             "tp": opts.tp,
+            "device": opts.device,
         }
     )
     return group, train, val
@@ -184,7 +195,8 @@ def run_training(opts: TrainOptions) -> int:
     """Check, train, export; print the held-out metric before and after (or one JSON line)."""
     try:
         group, train, val = _prepare(opts)
-    except (ValueError, ValidationError) as e:
+        check_device(group.device, group.name, group.nproc)  # the ranks start on this machine
+    except (ValueError, ValidationError, DeviceError) as e:
         print(f"hybridflow {opts.job}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run_dir = opts.run_dir or Path("runs") / f"{opts.job}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -41,8 +41,16 @@ def _pytest_with_the_suite_conftest(tmp_path: Path, env: dict[str, str]) -> str:
     """A one-file suite run with this suite's conftest as a plugin; its output."""
     (tmp_path / "test_gpu_marker.py").write_text(GPU_TEST)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider"]
-        + ["-c", str(REPO / "pyproject.toml"), "-q", "-rs", str(tmp_path / "test_gpu_marker.py")],
+        [
+            *(sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider"),
+            *(
+                "-c",
+                str(REPO / "pyproject.toml"),
+                "-q",
+                "-rs",
+                str(tmp_path / "test_gpu_marker.py"),
+            ),
+        ],
         cwd=REPO,
         env={**os.environ, **env, "HYBRIDFLOW_REQUIRE_SYSTEM_TESTS": "1"},
         capture_output=True,

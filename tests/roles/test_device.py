@@ -127,3 +127,21 @@ def test_peak_memory_counts_from_the_last_reset_on_the_host() -> None:
     assert quiet > 0
     assert busy >= quiet + (240 << 20)
     assert after < busy - (200 << 20)  # the reset forgot the freed tensor
+
+
+@NEEDS_NO_CUDA
+def test_sft_on_cuda_without_cuda_is_refused_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.cli import build_parser
+    from roles.modeling.models import init_model
+
+    model = init_model(tmp_path / "tiny", "tiny", seed=0)
+    argv = ["sft", "--model", str(model), "--out", str(tmp_path / "out"), "--device", "cuda"]
+    args = build_parser().parse_args([*argv, "--steps", "2", "--run-dir", str(tmp_path / "run")])
+    start = time.perf_counter()
+    assert args.fn(args) == 2  # bad input
+    assert time.perf_counter() - start < 20
+    said = capsys.readouterr().err
+    assert "group 'sft' has device=cuda but this machine has no CUDA device" in said
+    assert not (tmp_path / "out").exists()

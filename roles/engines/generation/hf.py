@@ -25,6 +25,7 @@ from roles.engines.generation.interface import (
     SamplingConfig,
     check_prompts,
 )
+from transport.device import HOST
 
 
 class _Adapter(HFLogitsProcessor):
@@ -35,7 +36,7 @@ class _Adapter(HFLogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> Any:
         step = input_ids.shape[1] - self.prompt_width
-        return self.processor(torch.arange(len(scores)), step, scores)
+        return self.processor(torch.arange(len(scores), device=scores.device), step, scores)
 
 
 class HFEngine(GenerationEngine):
@@ -70,9 +71,10 @@ class HFEngine(GenerationEngine):
                 "top_k": sampling.top_k or None,
                 "top_p": sampling.top_p,
             }
+        device = self.model.device  # where the weights are; the results come back to the host
         out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=sampling.max_new_tokens,
             num_return_sequences=sampling.n,
             eos_token_id=stops,
@@ -88,6 +90,7 @@ class HFEngine(GenerationEngine):
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [rows, steps, V]
         generated = out.sequences[:, width:]
         log_probs = torch.log_softmax(logits, -1).gather(-1, generated[..., None]).squeeze(-1)
+        generated, log_probs = generated.to(HOST), log_probs.to(HOST)
         return [
             self._sample(i // sampling.n, prompts[i // sampling.n], row, lp, stops)
             for i, (row, lp) in enumerate(zip(generated, log_probs, strict=True))
