@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from reshard.layout import Box, box_numel, contains, intersect, relative
 from reshard.plan import Piece, Plan
-from transport.device import BACKENDS, DeviceKind
+from transport.device import BACKENDS, HOST, DeviceKind
 
 
 class ReshardError(RuntimeError):
@@ -51,6 +51,9 @@ class Transfer:
     rank: int
     group: dist.ProcessGroup | None
     dtype: torch.dtype = torch.float32
+    #: where the training pieces are; shards and buffers are made there (NCCL gathers device
+    #: memory, gloo host memory)
+    device: torch.device = HOST
 
     def run(
         self, train: Mapping[str, torch.Tensor], reuse: bool = False
@@ -59,7 +62,9 @@ class Transfer:
         self._own(train, gen, reuse)
         index = self.plan.groups[self.plan.group_of[self.rank]]
         me = index.members.index(self.rank)
-        staging = _Staging(self.plan.bucket_bytes) if self.plan.scheme == "verl" else None
+        staging = (
+            _Staging(self.plan.bucket_bytes, self.device) if self.plan.scheme == "verl" else None
+        )
         gloo = len(index.members) > 1 and dist.get_backend(self.group) == BACKENDS[DeviceKind.CPU]
         for b, per_member in enumerate(index.buckets):
             if gloo:
@@ -71,7 +76,7 @@ class Transfer:
                 continue
             # in place: the own part is packed straight into its slot of the gathered buffer,
             # so one bucket is all the extra memory a gather takes
-            out = torch.empty(width * len(sizes), dtype=torch.uint8)
+            out = torch.empty(width * len(sizes), dtype=torch.uint8, device=self.device)
             send = out[me * width : (me + 1) * width]
             self._pack(per_member[me], train, send)
             if len(sizes) > 1:
@@ -111,7 +116,7 @@ class Transfer:
 
     def _buffer(self, piece: Piece) -> torch.Tensor:
         size = torch.empty((), dtype=self.dtype).element_size()
-        return torch.empty(box_numel(piece.box) * size, dtype=torch.uint8)
+        return torch.empty(box_numel(piece.box) * size, dtype=torch.uint8, device=self.device)
 
     def _source(self, piece: Piece, train: Mapping[str, torch.Tensor]) -> torch.Tensor:
         tensor, held = self._train_piece(train, piece.param)
@@ -142,7 +147,8 @@ class Transfer:
             if mine is not None and same and mine.dtype == self.dtype:
                 gen[p.name] = mine
             else:
-                gen[p.name] = torch.empty([b - a for a, b in box], dtype=self.dtype)
+                shape = [b - a for a, b in box]
+                gen[p.name] = torch.empty(shape, dtype=self.dtype, device=self.device)
         return gen
 
     def _train_piece(
@@ -231,7 +237,7 @@ def release(train: Mapping[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> 
         if tensor is None or tensor is shard:
             continue  # nothing of its own: the training tensor served as the shard
         if tensor.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
-            fresh = torch.empty(tensor.shape, dtype=tensor.dtype)
+            fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
             with torch.no_grad():
                 fresh.copy_(tensor)
                 tensor.set_(fresh.untyped_storage(), 0, fresh.size(), fresh.stride())
@@ -242,8 +248,8 @@ class _Staging:
     """verl's order: each gathered tensor's generation slice is staged through one flat bucket
     before it lands in the engine's weights (an extra copy per byte, as verl pays)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.capacity = nbytes
+    def __init__(self, nbytes: int, device: torch.device = HOST) -> None:
+        self.capacity, self.device = nbytes, device
         self.buffer: torch.Tensor | None = None
         self.pending: list[tuple[str, tuple[slice, ...], int, torch.Size]] = []
         self.used = 0
@@ -257,11 +263,11 @@ class _Staging:
     ) -> None:
         n = part.numel() * part.element_size()
         if self.buffer is None:
-            self.buffer = torch.empty(max(self.capacity, n), dtype=torch.uint8)
+            self.buffer = torch.empty(max(self.capacity, n), dtype=torch.uint8, device=self.device)
         if self.used + n > self.buffer.numel():
             self.flush(gen)
             if n > self.buffer.numel():
-                self.buffer = torch.empty(n, dtype=torch.uint8)
+                self.buffer = torch.empty(n, dtype=torch.uint8, device=self.device)
         self.buffer[self.used : self.used + n].view(part.dtype).view(part.shape).copy_(part)
         self.pending.append((name, where, self.used, part.shape))
         self.used += n

@@ -113,7 +113,8 @@ class HybridEngine:
         start = time.perf_counter()
         reuse = self.engine.held_in_place
         with torch.no_grad():
-            gen = Transfer(self.plan, self.rank, self.group, dtype).run(train, reuse=reuse)
+            device = next(iter(train.values())).device  # where the training pieces are
+            gen = Transfer(self.plan, self.rank, self.group, dtype, device).run(train, reuse=reuse)
         self.last = {
             "reshard_s": time.perf_counter() - start,
             "reshard_recv_bytes": float(self.plan.recv_bytes(self.rank)),
