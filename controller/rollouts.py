@@ -12,7 +12,6 @@ run would have.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +54,17 @@ def check_staleness(batch: TensorBatch, learner: int, limit: int, step: int) -> 
 PEAK_MEMORY = "peak_memory_bytes"
 
 
-def memory_metrics(batch: TensorBatch, metrics: Mapping[str, float]) -> dict[str, float]:
+def memory_metrics(batch: TensorBatch, metrics: dict[str, float]) -> dict[str, float]:
     """``mem/generate_peak_gib`` and ``mem/train_peak_gib``: the peak memory of the step's
-    generation (of the rank whose meta the batch carries) and of its largest policy update."""
+    generation (of the rank whose meta the batch carries) and of its largest policy update,
+    which is taken out of ``metrics`` (it is no result of training: runs of the same work
+    differ in it, as in timings)."""
     found = {}
     if PEAK_MEMORY in batch.meta:
         found["mem/generate_peak_gib"] = float(batch.meta[PEAK_MEMORY]) / 2**30
-    if f"actor/{PEAK_MEMORY}" in metrics:
-        found["mem/train_peak_gib"] = float(metrics[f"actor/{PEAK_MEMORY}"]) / 2**30
+    train = metrics.pop(f"actor/{PEAK_MEMORY}", None)
+    if train is not None:
+        found["mem/train_peak_gib"] = float(train) / 2**30
     return found
 
 

@@ -57,7 +57,7 @@ from transport.weight_sync import WeightSyncSettings
 
 Rows = list[dict[str, Any]]
 Sink = Callable[[dict[str, Any]], None]
-TIMING_PREFIXES = ("time/", "perf/")
+TIMING_PREFIXES = ("time/", "perf/", "mem/")  # what differs between runs of the same work
 
 
 class _Stage(BaseModel):
@@ -399,6 +399,7 @@ class Trainer:
                 if not lag:
                     async with timer("sync"):
                         await self._sync()
+                memory = memory_metrics(batch, metrics)  # takes the peaks out of metrics
                 record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
                 elapsed = time.perf_counter() - start
                 record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
@@ -409,7 +410,7 @@ class Trainer:
                 record.update(staleness_metrics(behind, lag))
                 if "reshard_s" in batch.meta:  # the actor generated at its gen_tp (reshard/)
                     record["time/reshard_s"] = float(batch.meta["reshard_s"])
-                record.update(memory_metrics(batch, metrics))
+                record.update(memory)
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)

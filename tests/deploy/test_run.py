@@ -23,7 +23,7 @@ from deploy.cli import build_parser
 from roles.rules import arithmetic_reward
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-TIMING = ("time/", "perf/")
+TIMING = ("time/", "perf/", "mem/")  # what differs between runs of the same work
 
 
 def job(argv: list[str]) -> int:

@@ -25,12 +25,13 @@ from safetensors.torch import load_file
 
 from controller.clients import ActorClient, CriticClient
 from controller.placement import GroupSpec
+from controller.rollouts import PEAK_MEMORY
 from deploy.session import local_session
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.megatron_ranks import two_layouts_rank
 from tests.fixtures.ranks import run_ranks
-from tests.roles.test_training import exercise, token_batch
+from tests.roles.test_training import exercise, token_batch, without_peak
 from transport.batch import TensorBatch
 
 # name: (nproc, tp, pp, extra engine settings)
@@ -130,6 +131,9 @@ def test_engine_methods_match_fsdp_on_one_rank(results: dict[str, Any], name: st
     for metrics in METRICS:
         assert set(other[metrics]) == set(one[metrics]), metrics
         for key, value in one[metrics].items():
+            if key == PEAK_MEMORY:  # what the process held, not a result of the step
+                assert other[metrics][key] > 0
+                continue
             assert other[metrics][key] == pytest.approx(value, abs=1e-5), (metrics, key)
 
 
@@ -139,7 +143,7 @@ def test_checkpoint_replays_the_step_bitwise(results: dict[str, Any], name: str)
     assert (result["after"] - result["log_probs"]).abs().max() > 1e-3  # it learned
     assert torch.equal(result["after_again"], result["after"])
     assert torch.equal(result["after_errors"], result["after"])  # bad calls changed nothing
-    assert result["policy_again"] == result["policy"]
+    assert without_peak(result["policy_again"]) == without_peak(result["policy"])
     assert result["draw_again"] == result["draw"]
 
 

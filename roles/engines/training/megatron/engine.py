@@ -71,7 +71,7 @@ from roles.modeling.losses import count
 from roles.modeling.models import faithful_tokenizer, load_tokenizer
 from roles.runtime.device import group_dtype
 from transport.batch import TensorBatch
-from transport.device import DeviceKind
+from transport.device import HOST, DeviceKind
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -207,7 +207,9 @@ class MegatronEngine(TrainingEngine):
                 rows.append(left_align(batch[i : i + size], width, size if width else 0))
         except RowError as exc:
             problem = str(exc)
-        stats = torch.tensor([-len(batch), int(bool(problem))], dtype=torch.int64)
+        stats = torch.tensor(
+            [-len(batch), int(bool(problem))], dtype=torch.int64, device=self.device.device
+        )
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
@@ -237,7 +239,8 @@ class MegatronEngine(TrainingEngine):
 
         def forward_step(data: Iterator[Rows], model: torch.nn.Module) -> tuple[Any, Any]:
             micro = next(data)
-            output = model(micro.input_ids, None, causal_mask(micro.input_ids.shape[1]))
+            ids = micro.input_ids
+            output = model(ids, None, causal_mask(ids.shape[1], ids.device))
             if not getattr(getattr(model, "module", model), "post_process", True):
                 # under bf16 autocast a stage ends in bf16; the next one receives fp32
                 output = output.to(torch.float32)
@@ -275,18 +278,23 @@ class MegatronEngine(TrainingEngine):
         def last(output: torch.Tensor, rows: Rows) -> torch.Tensor:
             return read(self._model_output(output), rows.micro)
 
-        rows = self._micro_batches(batch)
+        rows = self._micro_batches(self._on_device(batch))
         with torch.no_grad():
             found = self._run(rows, last, forward_only=True)
         parts = [part for part, micro in zip(found, rows, strict=False) if micro.real]
         result = torch.cat(parts) if self._last_stage() else None
-        return self._from_last_stage(result)
+        return self._from_last_stage(result).to(HOST)  # callers mix it with the wire's batches
+
+    def _on_device(self, batch: TensorBatch) -> TensorBatch:
+        """A batch from the wire (host memory) on this rank's device; as is on the host."""
+        return batch if self.host else batch.to(self.device.device, non_blocking=True)
 
     def train_step(
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]:
         if self.optimizer is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
+        batch = self._on_device(batch)
         tokens, seqs = self._global_counts(batch, count_key)
         rows = self._micro_batches(batch)
         totals: dict[str, torch.Tensor] = {}
@@ -327,7 +335,7 @@ class MegatronEngine(TrainingEngine):
     def _clip_gradients(self) -> float:
         """Global L2 norm over the gradients megatron-core counts once, in fp64 with one
         all-reduce over the ranks that hold different ones; scaled to ``grad_clip`` above it."""
-        square = torch.zeros((), dtype=torch.float64)
+        square = torch.zeros((), dtype=torch.float64, device=self.device.device)
         optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         for optimizer in optimizers:
             for grad in optimizer.get_main_grads_for_grad_norm():
@@ -346,7 +354,9 @@ class MegatronEngine(TrainingEngine):
         return norm
 
     def _global_counts(self, batch: TensorBatch, count_key: str) -> tuple[float, float]:
-        counts = torch.tensor(count(batch.tensor(count_key)), dtype=torch.float64)
+        counts = torch.tensor(
+            count(batch.tensor(count_key)), dtype=torch.float64, device=self.device.device
+        )
         group = self._dp_group()
         if group is not None:
             dist.all_reduce(counts, group=group)
@@ -354,7 +364,12 @@ class MegatronEngine(TrainingEngine):
 
     def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(values)
-        stacked = torch.stack([torch.as_tensor(values[n], dtype=torch.float64) for n in names])
+        stacked = torch.stack(
+            [
+                torch.as_tensor(values[n], dtype=torch.float64, device=self.device.device)
+                for n in names
+            ]
+        )
         group = self._dp_group()
         if group is not None and names:
             dist.all_reduce(stacked, group=group)
@@ -373,7 +388,11 @@ class MegatronEngine(TrainingEngine):
         meta = [None if result is None else (tuple(result.shape), result.dtype)]
         dist.broadcast_object_list(meta, src=src, group=group)
         shape, dtype = meta[0]  # type: ignore[misc]
-        out = result.contiguous() if result is not None else torch.empty(shape, dtype=dtype)
+        out = (
+            result.contiguous()
+            if result is not None
+            else torch.empty(shape, dtype=dtype, device=self.device.device)
+        )
         dist.broadcast(out, src=src, group=group)
         return out
 

@@ -47,7 +47,7 @@ def left_align(micro: TensorBatch, width: int = 0, rows: int = 0) -> Rows:
             "sft_step(pack=True)) are not supported: use pack: false or backend: fsdp"
         )
     ids, mask = micro.tensor("input_ids"), micro.tensor("attention_mask").bool()
-    columns = torch.arange(mask.shape[1])
+    columns = torch.arange(mask.shape[1], device=mask.device)
     lengths = mask.sum(-1)
     offsets = torch.where(lengths > 0, mask.float().argmax(-1), 0)  # first real column
     inside = (columns[None, :] >= offsets[:, None]) & (
@@ -68,7 +68,7 @@ def left_align(micro: TensorBatch, width: int = 0, rows: int = 0) -> Rows:
 def shift(values: torch.Tensor, offsets: torch.Tensor, width: int, fill: int = 0) -> torch.Tensor:
     """``out[i, j] = values[i, j + offsets[i]]`` for ``j < width`` (``fill`` past the end)."""
     total = values.shape[1]
-    index = torch.arange(width)[None, :] + offsets[:, None]
+    index = torch.arange(width, device=values.device)[None, :] + offsets[:, None]
     valid = index < total
     picked = values.gather(1, index.clamp(max=total - 1))
     return torch.where(valid, picked, torch.full_like(picked, fill))
@@ -82,7 +82,7 @@ def restore(output: torch.Tensor, rows: Rows) -> torch.Tensor:
     if not bool(rows.offsets.any()):  # right padding only: the columns are the caller's
         pad = [0, 0] * (output.dim() - 2) + [0, rows.width - width]
         return torch.nn.functional.pad(output, pad)
-    index = torch.arange(rows.width)[None, :] - rows.offsets[:, None]  # [B, T]
+    index = torch.arange(rows.width, device=output.device)[None, :] - rows.offsets[:, None]
     valid = (index >= 0) & (index < width)
     index = index.clamp(0, width - 1)
     expand = index.view(batch, rows.width, *([1] * (output.dim() - 2)))
@@ -91,6 +91,7 @@ def restore(output: torch.Tensor, rows: Rows) -> torch.Tensor:
     return torch.where(keep, picked, torch.zeros_like(picked))
 
 
-def causal_mask(width: int) -> torch.Tensor:
+def causal_mask(width: int, device: torch.device | None = None) -> torch.Tensor:
     """megatron's attention mask: ``True`` where a query must not see a key ``[1, 1, W, W]``."""
-    return torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]
+    ones = torch.ones(width, width, dtype=torch.bool, device=device)
+    return torch.triu(ones, diagonal=1)[None, None]
