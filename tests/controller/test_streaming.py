@@ -18,6 +18,7 @@ import torch
 
 from controller.algorithms import Roles, scores
 from controller.clients import ActorClient, ReferenceClient, RewardClient, RolloutClient
+from controller.rollouts import PEAK_MEMORY
 from controller.streaming import (
     NO_VERSION,
     PartialRollout,
@@ -205,6 +206,11 @@ def test_streamed_batch_is_the_one_call_batch_with_its_scores(results: dict[str,
     assert results["streamed"].meta["chunks"] == 3  # one call per sub-batch
     assert results["streamed_partial"].meta["chunks"] == 6  # two sub-batches of 3 chunks
     plain = results["plain"]  # one sub-batch, no chunks: the one call, nothing added
+    assert plain.meta[PEAK_MEMORY] > 0 and one.meta[PEAK_MEMORY] > 0
+    # what the rank held differs from call to call; the rest is the same
+    plain, one = (
+        TensorBatch(b.tensors, b.non_tensors, b.meta | {PEAK_MEMORY: 0}) for b in (plain, one)
+    )
     assert plain.equals(one) and "token_versions" not in plain.tensors
     assert scored(results["plain"], "reward") is None
 
