@@ -6,7 +6,8 @@ host on the same model and inputs, within the precision's tolerance:
   back in host memory;
 * the native generation engine: greedy tokens equal to the host's, and the number of
   device-to-host synchronisations of a call independent of its length (none per decode step);
-* a whole GRPO ``--quick`` run of the quickstart with ``device: cuda``.
+* a whole GRPO ``--quick`` run of the quickstart with ``device: cuda``, and one with a rollout
+  group on the GPU, one step ahead, whose weights arrive by weight sync (reshard) each step.
 
 Multi-rank NCCL cannot run here: NCCL refuses two ranks on one device, so the multi-rank logic
 is tested over gloo on the host (tests/roles, tests/reshard) and these tests cover the device.
@@ -150,3 +151,23 @@ def test_grpo_quick_on_cuda_runs_and_learns(
     rl = [r for r in records(run_dir) if r["stage"] == "grpo" and "stage_step" in r]
     assert rl and all(r["train/response/tokens"] > 0 for r in rl)
     assert result["val_acc_after"] >= result["val_acc_before"] - 0.05
+
+
+@pytest.mark.timeout(600)
+def test_async_grpo_with_a_cuda_rollout_group_synced_from_a_cuda_actor(tmp_path: Path) -> None:
+    """Two groups on the one GPU (one rank each): the actor trains, the rollout group generates
+    one step ahead, and its weights arrive by weight sync after every step."""
+    sets = [
+        "roles.rollout={model: base}",
+        "placement.gen={roles: [rollout], nproc: 1, device: cuda}",
+        "placement.main.nproc=1",
+        "placement.main.device=cuda",
+        "stages.1.steps=4",
+        "stages.1.algorithm.max_staleness=1",
+    ]
+    run_dir = tmp_path / "run"
+    assert job(quick_argv("quickstart.yaml", run_dir, sets)) == 0
+    rl = [r for r in records(run_dir) if r["stage"] == "grpo" and "stage_step" in r]
+    assert [r["train/staleness"] for r in rl] == [0, 1, 1, 1]
+    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4]
+    assert all(r["mem/generate_peak_gib"] > 0 and r["mem/train_peak_gib"] > 0 for r in rl)
