@@ -37,10 +37,10 @@ from controller.clients import (
     RoleClient,
     RolloutClient,
 )
-from controller.rollouts import PEAK_MEMORY
 from controller.server import Controller
 from controller.streaming import PartialRollout, scored
 from transport.batch import TensorBatch
+from transport.protocol import PEAK_MEMORY
 
 TOKENS = ("input_ids", "attention_mask", "response_mask")
 Name = Literal["ppo", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf"]

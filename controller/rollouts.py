@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from transport.batch import TensorBatch
+from transport.protocol import PEAK_MEMORY
 
 VERSION = "policy_version"
 
@@ -46,12 +47,6 @@ def check_staleness(batch: TensorBatch, learner: int, limit: int, step: int) -> 
             f"algorithm.max_staleness={limit} allows 0..{limit} versions behind"
         )
     return behind
-
-
-#: what the actor's and rollout's ``generate`` (batch meta) and ``update_policy`` (result) report:
-#: the rank's peak memory over the call (``roles/runtime/device.py``: device allocator on CUDA,
-#: process resident set on the host)
-PEAK_MEMORY = "peak_memory_bytes"
 
 
 def memory_metrics(batch: TensorBatch, metrics: dict[str, float]) -> dict[str, float]:

@@ -27,6 +27,7 @@ from roles.modeling.text import encode_rows
 from roles.runtime.device import peak_memory_bytes, reset_peak_memory
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, MICRO_DP, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
+from transport.protocol import PEAK_MEMORY
 
 
 class Reference(EngineRole):
@@ -106,7 +107,7 @@ class Actor(Reference):
         reset_peak_memory(self.ctx.device)
         if self.engine.cfg.generator == "vllm":
             out = self._generate_vllm(batch, sampling or {})
-            out.meta["peak_memory_bytes"] = peak_memory_bytes(self.ctx.device)
+            out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
             return out
         start = time.perf_counter()
         offload = (
@@ -121,7 +122,7 @@ class Actor(Reference):
         out.meta["offloaded_bytes"] = offloaded
         if self.hybrid is not None:
             out.meta.update(self.hybrid.last)  # reshard_s, reshard_recv_bytes
-        out.meta["peak_memory_bytes"] = peak_memory_bytes(self.ctx.device)
+        out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
 
     def _generate_vllm(self, batch: TensorBatch, sampling: dict[str, Any]) -> TensorBatch:
@@ -192,7 +193,7 @@ class Actor(Reference):
 
         reset_peak_memory(self.ctx.device)
         result = self.engine.train_step(batch, loss_fn)
-        result["peak_memory_bytes"] = float(peak_memory_bytes(self.ctx.device))
+        result[PEAK_MEMORY] = float(peak_memory_bytes(self.ctx.device))
         return result
 
     def _sft_batch(

@@ -35,7 +35,7 @@ from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, e
 from roles.weight_sync import WeightSink, local_piece
 from transport.batch import TensorBatch
 from transport.device import HOST
-from transport.protocol import Layout
+from transport.protocol import PEAK_MEMORY, Layout
 
 
 class RolloutConfig(BaseModel):
@@ -127,7 +127,7 @@ class Rollout(WeightSink, Role):
             )
         reset_peak_memory(self.ctx.device)
         out = serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
-        out.meta["peak_memory_bytes"] = peak_memory_bytes(self.ctx.device)
+        out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
 
     @endpoint(DP_SPLIT)

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PROTOCOL_VERSION = 1
+#: the key under which a role reports its rank's peak memory over a call: in the meta of the
+#: batch ``generate`` returns and in the metrics of ``update_policy`` (bytes; device allocator
+#: on CUDA, process resident set on the host)
+PEAK_MEMORY = "peak_memory_bytes"
 
 
 class MsgType(enum.IntEnum):

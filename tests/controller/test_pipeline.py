@@ -18,7 +18,6 @@ import torch
 
 from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, generate
 from controller.clients import ActorClient, RewardClient, RolloutClient
-from controller.rollouts import PEAK_MEMORY
 from controller.sync import WeightSync
 from controller.tasks import arithmetic
 from controller.trainer import RLStage, Trainer, TrainerConfig, epoch_batches, request_seed
@@ -26,6 +25,7 @@ from deploy.session import local_session
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from transport.batch import TensorBatch
+from transport.protocol import PEAK_MEMORY
 from transport.weight_sync import WeightSyncSettings
 
 STEPS_PER_RUN = 4

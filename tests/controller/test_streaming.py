@@ -18,7 +18,6 @@ import torch
 
 from controller.algorithms import Roles, scores
 from controller.clients import ActorClient, ReferenceClient, RewardClient, RolloutClient
-from controller.rollouts import PEAK_MEMORY
 from controller.streaming import (
     NO_VERSION,
     PartialRollout,
@@ -35,6 +34,7 @@ from roles.modeling.models import init_model, load_tokenizer
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.roles.test_training import token_batch
 from transport.batch import TensorBatch
+from transport.protocol import PEAK_MEMORY
 
 TEXTS = ["1+2=", "34+56=", "7+80=", "a longer prompt, 99+1=", "0+0=", "5+5="]
 TOKENS = ["input_ids", "attention_mask", "response_mask"]

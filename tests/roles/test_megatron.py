@@ -25,7 +25,6 @@ from safetensors.torch import load_file
 
 from controller.clients import ActorClient, CriticClient
 from controller.placement import GroupSpec
-from controller.rollouts import PEAK_MEMORY
 from deploy.session import local_session
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
@@ -33,6 +32,7 @@ from tests.fixtures.megatron_ranks import two_layouts_rank
 from tests.fixtures.ranks import run_ranks
 from tests.roles.test_training import exercise, token_batch, without_peak
 from transport.batch import TensorBatch
+from transport.protocol import PEAK_MEMORY
 
 # name: (nproc, tp, pp, extra engine settings)
 SESSIONS: dict[str, dict[str, tuple[int, int, int, dict[str, Any]]]] = {

@@ -17,7 +17,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from controller.clients import CriticClient, RewardModelClient
-from controller.rollouts import PEAK_MEMORY
 from controller.tasks import preference
 from deploy.session import local_session
 from roles.modeling.logprob import token_log_probs
@@ -26,6 +25,7 @@ from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import ProbedActorClient
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
+from transport.protocol import PEAK_MEMORY
 
 ROWS = [{**row, "response": row["chosen"]} for row in preference(7, "train", seed=0)]
 # name: (dp, tp, dp_mode)

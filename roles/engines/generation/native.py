@@ -97,7 +97,6 @@ class NativeEngine(GenerationEngine):
         produced = torch.full((len(requests),), steps + 1, dtype=torch.long, device=self.device)
         rows = torch.arange(len(requests), device=self.device)  # sample index of each cache row
         longest = max(len(p) for p in prompts)  # the longest live row, on the host
-        check_every = self.check_every or 1
         for step in range(steps):
             tokens, log_probs = self._choose(logits, rows, step, uniforms, sampling, processor)
             # rows that finished stay until the next compaction; what they write after their
@@ -109,7 +108,7 @@ class NativeEngine(GenerationEngine):
             produced[rows] = torch.where(ended, step + 1, produced[rows])
             if step == steps - 1:
                 break
-            if (step + 1) % check_every == 0:  # the host looks: one synchronisation
+            if (step + 1) % self.check_every == 0:  # the host looks: one synchronisation
                 keep = produced[rows] > steps
                 finished = len(rows) - int(keep.sum())
                 if finished == len(rows):
@@ -214,9 +213,8 @@ class NativeEngine(GenerationEngine):
         room for ``max_new`` more tokens), the lengths, and each sample's next-token logits."""
         device = self.device
         ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
-        segments = torch.tensor([i + 1 for i, p in enumerate(prompts) for _ in p], device=device)[
-            None
-        ]
+        owners = [i + 1 for i, p in enumerate(prompts) for _ in p]  # each token's prompt
+        segments = torch.tensor(owners, device=device)[None]
         x = self.base.embed_tokens(ids)
         sizes = [len(p) for p in prompts]
         firsts = [sum(sizes[:i]) for i in range(len(sizes))]
