@@ -56,6 +56,7 @@ import yaml
 
 from bench.e2e_stages import matmul_peak, project, prompt_tokens, stage_report
 from bench.generate import Shape
+from deploy.terminal import add_device_option
 from roles.runtime.device import DeviceError, check_device
 from transport.device import DeviceKind
 
@@ -260,12 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer SFT and GRPO steps (< 3 min)")
     ap.add_argument("--size", choices=("tiny", "small", "135m"), default="small")
-    ap.add_argument(
-        "--device",
-        choices=[k.value for k in DeviceKind],
-        default=DeviceKind.CPU.value,
-        help="cuda: every runner, TRL included, on GPU 0 (one rank per group); the CPU-only "
-        "parts (thread sweep, stage FLOP rates, the 4-rank projection) are left out",
+    add_device_option(
+        ap,
+        "cuda: every runner, TRL included, on GPU 0 (one rank per group); the CPU-only parts "
+        "(thread sweep, stage FLOP rates, the 4-rank projection) are left out",
     )
     ap.add_argument("--sft-steps", type=int)
     ap.add_argument("--steps", type=int, help="GRPO steps per runner")

@@ -76,6 +76,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from deploy.terminal import add_device_option
 from roles.engines.generation.hf import HFEngine
 from roles.engines.generation.interface import GenerationEngine, SamplingConfig
 from roles.engines.generation.native import NativeEngine
@@ -473,12 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--models", type=Path, help="keep the model directories here (reused)")
-    parser.add_argument(
-        "--device",
-        choices=[k.value for k in DeviceKind],
-        default=DeviceKind.CPU.value,
-        help="where native and HF generate (cuda: GPU 0; the peak is then that GPU's GEMM rate "
-        "in --dtype)",
+    add_device_option(
+        parser,
+        "where native and HF generate (cuda: GPU 0; the peak is then that GPU's GEMM rate in "
+        "--dtype)",
     )
     args = parser.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]

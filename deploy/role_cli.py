@@ -29,7 +29,7 @@ from rich.markup import escape
 from controller.placement import GroupSpec, RoleSpec
 from deploy.keys_cli import client_files
 from deploy.local import LocalLauncher
-from deploy.terminal import console, run_async
+from deploy.terminal import add_device_option, console, run_async
 from transport.channel import split_tcp
 from transport.device import DeviceKind
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
@@ -111,11 +111,8 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
         "--wait", type=float, help="seconds to wait for the controller to answer (default 120)"
     )
     role.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
-    role.add_argument(
-        "--device",
-        choices=list(DeviceKind),
-        default=DeviceKind.CPU,
-        help="where the ranks compute (cuda: the GPU of each rank's LOCAL_RANK, NCCL)",
+    add_device_option(
+        role, "where the ranks compute (cuda: the GPU of each rank's LOCAL_RANK, NCCL)"
     )
     role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
     _add_launcher_options(role)

@@ -9,12 +9,15 @@ need them and ``cli.py`` needs the command modules.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from rich.console import Console
+
+from transport.device import DeviceKind
 
 T = TypeVar("T")
 
@@ -42,3 +45,10 @@ def run_async(main: Callable[[], Awaitable[T]]) -> T:
 
     result: T = _event_loop_runner()(guarded())
     return result
+
+
+def add_device_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--device cpu|cuda`` (default cpu): where a command's ranks or engines compute."""
+    parser.add_argument(
+        "--device", choices=[k.value for k in DeviceKind], default=DeviceKind.CPU.value, help=help
+    )

@@ -29,7 +29,7 @@ from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.supervised import Log, LoopConfig, reward_model, sft
 from deploy.session import local_session
-from deploy.terminal import console, run_async
+from deploy.terminal import add_device_option, console, run_async
 from roles.runtime.device import DeviceError, check_device
 from transport.device import DeviceKind
 
@@ -132,12 +132,7 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
     )
     p.add_argument("--nproc", type=int, default=1, help="ranks in the training group")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument(
-        "--device",
-        choices=[k.value for k in DeviceKind],
-        default=DeviceKind.CPU.value,
-        help="where the ranks compute (cuda: one GPU per rank, NCCL between them)",
-    )
+    add_device_option(p, "where the ranks compute (cuda: one GPU per rank, NCCL between them)")
     p.add_argument(
         "--dp-mode",
         choices=("fsdp", "replicate"),
