@@ -97,8 +97,14 @@ class Actor(Reference):
         return self.hybrid.weights() if self.hybrid else self.engine.full_weights()
 
     @endpoint(MICRO_DP)
-    def generate(self, batch: TensorBatch, sampling: dict[str, Any] | None = None) -> TensorBatch:
-        """Colocated generation. At the training layout on the actor's own weights: at one
+    def generate(
+        self, batch: TensorBatch, sampling: dict[str, Any] | None = None, min_version: int = 0
+    ) -> TensorBatch:
+        """Colocated generation, the same call a rollout group takes. The actor always samples
+        from its newest weights: ``min_version`` is the policy version the controller counts
+        them at (``controller/rollouts.py``), and ``meta["weight_version"]`` reports it.
+
+        At the training layout on the actor's own weights: at one
         rank, replicate mode or pure tp nothing is copied; under FSDP every layer is gathered
         first and freed after (``meta["gather_s"]`` says how long that took). With a generation
         tp (placement ``gen_tp``) the weights are resharded to it for the call
@@ -106,7 +112,7 @@ class Actor(Reference):
         ``generator: vllm`` see ``_generate_vllm``."""
         reset_peak_memory(self.ctx.device)
         if self.engine.cfg.generator == "vllm":
-            out = self._generate_vllm(batch, sampling or {})
+            out = self._generate_vllm(batch, sampling or {}, min_version)
             out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
             return out
         start = time.perf_counter()
@@ -117,7 +123,7 @@ class Actor(Reference):
             gathered = time.perf_counter() - start
             engine = make_engine(self.engine.cfg.generator, module, self.tokenizer)
             with self.engine.autocast():
-                out = serve(engine, self.tokenizer, batch, sampling or {}, self.engine.step)
+                out = serve(engine, self.tokenizer, batch, sampling or {}, min_version)
         out.meta["gather_s"] = gathered
         out.meta["offloaded_bytes"] = offloaded
         if self.hybrid is not None:
@@ -125,7 +131,9 @@ class Actor(Reference):
         out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
 
-    def _generate_vllm(self, batch: TensorBatch, sampling: dict[str, Any]) -> TensorBatch:
+    def _generate_vllm(
+        self, batch: TensorBatch, sampling: dict[str, Any], version: int
+    ) -> TensorBatch:
         """Colocated generation through vLLM (``roles/engines/generation/vllm.py``): the actor's
         whole weights are reloaded into vLLM in place (``meta["gather_s"]``), it generates, and
         then its KV cache and weights are freed until the next call (``meta["released_bytes"]``):
@@ -139,7 +147,7 @@ class Actor(Reference):
             with self.engine.full_weights() as module:
                 engine.load_weights(whole_weights(module))
             loaded = time.perf_counter() - start
-            out = serve(engine, self.tokenizer, batch, sampling, self.engine.step)
+            out = serve(engine, self.tokenizer, batch, sampling, version)
             released = engine.release(weights=True)
         out.meta.update(gather_s=loaded, offloaded_bytes=offloaded, released_bytes=released)
         return out

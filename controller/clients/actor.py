@@ -36,11 +36,16 @@ class ActorClient(ReferenceClient):
         self,
         batch: TensorBatch,
         sampling: dict[str, Any] | None = None,
+        min_version: int = 0,
         *,
         timeout: float | None = None,
     ) -> TensorBatch:
-        """Samples for the prompts of ``batch`` on the actor's own weights (colocated)."""
-        return await self._call(Transfer.MICRO_DP, "generate", batch, sampling, timeout=timeout)
+        """Samples for the prompts of ``batch`` on the actor's own weights (colocated), which
+        are always the newest: ``min_version`` is their policy version, echoed in
+        ``meta["weight_version"]`` (the call a ``RolloutClient`` takes too)."""
+        return await self._call(
+            Transfer.MICRO_DP, "generate", batch, sampling, min_version, timeout=timeout
+        )
 
     async def state_dict(self, *, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The full weights, e.g. for a rollout group's ``load_weights``."""
