@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -242,6 +243,7 @@ def check(exp: Experiment) -> None:
         raise ExperimentError("roles: every experiment needs an 'actor'")
     _check_stages(exp)
     _check_settings(exp)
+    _check_sglang(exp)
     if exp.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ExperimentError(
             "logging.wandb: the wandb package is not installed; pip install wandb, or set "
@@ -256,6 +258,35 @@ def check(exp: Experiment) -> None:
             raise ExperimentError(
                 f"roles.{role}.model: {model!r} is neither a name under models "
                 f"({sorted(exp.models)}) nor an existing folder"
+            )
+
+
+def _check_sglang(exp: Experiment) -> None:
+    """``engine: sglang`` is selectable but has never run: warn whenever a rollout names it, and
+    refuse it before any process starts when the sglang package is not installed (looked up with
+    ``find_spec``, not imported)."""
+    named = [
+        name
+        for name, cfg in exp.roles.items()
+        if role_class(name, cfg) == ROLE_CLASSES["rollout"]
+        and cfg.settings().get("engine") == "sglang"
+    ]
+    if not named:
+        return
+    # roles code: the adapter's pinned version and install line, kept in one place
+    from roles.engines.generation.sglang import API_VERSION, EXTRA
+
+    for name in named:
+        warnings.warn(
+            f"roles.{name}.engine: 'sglang' has never run; roles/engines/generation/sglang.py is "
+            f"written against SGLang {API_VERSION}'s offline Engine API and no test runs it",
+            UserWarning,
+            stacklevel=3,
+        )
+        if importlib.util.find_spec("sglang") is None:
+            raise ExperimentError(
+                f"roles.{name}.engine: 'sglang' needs the sglang package, which is not installed "
+                f"here; {EXTRA}, or use engine: native or vllm"
             )
 
 
