@@ -14,11 +14,14 @@ commands between them:
    when every bucket has arrived.
 
 Roles of one group (colocated) use ``sink.copy_from(role, version, settings)`` instead: one call,
-the same machinery through shared memory between the group's own ranks.
+the same machinery between the group's own ranks (shared memory on one host, ZeroMQ between hosts).
 
-A role says what it holds and how it takes weights by four hooks: ``held_weights`` (this rank's
-pieces in the layout it reports), ``weight_specs`` (name, shape, tp dim, dp dim, pipeline
-stage), ``sink_layout`` (the pieces each rank takes) and ``adopt`` (swap staged pieces in).
+A role says what it holds and how it takes weights by eight hooks. As a source, three:
+``held_weights`` (this rank's pieces in the layout it reports), ``weight_specs`` (name, shape, tp
+dim, dp dim, pipeline stage) and ``weight_dtype``. As a sink, five: ``sink_layout`` (the pieces
+each rank takes), ``sink_names`` (the parameters it holds), ``adopt`` (swap staged pieces in), and
+two with defaults: ``sink_splits`` (the dim each split parameter is cut along; none) and
+``check_staged`` (refuse staged pieces before any rank swaps; accepts all).
 """
 
 from __future__ import annotations
