@@ -106,7 +106,7 @@ class Rollout(WeightSink, Role):
                 )
             from torch.distributed.device_mesh import init_device_mesh
 
-            from roles.engines.training.fsdp import tensor_parallel
+            from roles.engines.training.common import tensor_parallel
 
             mesh = init_device_mesh(
                 self.ctx.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")
@@ -174,7 +174,7 @@ class Rollout(WeightSink, Role):
     def sink_splits(self) -> dict[str, int]:
         from torch.distributed.tensor import DTensor
 
-        from roles.engines.training.fsdp import split_dim
+        from roles.engines.training.common import split_dim
 
         found = {}
         for name, param in self.model.named_parameters():
@@ -235,7 +235,7 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
     """Copy full tensors into a model whose parameters may be tp-split DTensors."""
     from torch.distributed.tensor import DTensor
 
-    from roles.engines.training.fsdp import split_dim
+    from roles.engines.training.common import split_dim
 
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(state) - _tied(model))

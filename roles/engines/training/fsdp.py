@@ -2,9 +2,9 @@
 
 The group's ranks form a device mesh ``(dp, tp)`` in the same row-major order as the role layout
 (rank = dp_rank · tp + tp_rank). Each decoder layer's attention and MLP projections are split over
-``tp`` (q/k/v and gate/up column-wise, o and down row-wise, so each layer needs two all-reduces);
-embeddings, norms and heads stay whole on the tp ranks. Then every layer and the root are
-``fully_shard``-ed over ``dp``. Gloo runs all of it on CPU; NCCL would on GPU.
+``tp`` by ``TP_PLAN`` (``common.py``: q/k/v and gate/up column-wise, o and down row-wise, so each
+layer needs two all-reduces); embeddings, norms and heads stay whole on the tp ranks. Then every
+layer and the root are ``fully_shard``-ed over ``dp``. Gloo runs all of it on CPU; NCCL would on GPU.
 
 Exactness matters more than anything here (the tests compare 1, dp = 2 and tp = 2 runs):
 
@@ -18,10 +18,7 @@ Exactness matters more than anything here (the tests compare 1, dp = 2 and tp = 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -32,89 +29,33 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 
 from roles.base import RoleContext
+from roles.engines.training.common import (
+    TP_PLAN as TP_PLAN,  # still importable from here (bench/reshard.py)
+)
+from roles.engines.training.common import (
+    EngineError,
+    checkpoint_aside,
+    decoder_layers,
+    global_counts,
+    load_module,
+    open_checkpoint,
+    rank_file,
+    split_dim,
+    sum_over_dp,
+    tensor_parallel,
+    write_hf_folder,
+)
+from roles.engines.training.common import (
+    check_tp as check_tp,  # still importable from here (deploy/experiment.py, train_cli.py)
+)
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
-from roles.modeling.losses import count
-from roles.modeling.models import (
-    check_model_dir,
-    faithful_tokenizer,
-    load_causal_lm,
-    load_tokenizer,
-)
 from roles.modeling.text import block_causal_mask, segment_positions
 from roles.runtime.device import attention_kernel, group_dtype
 from transport.batch import TensorBatch
 from transport.device import HOST, DeviceKind
-
-# Column-wise splits the output features (heads), row-wise the input features; a row-wise layer
-# ends with an all-reduce over tp.
-TP_PLAN = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
-
-
-class EngineError(ValueError):
-    """A model or batch this engine cannot run, with what to change."""
-
-
-def check_tp(config: Any, tp: int) -> None:
-    """Tensor parallel splits heads and MLP features: ``tp`` must divide each count."""
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, field)
-        if value % tp:
-            raise EngineError(
-                f"tp={tp} does not divide the model's {field}={value}; pick a tp that divides it"
-            )
-
-
-def decoder_layers(module: torch.nn.Module) -> torch.nn.ModuleList:
-    base = getattr(module, str(module.base_model_prefix))
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise EngineError(f"{type(module).__name__} has no decoder layers to split")
-    return layers
-
-
-def tensor_parallel(module: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split every decoder layer's projections over ``tp_mesh`` by ``TP_PLAN`` (in place)."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    check_tp(module.config, tp_mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[kind]() for name, kind in TP_PLAN.items()}
-    for layer in decoder_layers(module):
-        parallelize_module(layer, tp_mesh, plan)
-
-
-def load_module(cfg: EngineConfig, head: Head) -> torch.nn.Module:
-    """The model, in fp32 on CPU, identical on every rank (seeded before any head is created)."""
-    torch.manual_seed(cfg.seed)
-    if head == "lm":
-        module = load_causal_lm(cfg.model)
-    else:
-        from transformers import AutoModelForTokenClassification
-
-        config, _ = check_model_dir(cfg.model)
-        config.num_labels = 1
-        config.classifier_dropout = 0.0
-        module = AutoModelForTokenClassification.from_pretrained(
-            cfg.model, config=config, dtype=torch.float32
-        )
-    module.eval()  # no dropout anywhere: ranks and recomputations must agree
-    return module
 
 
 class FSDPEngine(TrainingEngine):
@@ -268,7 +209,7 @@ class FSDPEngine(TrainingEngine):
         if self.optimizer is None or self.scheduler is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
         batch = self._on_device(batch)
-        tokens, seqs = self._global_counts(batch, count_key)
+        tokens, seqs = global_counts(batch.tensor(count_key), self._dp_group(), self.device.device)
         micro_batches = list(self._micro_batches(batch))
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
@@ -297,26 +238,8 @@ class FSDPEngine(TrainingEngine):
         result.update(grad_norm=grad_norm, lr=float(lr), tokens=tokens, seqs=seqs)
         return result
 
-    def _global_counts(self, batch: TensorBatch, count_key: str) -> tuple[float, float]:
-        mask = batch.tensor(count_key)
-        counts = torch.tensor(count(mask), dtype=torch.float64, device=self.device.device)
-        group = self._dp_group()
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-        return float(counts[0]), float(counts[1])
-
-    def sum_over_dp(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
-        names = sorted(totals)
-        stacked = torch.stack(
-            [
-                torch.as_tensor(totals[n], dtype=torch.float64, device=self.device.device)
-                for n in names
-            ]
-        )
-        group = self._dp_group()
-        if group is not None and names:
-            dist.all_reduce(stacked, group=group)
-        return {n: float(v) for n, v in zip(names, stacked, strict=True)}
+    def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        return sum_over_dp(values, self._dp_group(), self.device.device)
 
     def _all_reduce_gradients(self, bucket: int = 1 << 24) -> None:
         """Replicate mode: sum each rank's gradients over dp, in flat buckets of ``bucket``
@@ -364,39 +287,30 @@ class FSDPEngine(TrainingEngine):
         and renamed into place (a crash leaves the previous checkpoint intact)."""
         import torch.distributed.checkpoint as dcp
 
-        final = Path(path)
-        aside = final.with_name(final.name + ".partial")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
-            shutil.rmtree(aside, ignore_errors=True)
-            aside.mkdir(parents=True)
-        self._barrier()
-        # Before the first step AdamW has no state; to save one, torch's get_state_dict runs a
-        # zero-lr step, which would make the next real step AdamW's second (other bias
-        # corrections): taking a checkpoint must not change training, so that state is dropped
-        fresh = self.optimizer is not None and not self.optimizer.state
-        dcp.save(self._state(), checkpoint_id=str(aside))
-        if fresh and self.optimizer is not None:
-            self.optimizer.state.clear()
-        extra = {"rng": torch.get_rng_state(), "step": self.step, "scheduler": self._sched_state()}
-        torch.save({**extra, "fresh": fresh}, aside / f"rank{rank}.pt")
-        self._barrier()
-        if rank == 0:
-            (aside / "engine.json").write_text(json.dumps(self._describe(), indent=1))
-            _replace_dir(aside, final)
-        self._barrier()
+        with checkpoint_aside(path, rank, self._barrier, self._describe()) as aside:
+            # Before the first step AdamW has no state; to save one, torch's get_state_dict runs
+            # a zero-lr step, which would make the next real step AdamW's second (other bias
+            # corrections): taking a checkpoint must not change training, so that state is
+            # dropped
+            fresh = self.optimizer is not None and not self.optimizer.state
+            dcp.save(self._state(), checkpoint_id=str(aside))
+            if fresh and self.optimizer is not None:
+                self.optimizer.state.clear()
+            extra = {
+                "rng": torch.get_rng_state(),
+                "step": self.step,
+                "scheduler": self._sched_state(),
+                "fresh": fresh,
+            }
+            torch.save(extra, rank_file(aside, rank))
 
     def load(self, path: str | Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        folder = Path(path)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if not (folder / f"rank{rank}.pt").exists():
-            raise EngineError(f"no checkpoint for rank {rank} at {folder}")
-        saved = json.loads((folder / "engine.json").read_text())
-        if saved != self._describe():
-            raise EngineError(f"checkpoint {folder} was written by {saved}, not {self._describe()}")
+        folder = open_checkpoint(path, rank, self._describe())
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder))
         set_state_dict(
@@ -405,7 +319,7 @@ class FSDPEngine(TrainingEngine):
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
         )
-        extra = torch.load(folder / f"rank{rank}.pt", weights_only=True)
+        extra = torch.load(rank_file(folder, rank), weights_only=True)
         if extra.get("fresh") and self.optimizer is not None:
             self.optimizer.state.clear()  # saved before the first step (see save)
         torch.set_rng_state(extra["rng"])
@@ -431,19 +345,10 @@ class FSDPEngine(TrainingEngine):
     def export(self, path: str | Path) -> None:
         """The full weights as a plain Hugging Face folder (safetensors + config + tokenizer),
         gathered to rank 0 and written aside, then renamed into place."""
-        from safetensors.torch import save_file
-
         full = self.full_state()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
-            final = Path(path)
-            aside = final.with_name(final.name + ".partial")
-            shutil.rmtree(aside, ignore_errors=True)
-            aside.mkdir(parents=True)
-            save_file(full, str(aside / "model.safetensors"), metadata={"format": "pt"})
-            self.model_config.save_pretrained(aside)
-            faithful_tokenizer(load_tokenizer(self.cfg.model)).save_pretrained(aside)
-            _replace_dir(aside, final)
+            write_hf_folder(path, full, self.model_config, self.cfg.model)
         self._barrier()
 
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -517,15 +422,6 @@ def _local_and_copies(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int
     return grad, world
 
 
-def split_dim(placement: Placement) -> int | None:
-    """The tensor dim a placement splits, or None when it replicates. FSDP2 on top of tensor
-    parallel splits with ``_StridedShard``, which (torch 2.13) is no ``Shard`` and answers
-    ``is_shard()`` with False — but it splits its ``dim`` all the same."""
-    if placement.is_shard() or type(placement).__name__ == "_StridedShard":
-        return int(placement.dim)  # type: ignore[attr-defined]
-    return None
-
-
 def _width(batch: TensorBatch) -> int:
     return batch.tensor("input_ids").shape[1]
 
@@ -548,13 +444,3 @@ def _pad_to(result: torch.Tensor, width: int) -> torch.Tensor:
     if result.dim() < 2 or result.shape[1] == width:
         return result
     return F.pad(result, [0, 0] * (result.dim() - 2) + [0, width - result.shape[1]])
-
-
-def _replace_dir(aside: Path, final: Path) -> None:
-    """Swap a finished folder into place; an older one is moved away first and then deleted."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(aside, final)
-    shutil.rmtree(old, ignore_errors=True)

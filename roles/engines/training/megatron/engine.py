@@ -30,9 +30,7 @@ On CPU ranks (gloo) ``cuda_shim.py`` makes megatron-core's CUDA assumptions hold
 from __future__ import annotations
 
 import datetime
-import json
 import math
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -43,8 +41,17 @@ import torch
 import torch.distributed as dist
 
 from roles.base import RoleContext
+from roles.engines.training.common import (
+    EngineError,
+    checkpoint_aside,
+    global_counts,
+    load_module,
+    open_checkpoint,
+    rank_file,
+    sum_over_dp,
+    write_hf_folder,
+)
 from roles.engines.training.config import EngineConfig, OptimConfig
-from roles.engines.training.fsdp import EngineError, _replace_dir, load_module
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
 from roles.engines.training.megatron import cuda_shim
 from roles.engines.training.megatron.convert import (
@@ -67,8 +74,6 @@ from roles.engines.training.megatron.model import (
     init_parallel,
 )
 from roles.engines.training.megatron.rows import RowError, Rows, causal_mask, left_align, restore
-from roles.modeling.losses import count
-from roles.modeling.models import faithful_tokenizer, load_tokenizer
 from roles.runtime.device import group_dtype
 from transport.batch import TensorBatch
 from transport.device import HOST, DeviceKind
@@ -295,7 +300,7 @@ class MegatronEngine(TrainingEngine):
         if self.optimizer is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
         batch = self._on_device(batch)
-        tokens, seqs = self._global_counts(batch, count_key)
+        tokens, seqs = global_counts(batch.tensor(count_key), self._dp_group(), self.device.device)
         rows = self._micro_batches(batch)
         totals: dict[str, torch.Tensor] = {}
 
@@ -353,27 +358,8 @@ class MegatronEngine(TrainingEngine):
                         param.grad.mul_(coef)
         return norm
 
-    def _global_counts(self, batch: TensorBatch, count_key: str) -> tuple[float, float]:
-        counts = torch.tensor(
-            count(batch.tensor(count_key)), dtype=torch.float64, device=self.device.device
-        )
-        group = self._dp_group()
-        if group is not None:
-            dist.all_reduce(counts, group=group)
-        return float(counts[0]), float(counts[1])
-
     def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        names = sorted(values)
-        stacked = torch.stack(
-            [
-                torch.as_tensor(values[n], dtype=torch.float64, device=self.device.device)
-                for n in names
-            ]
-        )
-        group = self._dp_group()
-        if group is not None and names:
-            dist.all_reduce(stacked, group=group)
-        return {n: float(v) for n, v in zip(names, stacked, strict=True)}
+        return sum_over_dp(values, self._dp_group(), self.device.device)
 
     def _from_last_stage(self, result: torch.Tensor | None) -> torch.Tensor:
         """The last stage's ``result`` on every rank of the pipeline group."""
@@ -516,38 +502,23 @@ class MegatronEngine(TrainingEngine):
         megatron's tracker's) in ``rank{r}.pt``, written aside and renamed into place."""
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        final = Path(path)
-        aside = final.with_name(final.name + ".partial")
-        if self.rank == 0:
-            shutil.rmtree(aside, ignore_errors=True)
-            aside.mkdir(parents=True)
-        self._barrier()
-        state = {
-            "weights": [{n: p.detach() for n, p in m.named_parameters()} for m in self.models],
-            "optim": [o.optimizer.state_dict() for o in self._optimizers()],
-            "step": self.step,
-            "schedule_step": self.schedule_step,
-            "rng": torch.get_rng_state(),
-            "stand_in": cuda_shim.STAND_IN.get_state(),
-            "tracker": get_cuda_rng_tracker().get_states(),
-        }
-        torch.save(state, aside / f"rank{self.rank}.pt")
-        self._barrier()
-        if self.rank == 0:
-            (aside / "engine.json").write_text(json.dumps(self._describe(), indent=1))
-            _replace_dir(aside, final)
-        self._barrier()
+        with checkpoint_aside(path, self.rank, self._barrier, self._describe()) as aside:
+            state = {
+                "weights": [{n: p.detach() for n, p in m.named_parameters()} for m in self.models],
+                "optim": [o.optimizer.state_dict() for o in self._optimizers()],
+                "step": self.step,
+                "schedule_step": self.schedule_step,
+                "rng": torch.get_rng_state(),
+                "stand_in": cuda_shim.STAND_IN.get_state(),
+                "tracker": get_cuda_rng_tracker().get_states(),
+            }
+            torch.save(state, rank_file(aside, self.rank))
 
     def load(self, path: str | Path) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        folder = Path(path)
-        if not (folder / f"rank{self.rank}.pt").exists():
-            raise EngineError(f"no checkpoint for rank {self.rank} at {folder}")
-        saved = json.loads((folder / "engine.json").read_text())
-        if saved != self._describe():
-            raise EngineError(f"checkpoint {folder} was written by {saved}, not {self._describe()}")
-        state = torch.load(folder / f"rank{self.rank}.pt", weights_only=True)
+        folder = open_checkpoint(path, self.rank, self._describe())
+        state = torch.load(rank_file(folder, self.rank), weights_only=True)
         with torch.no_grad():
             for model, weights in zip(self.models, state["weights"], strict=True):
                 own = dict(model.named_parameters())
@@ -567,18 +538,9 @@ class MegatronEngine(TrainingEngine):
     def export(self, path: str | Path) -> None:
         """The full weights as a plain Hugging Face folder (safetensors + config + tokenizer),
         gathered to rank 0 and written aside, then renamed into place."""
-        from safetensors.torch import save_file
-
         full = self.full_state()
         if self.rank == 0:
-            final = Path(path)
-            aside = final.with_name(final.name + ".partial")
-            shutil.rmtree(aside, ignore_errors=True)
-            aside.mkdir(parents=True)
-            save_file(full, str(aside / "model.safetensors"), metadata={"format": "pt"})
-            self.model_config.save_pretrained(aside)
-            faithful_tokenizer(load_tokenizer(self.cfg.model)).save_pretrained(aside)
-            _replace_dir(aside, final)
+            write_hf_folder(path, full, self.model_config, self.cfg.model)
         self._barrier()
 
     def _barrier(self) -> None:
