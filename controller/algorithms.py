@@ -1,18 +1,22 @@
 """RL algorithms as short async programs over the roles.
 
-One training step of each algorithm is one coroutine: generate, score, estimate advantages on the
-whole batch, learn, hand the new weights to the generator. Calls to roles in different groups
+One training step of each algorithm is one coroutine over a batch the rollout pipeline
+(``controller/rollouts.py``) already generated: score it, estimate advantages on the whole batch,
+learn. Generating, syncing weights to the generator and counting policy versions are the
+pipeline's; a step neither generates nor hands weights on. Calls to roles in different groups
 overlap (``asyncio.gather``); colocated roles queue on their shared ranks in call order, so the
 same program runs under any placement.
 
     ppo_step        critic + GAE (Ouyang et al. 2022; the paper's Figure 4)
-    remax_step      no critic; one extra greedy sample per prompt is the baseline (Li et al. 2023)
+    remax_step      no critic; the reward of a greedy sample per prompt is the baseline (Li et
+                    al. 2023); the pipeline generates it with the batch, on the same weights
     safe_rlhf_step  PPO with a cost model, a cost critic and a Lagrange multiplier (Dai et al. 2023)
     group_step      critic-free estimators over n samples per prompt: GRPO, RLOO, REINFORCE++,
                     REINFORCE++-baseline
 
 ``docs/algorithms.md`` shows the first three side by side. Advantage estimators are in
-``controller/advantages.py``; losses run inside the roles (``roles/modeling/losses.py``).
+``controller/advantages.py``; scores come through ``controller/scoring.py``; losses run inside the
+roles (``roles/modeling/losses.py``).
 """
 
 from __future__ import annotations
@@ -37,12 +41,12 @@ from controller.clients import (
     RoleClient,
     RolloutClient,
 )
+from controller.scoring import TOKENS, scores
 from controller.server import Controller
-from controller.streaming import PartialRollout, scored
+from controller.streaming import PartialRollout
 from transport.batch import TensorBatch
 from transport.protocol import PEAK_MEMORY
 
-TOKENS = ("input_ids", "attention_mask", "response_mask")
 Name = Literal["ppo", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf"]
 GROUPED = ("grpo", "rloo", "reinforce_pp_baseline")  # need n >= 2 samples per prompt
 WITH_CRITIC = ("ppo", "safe_rlhf")
@@ -196,6 +200,11 @@ class AlgorithmConfig(BaseModel):
         return self.loss.get("tis_cap") is not None or bool(self.loss.get("decoupled"))
 
     @property
+    def greedy_baseline(self) -> bool:
+        """Each batch comes with the reward of a greedy response per prompt (ReMax)."""
+        return self.name == "remax"
+
+    @property
     def rows(self) -> int:
         return self.prompts_per_step * self.n
 
@@ -278,24 +287,28 @@ class Roles:
 
 @dataclass
 class State:
-    """What the controller carries from step to step (and checkpoints)."""
+    """What the controller carries from step to step within an RL stage (and checkpoints): each
+    RL stage starts its own from its ``AlgorithmConfig`` (``State.initial``)."""
 
     kl: adv.FixedKL | adv.AdaptiveKL
-    version: int = 0  # optimizer steps of the actor the generator's weights reflect
     lagrange: float = 0.0  # Safe-RLHF's lambda
     timings: dict[str, float] = field(default_factory=dict)
     # stage -> (first start, last end), perf_counter seconds: the step's timeline
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
+    @classmethod
+    def initial(cls, cfg: AlgorithmConfig) -> State:
+        """The state a stage of ``cfg`` starts from: its KL controller, its Lagrange multiplier."""
+        return cls(kl=cfg.kl.controller(), lagrange=cfg.safe.lambda_init if cfg.safe else 0.0)
+
     def timer(self) -> Timer:
         return Timer(self.timings, self.spans)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kl": self.kl.state_dict(), "version": self.version, "lagrange": self.lagrange}
+        return {"kl": self.kl.state_dict(), "lagrange": self.lagrange}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.kl.load_state_dict(saved["kl"])
-        self.version = int(saved["version"])
         self.lagrange = float(saved["lagrange"])
 
 
@@ -338,22 +351,6 @@ def need(client: C | None, name: str) -> C:
 # -- the pieces every step is made of -----------------------------------------------------------
 
 
-async def generate(
-    roles: Roles,
-    prompts: TensorBatch,
-    cfg: AlgorithmConfig,
-    seed: int,
-    greedy: bool = False,
-    min_version: int = 0,
-) -> TensorBatch:
-    """n samples per prompt (one greedy sample with ``greedy``) from the generator's weights; a
-    rollout group refuses to generate on weights older than ``min_version``."""
-    sampling = cfg.sampling(seed, greedy)
-    if roles.rollout is not None:
-        return await roles.rollout.generate(prompts, sampling, min_version)
-    return await roles.actor.generate(prompts, sampling=sampling)
-
-
 async def log_probs(role: ReferenceClient | None, batch: TensorBatch, temperature: float) -> Any:
     if role is None:
         return None
@@ -374,16 +371,6 @@ async def values(role: CriticClient | None, batch: TensorBatch) -> Any:
         return None
     out = await role.compute_values(batch.select(TOKENS, []))
     return out["values"]
-
-
-async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """One score per row, plus the batch means of any ``reward/<key>`` extras."""
-    found = scored(batch, role.role)  # scored as its sub-batch arrived (controller/streaming.py)
-    if found is None:
-        text = [k for k in batch.non_tensors if k not in ("finish", "request")]
-        found = (await role.compute_reward(batch.select(TOKENS, text, []))).tensors
-    extras = {k: float(v.float().mean()) for k, v in found.items() if k.startswith("reward/")}
-    return found["scores"].float(), extras
 
 
 def kl_of(old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
@@ -545,51 +532,27 @@ async def ppo_step(
     return summarize(batch, score, kl, kl_coef=state.kl.value, **extras, **metrics)
 
 
-async def greedy_baseline(
-    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, seed: int, min_version: int = 0
-) -> torch.Tensor:
-    """ReMax's baseline per row: the reward of its prompt's greedy response, generated now (on
-    the weights that just sampled ``batch`` when called right after it)."""
-    prompts = first_of_each(batch)
-    greedy = await generate(roles, prompts, cfg, seed, greedy=True, min_version=min_version)
-    base, _ = await scores(roles.reward, greedy)
-    return base[index_of(batch, greedy)]
-
-
 async def remax_step(
     roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
 ) -> dict[str, Any]:
-    """ReMax: PPO's program without a critic; the greedy response's reward is the baseline.
-
-    On-policy the greedy response is generated here. A batch generated ahead (max_staleness
-    >= 1) brings its ``remax_baseline`` column, made by the trainer's rollout right after the
-    samples and on the same weights; generating it here would use newer weights than the
-    samples had."""
+    """ReMax: PPO's program without a critic; the greedy response's reward is the baseline. The
+    batch brings it as its ``remax_baseline`` column: the rollout pipeline generates the greedy
+    responses right after the samples, on the same weights (``controller/rollouts.py``)."""
     t = state.timer()
     mask = batch.tensors["response_mask"]
-    ahead = batch.tensors.get("remax_baseline")
-    async with t("gen"):  # the one extra call ReMax makes (on-policy)
-        if ahead is None:
-            prompts = first_of_each(batch)
-            greedy = await generate(roles, prompts, cfg, step, greedy=True)
+    baseline = batch.tensors["remax_baseline"].float()
     async with t("prepare"):
         old, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg),
             log_probs(roles.reference, batch, cfg.temperature),
             scores(roles.reward, batch),
         )
-        if ahead is None:
-            base, _ = await scores(roles.reward, greedy)
-            baseline = base[index_of(batch, greedy)]
-            base_mean = float(base.mean())
-        else:
-            baseline = ahead.float()
-            base_mean = float(baseline[torch.tensor(first_rows(batch))].mean())
     kl = kl_of(old, ref, mask)
     advantages = adv.remax(score, baseline, mask)
     batch = with_columns(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages)
     async with t("update"):
         metrics = await learn(roles, batch, cfg, state, step)
+    base_mean = float(baseline[torch.tensor(first_rows(batch))].mean())
     return summarize(batch, score, kl, baseline=base_mean, **extras, **metrics)
 
 
@@ -675,6 +638,7 @@ async def group_step(
         metrics = await learn(roles, batch, cfg, state, step)
     if kl is not None:
         state.kl.update(cfg.kl.measure(kl, mask), len(batch))
+        metrics["kl_coef"] = state.kl.value
     solved = score.view(-1).gt(0.5).float()
     return summarize(batch, score, kl, **extras, **metrics, **_group_stats(solved, group))
 
@@ -697,19 +661,6 @@ def first_rows(batch: TensorBatch) -> list[int]:
     for i, uid in enumerate(batch.non_tensors["uid"]):
         seen.setdefault(uid, i)
     return list(seen.values())
-
-
-def first_of_each(batch: TensorBatch) -> TensorBatch:
-    """One row per prompt (by ``uid``), text columns only: the prompts a batch was drawn from."""
-    keep = [k for k in batch.non_tensors if k not in ("response", "finish", "request")]
-    rows = batch.select([], keep, []).index(torch.tensor(first_rows(batch), dtype=torch.long))
-    return rows
-
-
-def index_of(batch: TensorBatch, per_prompt: TensorBatch) -> torch.Tensor:
-    """For each row of ``batch``, the row of ``per_prompt`` with the same ``uid``."""
-    where = {uid: i for i, uid in enumerate(per_prompt.non_tensors["uid"])}
-    return torch.tensor([where[u] for u in batch.non_tensors["uid"]], dtype=torch.long)
 
 
 STEPS: dict[str, Step] = {

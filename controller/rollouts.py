@@ -1,23 +1,53 @@
-"""Rollout batches generated ahead of training (``AlgorithmConfig.max_staleness``).
+"""The rollout pipeline: the one owner of generation in an RL run.
 
-With ``max_staleness: k`` the trainer generates the batches of steps n+1..n+k while step n trains.
-Each batch carries the policy version it was sampled with, per row (``policy_version``, an int64
-column the loss side can read): the number of RL and SFT steps the generator's weights reflect.
-A batch is trained on at step n only if no row is more than k versions behind the learner
-(``check_staleness``), and the batches still pending when a checkpoint is written go into it
-(``save_pending`` / ``load_pending``), so a resumed run trains on exactly the batches the straight
-run would have.
+``RolloutPipeline`` turns step k's prompts into step k's generated batch. It owns everything
+between the data and an algorithm step (``controller/algorithms.py``), which then only scores,
+estimates advantages and learns:
+
+* **the generation call**: ``generator.generate(prompts, sampling, min_version)``, the one call
+  the colocated actor and a rollout group both take (``controller/clients/``);
+* **generate-ahead** (``AlgorithmConfig.max_staleness: k``): while step n trains, the batches of
+  steps n+1..n+k are out, each on the weights the generator held at its launch;
+* **streaming and partial rollout** (``stream_chunks``, ``partial_rollout``;
+  ``controller/streaming.py``) and the ``WeightGate`` that makes weight pushes and generation
+  calls take turns;
+* **weight syncs** to a separate rollout group (``sync``; rank to rank, ``controller/sync.py``);
+* **ReMax's greedy baseline**, generated and scored right after the samples, on their weights;
+* **policy versions**, in one unit defined here.
+
+**Policy version.** The policy version of a set of actor weights is the number of training steps
+(SFT and RL; one each, however many optimizer updates a step makes) that made them: 0 for the
+initial weights, and after the trainer's global step s the actor's weights are version s. It is
+the trainer's global step (``Trainer.global_step`` reads ``RolloutPipeline.version``); weight
+pushes carry it to a rollout group, which refuses to generate on weights older than the
+``min_version`` a call names; each generated row carries the version that sampled it as its
+``policy_version`` column (``stamp``), and each response token as ``token_versions``
+(``controller/streaming.py``). A batch trains at step n only if no row is more than
+``max_staleness`` versions behind the learner (``check_staleness``). The colocated actor always
+generates on its newest weights, so it never lags. The batches still pending when a checkpoint is
+written go into it (``save_pending`` / ``load_pending``), so a resumed run trains on exactly the
+batches the straight run would have.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from controller.algorithms import AlgorithmConfig, Roles, Timer, with_columns
+from controller.scoring import scores
+from controller.streaming import Generator, WeightGate, stream
+from controller.sync import WeightSync
 from transport.batch import TensorBatch
 from transport.protocol import PEAK_MEMORY
 
@@ -26,6 +56,191 @@ VERSION = "policy_version"
 
 class StalenessError(RuntimeError):
     """A batch older than ``max_staleness`` reached training: a bug in the pipeline, not input."""
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """The sampling seed of request ``index`` of step ``step`` (-1: the step's batch seed)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class StageRollouts:
+    """What the pipeline needs of an RL stage: its settings, its steps, the seed of its sampling
+    and ``prompts(k)``, the prompts of its step k (with a ``uid`` and a ``seed`` per request)."""
+
+    cfg: AlgorithmConfig
+    steps: int
+    seed: int
+    prompts: Callable[[int], TensorBatch]
+
+
+@dataclass
+class Rollout:
+    """Step k's batch as it reaches training: the rows, each row's staleness (learner version
+    minus the version that sampled it) and when its generation ran (perf_counter seconds)."""
+
+    batch: TensorBatch
+    behind: torch.Tensor
+    span: tuple[float, float] | None
+
+
+class RolloutPipeline:
+    """Generation for the trainer: step k's batch (``next``), weight syncs (``sync``), the
+    policy version (``version``; ``trained`` counts one step), validation's calls
+    (``generate``). Use ``async with pipeline.stage(...)`` around an RL stage's loop."""
+
+    def __init__(self, roles: Roles, weights: WeightSync) -> None:
+        self.roles = roles
+        self.weights = weights
+        self.gate = WeightGate()  # weight pushes to the rollout group vs. its generation calls
+        self.version = 0  # policy version of the actor's weights (see the module docstring)
+        self.synced = 0  # policy version a separate rollout group holds
+        self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch out or done
+        self._spans: dict[int, tuple[float, float]] = {}  # step -> when its batch generated
+        self._stage: StageRollouts | None = None
+
+    @property
+    def generator(self) -> Generator:
+        return self.roles.generator
+
+    @property
+    def held(self) -> int:
+        """The policy version of the weights the generator samples from now."""
+        return self.synced if self.roles.rollout is not None else self.version
+
+    @property
+    def switch(self) -> bool:
+        """Partial rollout 'switch': a push need not wait for the batches out."""
+        partial = self._stage.cfg.partial_rollout if self._stage else None
+        return partial is not None and partial.on_update == "switch"
+
+    def trained(self) -> None:
+        """The actor's weights took one more training step (SFT or RL)."""
+        self.version += 1
+
+    async def generate(self, prompts: TensorBatch, sampling: dict[str, Any]) -> TensorBatch:
+        """One generation call on the generator's current weights (validation's)."""
+        return await self.generator.generate(prompts, sampling, self.held)
+
+    async def sync(self) -> None:
+        """The actor's weights to a separate rollout group when it holds older ones, after the
+        batches it is still generating (they were promised the older weights) unless partial
+        rollout switches them to the new weights at their next chunk."""
+        rollout = self.roles.rollout
+        if rollout is None or self.synced == self.version:
+            return
+        version = self.version
+        if not self.switch:
+            await self.drain()
+        async with self.gate.push():
+            await self.weights.push(rollout, version)
+        self.synced = version
+
+    async def drain(self) -> dict[int, TensorBatch]:
+        """Wait for every batch generated ahead; step -> batch."""
+        return {m: await task for m, task in sorted(self.ahead.items())}
+
+    @asynccontextmanager
+    async def stage(
+        self, plan: StageRollouts, restored: dict[int, TensorBatch] | None = None
+    ) -> AsyncIterator[None]:
+        """An RL stage's rollouts; ``restored``: batches generated ahead, from a checkpoint."""
+        self._stage = plan
+        self.ahead = {m: _done(batch) for m, batch in (restored or {}).items()}
+        try:
+            yield
+        finally:
+            for task in self.ahead.values():
+                task.cancel()
+            self.ahead, self._stage = {}, None
+
+    async def next(self, k: int, timer: Timer) -> Rollout:
+        """Step k's batch: the one generated ahead, or generated now on the newest weights.
+        Under ``max_staleness: lag`` the batches up to k + lag are launched first."""
+        plan = self._plan()
+        lag = plan.cfg.max_staleness
+        if lag:
+            await self._launch(range(k, min(k + lag + 1, plan.steps)), timer)
+        batch = await (self.ahead.pop(k) if k in self.ahead else self._rollout(k))
+        behind = check_staleness(batch, self.version, lag, k)
+        return Rollout(batch, behind, self._spans.pop(k, None))
+
+    def _plan(self) -> StageRollouts:
+        if self._stage is None:
+            raise RuntimeError("RolloutPipeline.next outside 'async with pipeline.stage(...)'")
+        return self._stage
+
+    async def _launch(self, steps: Sequence[int], timer: Timer) -> None:
+        """Start generating the batches of ``steps`` not yet out. On a rollout group they run in
+        the background after one sync (which first waits for the group's batches in flight); the
+        colocated actor generates them here, one after another, on the weights it has now."""
+        missing = [m for m in steps if m not in self.ahead]
+        if not missing:
+            return
+        if self.roles.rollout is None:
+            for m in missing:
+                self.ahead[m] = _done(await self._rollout(m, sync=False))
+            return
+        async with timer("sync"):
+            await self.sync()
+        for m in missing:
+            self.ahead[m] = asyncio.ensure_future(self._rollout(m, sync=False))
+
+    async def _rollout(self, k: int, sync: bool = True) -> TensorBatch:
+        """Batch k on the generator's weights now, stamped with their version."""
+        plan = self._plan()
+        cfg = plan.cfg
+        prompts = plan.prompts(k)
+        if sync:
+            await self.sync()
+        version = self.held
+        began = time.perf_counter()
+        batch = await stream(
+            self.roles,
+            prompts,
+            cfg.sampling(request_seed(plan.seed, k, -1)),
+            sub_batches=cfg.stream_chunks,
+            partial=cfg.partial_rollout,
+            min_version=version,
+            gate=self.gate,
+        )
+        if cfg.greedy_baseline:
+            baseline = await self._greedy_baseline(batch, cfg, k, version)
+            batch = with_columns(batch, remax_baseline=baseline)
+        self._spans[k] = (began, time.perf_counter())
+        return stamp(batch, version)
+
+    async def _greedy_baseline(
+        self, batch: TensorBatch, cfg: AlgorithmConfig, k: int, version: int
+    ) -> torch.Tensor:
+        """Per row, the reward of its prompt's greedy response on the weights that sampled
+        ``batch`` (ReMax's baseline)."""
+        prompts = first_of_each(batch)
+        greedy = await self.generator.generate(prompts, cfg.sampling(k, greedy=True), version)
+        base, _ = await scores(self.roles.reward, greedy)
+        return base[index_of(batch, greedy)]
+
+
+def _done(batch: TensorBatch) -> asyncio.Future[TensorBatch]:
+    found: asyncio.Future[TensorBatch] = asyncio.get_running_loop().create_future()
+    found.set_result(batch)
+    return found
+
+
+def first_of_each(batch: TensorBatch) -> TensorBatch:
+    """One row per prompt (by ``uid``), text columns only: the prompts a batch was drawn from."""
+    keep = [k for k in batch.non_tensors if k not in ("response", "finish", "request")]
+    seen: dict[Any, int] = {}
+    for i, uid in enumerate(batch.non_tensors["uid"]):
+        seen.setdefault(uid, i)
+    return batch.select([], keep, []).index(torch.tensor(list(seen.values()), dtype=torch.long))
+
+
+def index_of(batch: TensorBatch, per_prompt: TensorBatch) -> torch.Tensor:
+    """For each row of ``batch``, the row of ``per_prompt`` with the same ``uid``."""
+    where = {uid: i for i, uid in enumerate(per_prompt.non_tensors["uid"])}
+    return torch.tensor([where[u] for u in batch.non_tensors["uid"]], dtype=torch.long)
 
 
 def stamp(batch: TensorBatch, version: int) -> TensorBatch:

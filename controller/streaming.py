@@ -23,11 +23,16 @@ What the assembled batch adds to the engines' layout (``roles/engines/generation
   version that sampled each response token, ``-1`` (``NO_VERSION``) on prompt and padding. Each
   response token's ``log_probs`` entry is its log-prob under those weights.
 * ``<role>:scores`` (and ``<role>:reward/<key>``) from ``stream``: what the reward role
-  ``<role>`` returned for each row as its sub-batch arrived; ``scored`` reads them back, so an
+  ``<role>`` returned for each row as its sub-batch arrived (``controller/scoring.py``), so an
   algorithm's ``scores`` call need not ask the role again.
-* ``meta``: ``weight_version`` (the oldest version in the batch, what staleness is measured
-  from), ``last_weight_version``, ``chunks`` (generation calls) and ``stream`` (the timeline:
-  per sub-batch, seconds since the start at which generation and scoring began and ended).
+* ``meta``: ``weight_version`` (the oldest version any token of the batch was sampled with),
+  ``last_weight_version`` (the newest), ``chunks`` (generation calls) and ``stream`` (the
+  timeline: per sub-batch, seconds since the start at which generation and scoring began and
+  ended). The staleness bound is checked on another number, the ``policy_version`` column the
+  rollout pipeline stamps on each row: the version the generator held when the batch was
+  launched (``controller/rollouts.py``).
+
+Versions here are policy versions, the pipeline's one unit (``controller/rollouts.py``).
 
 Weights and generation take turns through a ``WeightGate``: a push (``async with gate.push()``)
 waits for the generation call in flight (``switch``) or for the whole sub-batch (``finish``),
@@ -46,11 +51,11 @@ from typing import Any, Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller import scoring
 from controller.clients import ActorClient, RewardClient, RoleClient, RolloutClient
 from transport.batch import TensorBatch
 from transport.protocol import Layout
 
-TOKENS = ("input_ids", "attention_mask", "response_mask")
 NO_VERSION = -1  # token_versions outside responses
 Generator = ActorClient | RolloutClient
 #: ``on_chunk(index, reply)``: awaited after generation call ``index`` returned, before the next.
@@ -165,7 +170,7 @@ async def generate_partial(
     async with whole:
         padded = fill_replicas(prompts, replicas(generator))
         async with each:
-            reply = await _call(generator, padded, _budget(sampling, partial, 0), min_version)
+            reply = await generator.generate(padded, _budget(sampling, partial, 0), min_version)
         first = reply[: len(prompts) * n]
         version = int(first.meta["weight_version"])
         responses = [_Response(_prompt_of(first, r)) for r in range(len(first))]
@@ -186,7 +191,7 @@ async def generate_partial(
             padded = fill_replicas(batch, replicas(generator))
             budget = {**_budget(sampling, partial, offset), "n": 1}
             async with each:
-                reply = await _call(generator, padded, budget, max(min_version, version))
+                reply = await generator.generate(padded, budget, max(min_version, version))
             now = int(reply.meta["weight_version"])
             if finish and now != version:
                 raise VersionError(
@@ -262,11 +267,11 @@ async def stream(
     """A step's samples from ``roles.generator`` in ``sub_batches`` calls (each in chunks with
     ``partial``), each scored by ``roles.reward`` (and ``roles.cost``) while the next generates;
     ``<role>:scores`` columns hold the scores. With one sub-batch and no partial rollout this is
-    the one call ``algorithms.generate`` makes, and nothing is scored."""
+    one generation call, and nothing is scored."""
     generator = roles.generator
     if sub_batches <= 1 and partial is None:
         async with gate.generating() if gate else nullcontext():
-            return await _call(generator, prompts, sampling, min_version)
+            return await generator.generate(prompts, sampling, min_version)
     prompts, added_seed = with_seeds(prompts)
     n = int(sampling.get("n", 1))
     scorers = [role for role in (roles.reward, roles.cost) if role is not None]
@@ -274,7 +279,7 @@ async def stream(
     parts = prompts.chunk(min(sub_batches, len(prompts)))
     timeline: list[dict[str, list[float]]] = []
     results: list[TensorBatch] = []
-    scoring: list[asyncio.Task[list[TensorBatch]]] = []
+    pending: list[asyncio.Task[list[TensorBatch]]] = []
     try:
         done = 0  # prompts generated so far
         for part in parts:
@@ -284,15 +289,14 @@ async def stream(
             done += len(part)
             results.append(without(got, "seed") if added_seed else got)
             timeline.append({"generate": [began, time.perf_counter() - start]})
-            scoring.append(asyncio.create_task(_score(scorers, results[-1], timeline[-1], start)))
-        scored = await asyncio.gather(*scoring)
+            pending.append(asyncio.create_task(_score(scorers, results[-1], timeline[-1], start)))
+        scored = await asyncio.gather(*pending)
     finally:
-        for task in scoring:
+        for task in pending:
             task.cancel()
     batch = concat_padded(results)
     for role, columns in zip(scorers, zip(*scored, strict=True), strict=True):
-        for key, column in concat_columns(list(columns)).items():
-            batch.tensors[f"{role.role}:{key}"] = column
+        scoring.stash(batch, role.role, concat_columns(list(columns)))
     batch.meta["stream"] = timeline
     return batch
 
@@ -312,7 +316,7 @@ async def _piece(
         )
     padded = fill_replicas(prompts, replicas(generator))
     async with gate.generating() if gate else nullcontext():
-        reply = await _call(generator, padded, sampling, min_version)
+        reply = await generator.generate(padded, sampling, min_version)
     reply = reply[: len(prompts) * int(sampling.get("n", 1))]
     version = int(reply.meta["weight_version"])
     mask = reply.tensors["response_mask"].bool()
@@ -326,32 +330,12 @@ async def _score(
     scorers: list[RewardClient], batch: TensorBatch, into: dict[str, list[float]], start: float
 ) -> list[TensorBatch]:
     began = time.perf_counter() - start
-    text = [k for k in batch.non_tensors if k not in ("finish", "request")]  # as scores() sends
-    asked = batch.select(TOKENS, text, [])
-    found = list(await asyncio.gather(*(role.compute_reward(asked) for role in scorers)))
+    found = list(await asyncio.gather(*(scoring.ask(role, batch) for role in scorers)))
     into["score"] = [began, time.perf_counter() - start]
     return found
 
 
-def scored(batch: TensorBatch, role: str) -> dict[str, torch.Tensor] | None:
-    """The columns reward role ``role`` returned for ``batch``'s rows while it streamed in
-    (``scores``, ``reward/<key>``), or None when it was not scored so."""
-    prefix = f"{role}:"
-    if f"{prefix}scores" not in batch.tensors:
-        return None
-    return {k[len(prefix) :]: v for k, v in batch.tensors.items() if k.startswith(prefix)}
-
-
 # -- batch plumbing -----------------------------------------------------------------------------
-
-
-async def _call(
-    generator: Generator, batch: TensorBatch, sampling: dict[str, Any], min_version: int
-) -> TensorBatch:
-    """The same call ``algorithms.generate`` makes."""
-    if isinstance(generator, RolloutClient):
-        return await generator.generate(batch, sampling, min_version)
-    return await generator.generate(batch, sampling=sampling)
 
 
 def replicas(client: RoleClient) -> int:

@@ -7,8 +7,8 @@ at the start of the run, at each stage boundary, every ``val_every`` RL steps an
 ``summary.json`` can say what the random model, the SFT checkpoint and the RL result score.
 
 Checkpoints (``run_dir/checkpoints/step_NNNNNN``) hold every trained role's sharded state
-(weights, optimizer, schedule, RNG) and ``controller.json`` (stage, step, data position, KL
-controller, Lagrange multiplier, weight version, validations so far). They are written into
+(weights, optimizer, schedule, RNG) and ``controller.json`` (stage, step, data position, the
+stage's KL controller and Lagrange multiplier, validations so far). They are written into
 ``step_NNNNNN.partial`` and renamed, so a crash never leaves a half checkpoint; the last
 ``keep_last`` are kept. Resuming reloads the newest and continues with the same data order and
 the same per-request sampling seeds, so a resumed run reproduces the straight run exactly.
@@ -16,40 +16,32 @@ the same per-request sampling seeds, so a resumed run reproduces the straight ru
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import hashlib
 import json
 import os
 import random
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.algorithms import (
-    STEPS,
-    AlgorithmConfig,
-    Roles,
-    State,
-    greedy_baseline,
-    scores,
-    with_columns,
-)
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State
 from controller.clients import EngineClient
 from controller.rollouts import (
-    check_staleness,
+    Rollout,
+    RolloutPipeline,
+    StageRollouts,
     load_pending,
     memory_metrics,
+    request_seed,
     save_pending,
     staleness_metrics,
-    stamp,
 )
-from controller.streaming import WeightGate, stream
+from controller.scoring import scores
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
@@ -175,11 +167,6 @@ class TrainerConfig(BaseModel):
     )
 
 
-def request_seed(seed: int, step: int, index: int) -> int:
-    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
 def epoch_batches(
     n_rows: int, size: int, seed: int, start: int, count: int, shuffle: bool = True
 ) -> list[list[int]]:
@@ -222,25 +209,20 @@ class Trainer:
         self.sinks = list(sinks)
         self.stop_after = stop_after  # global step to checkpoint and stop at (as if interrupted)
         self.ckpt_dir = run_dir / "checkpoints"
-        self.global_step = 0
         self.validations: list[dict[str, Any]] = []
-        self.stale = False  # the rollout group's weights lag the actor's
-        self.synced = 0  # the weight version last synced to the rollout group
-        self.synced_step = 0  # the global step whose weights the rollout group holds
-        self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch generated ahead
         self.restored: dict[int, TensorBatch] = {}  # pending batches read from a checkpoint
-        self.gen_spans: dict[int, tuple[float, float]] = {}  # step -> its batch's generation
+        self.resumed_state: dict[str, Any] | None = None  # the stage's State, from a checkpoint
         self.t0 = time.perf_counter()
         self.weights = WeightSync(roles.actor, cfg.weight_sync)
-        self.gate = WeightGate()  # weight pushes to the rollout group vs. its generation calls
-        self.switch = False  # partial rollout 'switch': a push need not wait for batches out
+        self.pipeline = RolloutPipeline(roles, self.weights)
         self.saved_step = -1
         self.precision: dict[str, dict[str, str]] = {}
-        first_rl = next((s for s in self.stages if isinstance(s, RLStage)), None)
-        kl = (first_rl.algorithm if first_rl else AlgorithmConfig()).kl
-        self.state = State(kl=kl.controller())
-        if first_rl is not None and first_rl.algorithm.safe is not None:
-            self.state.lagrange = first_rl.algorithm.safe.lambda_init
+        self.state = State.initial(AlgorithmConfig())  # each RL stage starts its own
+
+    @property
+    def global_step(self) -> int:
+        """Training steps taken (SFT and RL): the actor's policy version (controller/rollouts.py)."""
+        return self.pipeline.version
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -269,6 +251,9 @@ class Trainer:
             if isinstance(stage, SFTStage):
                 await self._sft(index, stage, first)
             else:
+                self.state = State.initial(stage.algorithm)
+                if first and self.resumed_state is not None:
+                    self.state.load_state_dict(self.resumed_state)
                 await self._rl(index, stage, first)
             if self.saved_step != self.global_step:
                 await self._save(index, stage.steps)
@@ -323,7 +308,7 @@ class Trainer:
             return
         for role in targets:  # rank to rank (or a copy inside a shared group): reshard/remote.py
             client = self.clients[role]
-            await self.weights.push(client, self.state.version, strict=role == "reference")
+            await self.weights.push(client, self.global_step, strict=role == "reference")
 
     async def _sft(self, index: int, stage: SFTStage, first: int) -> None:
         rows = self.data[stage.data]
@@ -335,8 +320,7 @@ class Trainer:
             metrics = await self.roles.actor.sft_step(
                 batch, response_only=stage.response_only, pack=stage.pack
             )
-            self.stale = True
-            self.global_step += 1
+            self.pipeline.trained()
             record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
             record["time/step_s"] = time.perf_counter() - start
             if stage.val_data and stage.val_every and (k + 1) % stage.val_every == 0:
@@ -350,93 +334,55 @@ class Trainer:
         cfg, rows = stage.algorithm, self.data[stage.data]
         seed = self.cfg.seed + 7919 * index
         program = STEPS[cfg.name]
-        lag = cfg.max_staleness
-        self.switch = cfg.partial_rollout is not None and cfg.partial_rollout.on_update == "switch"
+        plan = StageRollouts(
+            cfg,
+            stage.steps,
+            seed,
+            lambda k: self._prompts(rows, cfg.prompts_per_step, seed, k, stage.shuffle),
+        )
         restored, self.restored = self.restored, {}
-        self.ahead = {m: _done(batch) for m, batch in restored.items()}
-
-        async def rollout(m: int, sync: bool = True) -> TensorBatch:
-            """Batch m on the generator's weights now (``stream`` is the one call site: one
-            ``generate`` call unless streamed or partial, controller/streaming.py)."""
-            prompts = self._prompts(rows, cfg.prompts_per_step, seed, m, stage.shuffle)
-            if sync:
-                await self._sync()
-            version = self.synced_step if self.roles.rollout is not None else self.global_step
-            seeded = request_seed(seed, m, -1)
-            began = time.perf_counter()
-            batch = await stream(
-                self.roles,
-                prompts,
-                cfg.sampling(seeded),
-                sub_batches=cfg.stream_chunks,
-                partial=cfg.partial_rollout,
-                min_version=self.synced,
-                gate=self.gate,
-            )
-            if cfg.name == "remax" and lag:  # the baseline on the weights of the samples
-                baseline = await greedy_baseline(self.roles, batch, cfg, m, self.synced)
-                batch = with_columns(batch, remax_baseline=baseline)
-            self.gen_spans[m] = (began, time.perf_counter())
-            return stamp(batch, version)
-
-        try:
+        async with self.pipeline.stage(plan, restored):
             for k in range(first, stage.steps):
                 self.state.timings, self.state.spans = {}, {}
                 timer = self.state.timer()
                 start = time.perf_counter()
                 async with timer("gen"):
-                    if lag:  # batches k..k+lag out (or done), each on the weights at its launch
-                        await self._launch(rollout, range(k, min(k + lag + 1, stage.steps)))
-                    batch = await (self.ahead.pop(k) if k in self.ahead else rollout(k))
-                behind = check_staleness(batch, self.global_step, lag, k)
-                metrics = await program(self.roles, batch, cfg, self.state, k)
-                updates = cfg.ppo_epochs * cfg.mini_batches
-                self.state.version += updates
-                self.stale = True
-                self.global_step += 1  # the actor's weights are now this step's
+                    rollout = await self.pipeline.next(k, timer)
+                metrics = await program(self.roles, rollout.batch, cfg, self.state, k)
                 if cfg.safe is not None and cfg.safe.ptx_coef and stage.ptx_data:
                     await self._ptx(stage, seed, k)
-                if not lag:
+                self.pipeline.trained()  # the actor's weights are now this step's
+                if not cfg.max_staleness:
                     async with timer("sync"):
-                        await self._sync()
-                memory = memory_metrics(batch, metrics)  # takes the peaks out of metrics
-                record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
-                elapsed = time.perf_counter() - start
-                record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
-                record.update(self._timeline(start, self.gen_spans.pop(k, None)))
-                record["time/step_s"] = elapsed
-                record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
-                record["train/weight_version"] = self.state.version
-                record.update(staleness_metrics(behind, lag))
-                if "reshard_s" in batch.meta:  # the actor generated at its gen_tp (reshard/)
-                    record["time/reshard_s"] = float(batch.meta["reshard_s"])
-                record.update(memory)
+                        await self.pipeline.sync()
+                record = self._rl_record(stage, k, rollout, metrics, start)
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)
                 await self._maybe_save(index, stage, k)
-        finally:
-            for task in self.ahead.values():
-                task.cancel()
-            self.ahead = {}
 
-    async def _launch(
-        self, rollout: Callable[..., Awaitable[TensorBatch]], steps: Sequence[int]
-    ) -> None:
-        """Start generating the batches of ``steps`` not yet out. On a rollout group they run in
-        the background after one sync (which first waits for the group's batches in flight); the
-        colocated actor generates them here, one after another, on the weights it has now."""
-        missing = [m for m in steps if m not in self.ahead]
-        if not missing:
-            return
-        if self.roles.rollout is None:
-            for m in missing:
-                self.ahead[m] = _done(await rollout(m, sync=False))
-            return
-        async with self.state.timer()("sync"):
-            await self._sync()
-        for m in missing:
-            self.ahead[m] = asyncio.ensure_future(rollout(m, sync=False))
+    def _rl_record(
+        self,
+        stage: RLStage,
+        k: int,
+        rollout: Rollout,
+        metrics: dict[str, Any],
+        start: float,
+    ) -> dict[str, Any]:
+        """Step k's record: the step's metrics, timings and timeline, versions and staleness."""
+        memory = memory_metrics(rollout.batch, metrics)  # takes the peaks out of metrics
+        record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
+        elapsed = time.perf_counter() - start
+        record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
+        record.update(self._timeline(start, rollout.span))
+        record["time/step_s"] = elapsed
+        record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
+        record["train/weight_version"] = self.pipeline.version
+        record.update(staleness_metrics(rollout.behind, stage.algorithm.max_staleness))
+        if "reshard_s" in rollout.batch.meta:  # the actor generated at its gen_tp (reshard/)
+            record["time/reshard_s"] = float(rollout.batch.meta["reshard_s"])
+        record.update(memory)
+        return record
 
     def _timeline(self, start: float, gen: tuple[float, float] | None) -> dict[str, float]:
         """Flat ``time/timeline/<stage>@<role>_start_s`` / ``_end_s`` offsets from the step's start
@@ -446,7 +392,7 @@ class Trainer:
         spans = dict(self.state.spans)
         if gen is not None:
             spans["generate"] = gen
-            where["generate"] = "rollout" if self.roles.rollout is not None else "actor"
+            where["generate"] = self.pipeline.generator.role
         for name, (begin, end) in spans.items():
             if name in where:
                 found[f"time/timeline/{name}@{where[name]}_start_s"] = begin - start
@@ -460,7 +406,6 @@ class Trainer:
         (picked,) = epoch_batches(len(rows), size, seed + 1, k, 1)
         batch = text_batch([rows[i] for i in picked], ("prompt", "response"))
         await self.roles.actor.sft_step(batch, scale=stage.algorithm.safe.ptx_coef)
-        self.state.version += 1
 
     def _prompts(self, rows: Rows, size: int, seed: int, k: int, shuffle: bool) -> TensorBatch:
         (picked,) = epoch_batches(len(rows), size, seed, k, 1, shuffle)
@@ -487,26 +432,6 @@ class Trainer:
     def _record(self, stage: SFTStage | RLStage, k: int, values: dict[str, Any]) -> dict[str, Any]:
         return {"step": self.global_step, "stage": stage.name, "stage_step": k + 1, **values}
 
-    async def _sync(self) -> None:
-        """Weights to a separate rollout group when the actor has trained since the last sync,
-        after the batches it is still generating (they were promised the older weights)."""
-        if self.roles.rollout is None or not self.stale:
-            return
-        if not self.switch:  # else the batches out take the new weights at their next chunk
-            await self._drain()
-        async with self.gate.push():
-            await self.weights.push(self.roles.rollout, self.state.version)
-        self.synced = self.state.version
-        self.synced_step = self.global_step
-        self.stale = False
-
-    async def _drain(self) -> dict[int, TensorBatch]:
-        """Wait for every batch generated ahead; step -> batch."""
-        found = {}
-        for m, task in sorted(self.ahead.items()):
-            found[m] = await task
-        return found
-
     # -- validation -----------------------------------------------------------------------------
 
     async def _validate(self, tag: str, emit: bool = True) -> dict[str, Any]:
@@ -519,13 +444,10 @@ class Trainer:
             self.validations.append({**last, "tag": tag})
             return dict(last["record"])
         prompts = self._prompt_batch(self.data[self.cfg.val_data])
-        await self._sync()
+        await self.pipeline.sync()
         start = time.perf_counter()
         sampling = {"temperature": 0.0, "n": 1, "max_new_tokens": self.cfg.val_max_new_tokens}
-        if self.roles.rollout is not None:
-            answers = await self.roles.rollout.generate(prompts, sampling, self.synced)
-        else:
-            answers = await self.roles.actor.generate(prompts, sampling=sampling)
+        answers = await self.pipeline.generate(prompts, sampling)
         score, _ = await scores(self.roles.reward, answers)
         record: dict[str, Any] = {
             "val/score": float(score.mean()),
@@ -576,11 +498,13 @@ class Trainer:
             # rows of the stage's data consumed; the order itself is a pure function of
             # (seed, stage, step), so this is all a resume needs to continue the data stream
             "data_position": stage_step * self.stages[stage].rows_per_step(),
-            "algorithm": self.state.state_dict(),
-            "stale": self.stale,
+            # the stage's own (an SFT stage's checkpoint holds none)
+            "algorithm": (
+                self.state.state_dict() if isinstance(self.stages[stage], RLStage) else None
+            ),
             "validations": self.validations,
         }
-        pending = await self._drain()
+        pending = await self.pipeline.drain()
         if pending:  # generated ahead (max_staleness): the resumed run trains on these
             save_pending(aside / "pending", stage, pending)
         (aside / "controller.json").write_text(json.dumps(state, indent=1))
@@ -605,10 +529,10 @@ class Trainer:
         await self._configure(stage)
         for role in self.trainable:
             await self.clients[role].load(str((latest / role).resolve()))
-        self.global_step = int(saved["global_step"])
-        self.state.load_state_dict(saved["algorithm"])
+        # a rollout group starts from the initial weights: version 0, synced before it generates
+        self.pipeline.version = int(saved["global_step"])
+        self.resumed_state = saved["algorithm"]
         self.validations = list(saved["validations"])
-        self.stale = True  # a rollout group starts from the initial weights
         pending_stage, self.restored = load_pending(latest / "pending")
         if self.restored and pending_stage != stage:
             raise RuntimeError(
@@ -619,12 +543,6 @@ class Trainer:
         if stage_step >= self.stages[stage].steps:
             return stage + 1, 0
         return stage, stage_step
-
-
-def _done(batch: TensorBatch) -> asyncio.Future[TensorBatch]:
-    found: asyncio.Future[TensorBatch] = asyncio.get_running_loop().create_future()
-    found.set_result(batch)
-    return found
 
 
 class _Stopped(Exception):

@@ -14,13 +14,12 @@ from controller.algorithms import (
     Roles,
     State,
     _group_stats,
-    first_of_each,
-    index_of,
     kl_of,
     logprob_gap,
     summarize,
 )
 from controller.clients import ActorClient, CriticClient, RewardClient, RolloutClient
+from controller.rollouts import first_of_each, index_of
 from controller.server import Controller
 from transport.batch import TensorBatch
 
@@ -88,10 +87,24 @@ def test_summary_and_group_stats_by_hand() -> None:
 
 
 def test_state_round_trip() -> None:
-    state = State(kl=FixedKL(0.1), version=3, lagrange=0.7)
+    state = State(kl=FixedKL(0.1), lagrange=0.7)
     other = State(kl=FixedKL(0.0))
     other.load_state_dict(state.state_dict())
-    assert (other.kl.value, other.version, other.lagrange) == (0.1, 3, 0.7)
+    assert (other.kl.value, other.lagrange) == (0.1, 0.7)
+
+
+def test_each_stage_starts_the_state_of_its_own_settings() -> None:
+    """A second RL stage's kl and safe settings are its own, not the first stage's."""
+    first = State.initial(AlgorithmConfig.model_validate({"kl": {"coef": 0.1}}))
+    adaptive = {"coef": 0.3, "target": 6.0, "target_unit": "sequence"}
+    second = State.initial(
+        AlgorithmConfig.model_validate(
+            {"name": "safe_rlhf", "kl": adaptive, "safe": {"lambda_init": 2.5}}
+        )
+    )
+    assert isinstance(first.kl, FixedKL) and first.kl.value == 0.1 and first.lagrange == 0.0
+    assert isinstance(second.kl, AdaptiveKL) and second.kl.value == 0.3
+    assert second.lagrange == 2.5
 
 
 class _Placed:

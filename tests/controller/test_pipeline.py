@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, generate
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State
 from controller.clients import ActorClient, RewardClient, RolloutClient
 from controller.sync import WeightSync
 from controller.tasks import arithmetic
@@ -116,13 +116,13 @@ def plain_run(model: Path) -> dict[str, Any]:
             roles = roles_of(c, True)
             assert roles.rollout is not None
             sync = WeightSync(roles.actor, WeightSyncSettings())
-            state = State(kl=cfg.kl.controller())
+            state = State.initial(cfg)
             found = []
             for k in range(STEPS_PER_RUN):
-                batch = await generate(roles, plain_prompts(k), cfg, request_seed(0, k, -1))
+                sampling = cfg.sampling(request_seed(0, k, -1))
+                batch = await roles.rollout.generate(plain_prompts(k), sampling, k)
                 found.append(await STEPS[cfg.name](roles, batch, cfg, state, k))
-                state.version += 1
-                await sync.push(roles.rollout, state.version)
+                await sync.push(roles.rollout, k + 1)  # policy version k + 1: k + 1 steps
             return {"metrics": found, "weights": await weights(roles.actor)}
 
     result: dict[str, Any] = run(main)

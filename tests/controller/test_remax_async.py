@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from controller.algorithms import AlgorithmConfig, generate, scores
+from controller.algorithms import AlgorithmConfig
+from controller.scoring import scores
 from controller.trainer import RLStage, Trainer, TrainerConfig
 from deploy.session import local_session
 from roles.modeling.models import init_model
@@ -37,7 +38,8 @@ def test_remax_baseline_at_k1_is_the_greedy_reward_of_the_sampling_weights(
             roles = roles_of(c, False)
             expected = []
             for k in (1, 2):  # before any training: the initial weights
-                greedy = await generate(roles, plain_prompts(k), algorithm, k, greedy=True)
+                sampling = algorithm.sampling(k, greedy=True)
+                greedy = await roles.generator.generate(plain_prompts(k), sampling)
                 base, _ = await scores(roles.reward, greedy)
                 expected.append(float(base.mean()))
             records: list[dict[str, Any]] = []

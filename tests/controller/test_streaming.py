@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from controller.algorithms import Roles, scores
+from controller.algorithms import Roles
+from controller.scoring import scores, stashed
 from controller.clients import ActorClient, ReferenceClient, RewardClient, RolloutClient
 from controller.streaming import (
     NO_VERSION,
@@ -26,7 +27,6 @@ from controller.streaming import (
     concat_padded,
     fill_replicas,
     generate_partial,
-    scored,
     stream,
 )
 from deploy.session import local_session
@@ -199,7 +199,7 @@ def test_streamed_batch_is_the_one_call_batch_with_its_scores(results: dict[str,
         streamed = results[key]
         assert_same_samples(streamed, one)
         assert torch.equal(streamed["reward:scores"], score)
-        found = scored(streamed, "reward")
+        found = stashed(streamed, "reward")
         assert found is not None and torch.equal(found["scores"], score)
         assert float(found["reward/bonus"].mean()) == extras["reward/bonus"]
         assert streamed.non_tensors["request"] == [i // 2 for i in range(12)]
@@ -212,7 +212,7 @@ def test_streamed_batch_is_the_one_call_batch_with_its_scores(results: dict[str,
         TensorBatch(b.tensors, b.non_tensors, b.meta | {PEAK_MEMORY: 0}) for b in (plain, one)
     )
     assert plain.equals(one) and "token_versions" not in plain.tensors
-    assert scored(results["plain"], "reward") is None
+    assert stashed(results["plain"], "reward") is None
 
 
 def test_scoring_of_a_sub_batch_overlaps_generating_the_next(results: dict[str, Any]) -> None:

@@ -1,0 +1,58 @@
+"""Scores of generated rows from a reward role (or a cost role): the one place that decides what
+such a role is sent, and where a batch keeps the scores it got while it was still streaming in.
+
+A reward role is sent the token columns and every text column of the rows except the ones the
+generation pipeline adds for its own bookkeeping (``finish``, ``request``): the prompt, the
+response and whatever columns the data rows carried (``answer``, ``data_source``, ...), which a
+rule function reads as its metadata.
+
+``controller/streaming.py`` scores each sub-batch as it arrives and ``stash``-es the result in the
+batch as ``<role>:scores`` (and ``<role>:reward/<key>``) columns; ``scores`` reads them back, or
+asks the role when the batch was not scored so. An algorithm step calls ``scores`` either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from controller.clients import RewardClient
+from transport.batch import TensorBatch
+
+TOKENS = ("input_ids", "attention_mask", "response_mask")
+#: text columns the pipeline adds to generated rows; a reward role is not sent them
+BOOKKEEPING = ("finish", "request")
+
+
+def request(batch: TensorBatch) -> TensorBatch:
+    """The columns of ``batch`` a reward role is sent."""
+    text = [k for k in batch.non_tensors if k not in BOOKKEEPING]
+    return batch.select(TOKENS, text, [])
+
+
+async def ask(role: RewardClient, batch: TensorBatch) -> TensorBatch:
+    """``scores`` ``[B]`` (and ``reward/<key>`` extras) of ``batch``'s rows from ``role``."""
+    return await role.compute_reward(request(batch))
+
+
+def stash(batch: TensorBatch, role: str, found: dict[str, torch.Tensor]) -> None:
+    """Keep the columns ``role`` returned for ``batch``'s rows in the batch itself."""
+    for key, column in found.items():
+        batch.tensors[f"{role}:{key}"] = column
+
+
+def stashed(batch: TensorBatch, role: str) -> dict[str, torch.Tensor] | None:
+    """The columns reward role ``role`` returned for ``batch``'s rows while it streamed in
+    (``scores``, ``reward/<key>``), or None when it was not scored so."""
+    prefix = f"{role}:"
+    if f"{prefix}scores" not in batch.tensors:
+        return None
+    return {k[len(prefix) :]: v for k, v in batch.tensors.items() if k.startswith(prefix)}
+
+
+async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """One score per row, plus the batch means of any ``reward/<key>`` extras."""
+    found = stashed(batch, role.role)
+    if found is None:
+        found = (await ask(role, batch)).tensors
+    extras = {k: float(v.float().mean()) for k, v in found.items() if k.startswith("reward/")}
+    return found["scores"].float(), extras
