@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from controller.algorithms import Roles
-from controller.scoring import scores, stashed
 from controller.clients import ActorClient, ReferenceClient, RewardClient, RolloutClient
+from controller.scoring import scores, stashed
 from controller.streaming import (
     NO_VERSION,
     PartialRollout,

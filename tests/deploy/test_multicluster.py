@@ -51,12 +51,13 @@ def run_argv(spec: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def assert_fresh_weights(done: subprocess.CompletedProcess[str], run_dir: Path) -> None:
     """The quick run completed (46 steps), and the rollout group generated every batch with the
-    weights the actor had just trained: versions 1..6, never stale."""
+    weights the actor had just trained: policy versions 41..46 (40 SFT steps came first), never
+    stale."""
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1])["steps"] == 46
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     rl = [r for r in rows if "train/staleness" in r]
-    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+    assert [r["train/weight_version"] for r in rl] == [41, 42, 43, 44, 45, 46]
     assert all(r["train/staleness"] == 0 for r in rl)
 
 

@@ -71,4 +71,4 @@ def test_switching_partial_rollout_ahead_of_training_stays_within_the_bound(tmp_
     rows = rl_rows(run_dir)
     assert len(rows) == 4
     assert all(0 <= r["train/staleness_max"] <= 1 for r in rows)
-    assert rows[-1]["train/weight_version"] == 4
+    assert rows[-1]["train/weight_version"] == 44  # 40 SFT steps, then 4 RL steps

@@ -169,5 +169,5 @@ def test_async_grpo_with_a_cuda_rollout_group_synced_from_a_cuda_actor(tmp_path:
     assert job(quick_argv("quickstart.yaml", run_dir, sets)) == 0
     rl = [r for r in records(run_dir) if r["stage"] == "grpo" and "stage_step" in r]
     assert [r["train/staleness"] for r in rl] == [0, 1, 1, 1]
-    assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4]
+    assert [r["train/weight_version"] for r in rl] == [41, 42, 43, 44]  # 40 SFT steps first
     assert all(r["mem/generate_peak_gib"] > 0 and r["mem/train_peak_gib"] > 0 for r in rl)

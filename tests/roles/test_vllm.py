@@ -426,7 +426,7 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
     assert len(rl) == 6
     if where == "rollout":
         assert [r["train/staleness"] for r in rl] == [0] * 6
-        assert [r["train/weight_version"] for r in rl] == [1, 2, 3, 4, 5, 6]
+        assert [r["train/weight_version"] for r in rl] == [41, 42, 43, 44, 45, 46]  # after SFT
         # fp32: pi_old / pi_rollout is 1 up to the engines' rounding, never near the cap
         assert all(abs(r["train/actor/tis_weight"] - 1) < 1e-4 for r in rl)
         assert all(r["train/actor/tis_capped_frac"] == 0 for r in rl)
