@@ -15,12 +15,14 @@ from controller.clients import ProtocolMismatchError
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import EchoClient, FaultyClient
+from tests.waiting import cpu_seconds, wait_for, wait_until
 from transport.batch import TensorBatch
 from transport.errors import CallTimeoutError, RemoteError, RoleDeadError
 from transport.protocol import Transfer
 
 ECHO = "tests.fixtures.roles:Echo"
 FAULTY = "tests.fixtures.roles:Faulty"
+BUSY_S = 0.2  # CPU seconds a rank spends only when it runs a call (an idle one waits on sockets)
 
 
 def pid_alive(pid: int) -> bool:
@@ -160,8 +162,15 @@ def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int, fanou
         async with local_session(placement, TEST_TIMEOUTS) as c:
             pids = (await EchoClient(c, "echo").where())["pids"]
             faulty = FaultyClient(c, "f")
+            idle = [cpu_seconds(p) for p in pids]
             pending = asyncio.ensure_future(faulty.sleep(30.0))
-            await asyncio.sleep(0.5)
+            # mid-call: every rank is in the busy loop of ``sleep`` (an idle rank burns ~no CPU)
+            await wait_until(
+                lambda: all(cpu_seconds(p) - t >= BUSY_S for p, t in zip(pids, idle, strict=True)),
+                20,
+                f"every rank of the group computing the call ({BUSY_S} s of CPU each)",
+            )
+            assert not pending.done()
             os.kill(pids[victim], signal.SIGKILL)
             killed = time.monotonic()
             with pytest.raises(RoleDeadError) as info:
@@ -174,10 +183,7 @@ def test_kill_9_of_a_rank_mid_call_raises_role_dead_within_5s(victim: int, fanou
             return pids
 
     pids = run(main)
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in pids)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 5, "every rank of the group gone")
 
 
 @pytest.mark.extended

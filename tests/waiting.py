@@ -1,0 +1,74 @@
+"""Waiting in tests for something that can be observed, never for a guessed number of seconds.
+
+``wait_for(predicate, timeout, what)`` polls until the predicate holds and returns its value; on
+timeout it fails saying what was awaited (and, with ``proc``, fails at once, with its exit code,
+when the process that should produce the event exits first). ``cpu_seconds`` reads a process's
+CPU time, the observable of a rank that is computing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+POLL_S = 0.05  # how often a predicate is asked: cheap ones (a file, /proc), so often
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float,
+    what: str,
+    *,
+    proc: subprocess.Popen[Any] | None = None,
+    detail: Callable[[], object] | None = None,
+) -> T:
+    """The first truthy value of ``predicate()``, asked every ``POLL_S`` for ``timeout`` seconds.
+
+    Raises AssertionError naming ``what`` when it never comes, or when ``proc`` (the process
+    expected to make it happen) exits first; ``detail()`` is added to the message (a log, say)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = predicate()
+        if found:
+            return found
+        if proc is not None and proc.poll() is not None:
+            _fail(f"{what}: never happened; the process exited with {proc.returncode}", detail)
+        if time.monotonic() > deadline:
+            _fail(f"{what}: not within {timeout:g} s", detail)
+        time.sleep(POLL_S)
+
+
+async def wait_until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what: str) -> T:
+    """``wait_for`` for async tests: the event loop keeps running between the checks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = predicate()
+        if asyncio.iscoroutine(found) or isinstance(found, asyncio.Future):
+            found = await found
+        if found:
+            return found  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        await asyncio.sleep(POLL_S)
+
+
+def _fail(message: str, detail: Callable[[], object] | None) -> None:
+    if detail is not None:
+        message += f"\n{detail()}"
+    raise AssertionError(message)
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: fields 14 and 15
