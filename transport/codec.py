@@ -10,10 +10,15 @@ is one of
 - a ``dict``: a shared-memory descriptor (``transport.shm``), for big tensors between processes on
   one host when the link has an arena.
 
+Settings and descriptions travel as typed structs (``transport/structs.py``): each type in
+``STRUCTS`` becomes an extension holding ``[tag, fields]`` and is rebuilt, every field validated,
+on receipt; an unknown tag is refused like an unknown extension, and an object of any other type
+(a model or dataclass not in the table included) is refused when sending.
+
 ``decode`` rebuilds tensors zero-copy over the received frames (``torch.frombuffer``), validates
 every index and size against the frames actually received, and raises ``ProtocolError`` for
 anything malformed so the receiver can log it and carry on. ``HeaderLimits`` bounds what a header
-may make the receiver build (bytes, entries of one array or map, one string, tensor descriptors):
+may make the receiver build (bytes, entries of one array or map, one string, extension payloads):
 a peer that has not proved who it is gets small ones, because one byte of msgpack can become a
 72-byte Python object. Extensions nest at most ``MAX_EXT_DEPTH`` deep for everyone: each level
 runs the C unpacker again on the stack, and a few hundred levels crash the process. Non-contiguous tensors are made
@@ -35,11 +40,36 @@ import torch
 from transport.batch import TensorBatch
 from transport.device import in_host_memory
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError, check_body
+from transport.sampling import SamplingConfig
 from transport.shm import ShmArena, ShmReader
+from transport.structs import StructError, from_map, to_map
+from transport.training import OptimConfig, PolicyLossConfig, ValueLossConfig
+from transport.weight_sync import (
+    Source,
+    Target,
+    WeightsReceived,
+    WeightsSent,
+    WeightSyncSettings,
+)
 
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
 EXT_BATCH = 3
+EXT_STRUCT = 4
+
+#: tag on the wire → the struct type it names: the only structs a message may carry
+STRUCTS: dict[str, type] = {
+    "sampling": SamplingConfig,
+    "policy_loss": PolicyLossConfig,
+    "value_loss": ValueLossConfig,
+    "optim": OptimConfig,
+    "weight_sync": WeightSyncSettings,
+    "weight_source": Source,
+    "weight_target": Target,
+    "weights_sent": WeightsSent,
+    "weights_received": WeightsReceived,
+}
+_TAGS = {cls: tag for tag, cls in STRUCTS.items()}
 
 INLINE_BYTES = 512  # tensors smaller than this travel inside the header
 SHM_MIN_BYTES = 1 << 20  # tensors at least this big use shared memory when the link has an arena
@@ -56,12 +86,12 @@ _DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True)
 class HeaderLimits:
     """What one header may make the receiver build. ``-1``: msgpack's own bound (the header's
-    length). ``ext_bytes=0`` refuses tensors, arrays and batches altogether."""
+    length). ``ext_bytes=0`` refuses tensors, arrays, batches and structs altogether."""
 
     header_bytes: int = MAX_HEADER_BYTES
     entries: int = -1  # entries of one array or map
     str_bytes: int = -1  # one str or bin
-    ext_bytes: int = -1  # one tensor, array or batch descriptor
+    ext_bytes: int = -1  # one tensor, array, batch or struct payload
 
 
 DEFAULT_LIMITS = HeaderLimits()
@@ -98,9 +128,13 @@ class _Encoder:
             )
         if isinstance(obj, np.generic):
             return obj.item()
+        tag = _TAGS.get(type(obj))
+        if tag is not None:
+            return msgpack.ExtType(EXT_STRUCT, self.pack([tag, to_map(obj)]))
         raise TypeError(
             f"cannot send a {type(obj).__module__}.{type(obj).__qualname__} over the wire: "
-            "messages carry msgpack types, tensors, numpy arrays and TensorBatch only (no pickle)"
+            "messages carry msgpack types, tensors, numpy arrays, TensorBatch and the structs "
+            "of transport.codec.STRUCTS only (no pickle)"
         )
 
     def pack(self, obj: Any) -> bytes:
@@ -204,7 +238,23 @@ class _Decoder:
                 return TensorBatch(tensors=tensors, non_tensors=non_tensors, meta=meta)
             except (TypeError, ValueError) as exc:
                 raise ProtocolError(f"bad TensorBatch: {exc}") from exc
+        if code == EXT_STRUCT:
+            return self._struct(self.unpack(data))
         raise ProtocolError(f"unknown msgpack extension type {code}")
+
+    def _struct(self, payload: Any) -> Any:
+        if not isinstance(payload, list) or len(payload) != 2:
+            raise ProtocolError("a struct must be [tag, fields]")
+        tag, fields = payload
+        cls = STRUCTS.get(tag) if isinstance(tag, str) else None
+        if cls is None:
+            raise ProtocolError(f"unknown struct type {tag!r}; known: {sorted(STRUCTS)}")
+        if not isinstance(fields, dict):
+            raise ProtocolError(f"struct {tag!r} fields must be a map, got {type(fields).__name__}")
+        try:
+            return from_map(cls, fields)
+        except StructError as exc:
+            raise ProtocolError(f"struct {tag!r}: {exc}") from exc
 
     def unpack(self, data: bytes | memoryview) -> Any:
         limits = self.limits

@@ -24,6 +24,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import StrictInt
+
+from transport.structs import StructError, from_map, to_map
+
 PROTOCOL_VERSION = 1
 #: the key under which a role reports its rank's peak memory over a call: in the meta of the
 #: batch ``generate`` returns and in the metrics of ``update_policy`` (bytes; device allocator
@@ -67,13 +71,13 @@ class Layout:
     """A group's parallel layout. Ranks are ordered tp fastest, then pp, then dp (the standard
     grouping: tp/pp peers on consecutive ranks, dp at stride pp * tp)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+    dp: StrictInt = 1  # StrictInt: a struct from the wire holds ints, not bools or strings
+    tp: StrictInt = 1
+    pp: StrictInt = 1
     #: The generation layout of the 3D-HybridEngine (reshard/): tensor and pipeline sizes while
     #: the group generates; 0 means the same as training. Each must divide its training size.
-    gen_tp: int = 0
-    gen_pp: int = 0
+    gen_tp: StrictInt = 0
+    gen_pp: StrictInt = 0
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -114,17 +118,18 @@ class Layout:
         return dp * self.pp * self.tp + pp * self.tp + tp
 
     def to_wire(self) -> dict[str, int]:
-        wire = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
-        return {**wire, "gen_tp": self.gen_tp, "gen_pp": self.gen_pp} if self.resharded else wire
+        """The plain map a hello carries (a peer that has not registered may send no extension,
+        so the hello cannot hold the struct itself; calls carry it nested in their structs)."""
+        return to_map(self)
 
     @classmethod
     def from_wire(cls, data: Any) -> Layout:
-        if not isinstance(data, dict):
-            raise ProtocolError(f"layout must be a map, got {type(data).__name__}")
+        """A hello's layout map, which must name dp, tp and pp; ``ProtocolError`` otherwise."""
+        if not isinstance(data, dict) or not {"dp", "tp", "pp"} <= data.keys():
+            raise ProtocolError(f"layout must be a map with dp, tp and pp, got {data!r}")
         try:
-            generation = {k: data[k] for k in ("gen_tp", "gen_pp") if k in data}
-            return cls(**{k: data[k] for k in ("dp", "tp", "pp")}, **generation)
-        except (KeyError, TypeError, ValueError) as exc:
+            return from_map(cls, data)
+        except StructError as exc:
             raise ProtocolError(f"bad layout {data!r}: {exc}") from exc
 
     @classmethod

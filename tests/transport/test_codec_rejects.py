@@ -17,7 +17,7 @@ from tests.transport.codec_helpers import (
     reply,
     tensor_ext,
 )
-from transport.codec import EXT_BATCH, EXT_NDARRAY, EXT_TENSOR, decode, encode
+from transport.codec import EXT_BATCH, EXT_NDARRAY, EXT_STRUCT, EXT_TENSOR, decode, encode
 from transport.protocol import PROTOCOL_VERSION, Layout, Message, MsgType, ProtocolError
 from transport.shm import ShmReader
 
@@ -234,7 +234,7 @@ def test_huge_declared_shape_is_refused_before_allocating() -> None:
         decode([header, bytes(8)])
 
 
-@pytest.mark.parametrize("code", [99, 0, 4, 127])
+@pytest.mark.parametrize("code", [99, 0, 5, 127])
 def test_unknown_ext_code(code: int) -> None:
     with pytest.raises(ProtocolError, match="extension"):
         decode([make_header({"result": msgpack.ExtType(code, b"")})])
@@ -242,7 +242,7 @@ def test_unknown_ext_code(code: int) -> None:
 
 def test_malformed_ext_payloads() -> None:
     for data in (b"", b"\xc1", msgpack.packb(5), msgpack.packb([1, 2]), msgpack.packb([1] * 4)):
-        for code in (EXT_TENSOR, EXT_NDARRAY, EXT_BATCH):
+        for code in (EXT_TENSOR, EXT_NDARRAY, EXT_BATCH, EXT_STRUCT):
             with pytest.raises(ProtocolError):
                 decode([make_header({"result": msgpack.ExtType(code, data)})])
 
@@ -329,7 +329,7 @@ def test_for_world_zero_tp_is_a_value_error() -> None:
 
 def test_layout_wire_round_trip() -> None:
     layout = Layout(dp=2, tp=4, pp=3)
-    assert layout.to_wire() == {"dp": 2, "tp": 4, "pp": 3}
+    assert layout.to_wire() == {"dp": 2, "tp": 4, "pp": 3, "gen_tp": 0, "gen_pp": 0}
     assert Layout.from_wire(layout.to_wire()) == layout
     assert Layout.from_wire({"dp": 1, "tp": 1, "pp": 1, "extra": 9}) == Layout()
     msg = decode(encode(reply(layout.to_wire())).frames)
@@ -349,6 +349,9 @@ def test_layout_wire_round_trip() -> None:
         {"dp": 1, "tp": 1, "pp": "2"},
         {"dp": 1.5, "tp": 1, "pp": 1},
         {"dp": None, "tp": 1, "pp": 1},
+        {"dp": True, "tp": 1, "pp": 1},
+        {"dp": 2.0, "tp": 1, "pp": 1},
+        {"dp": 1, "tp": 2, "pp": 1, "gen_tp": 3},
     ],
 )
 def test_layout_from_wire_rejects_bad_maps(data: Any) -> None:
