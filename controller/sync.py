@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from controller.clients.weights import WeightSinkClient, WeightSourceClient
 from transport.errors import HybridflowError, RemoteError, RoleDeadError
-from transport.weight_sync import WeightSyncSettings
+from transport.structs import to_map
+from transport.weight_sync import Source, WeightsReceived, WeightsSent, WeightSyncSettings
 
 #: after one side of a sync fails, how long to wait for the other's error: a receiver names the
 #: sender that stopped (it notices a closed connection within half a second), while a dead
@@ -37,7 +39,7 @@ class WeightSync:
     def __init__(self, source: WeightSourceClient, settings: WeightSyncSettings) -> None:
         self.source = source
         self.settings = settings
-        self._described: dict[str, Any] | None = None
+        self._described: Source | None = None
 
     def colocated(self, target: WeightSinkClient) -> bool:
         controller = self.source.controller
@@ -47,14 +49,15 @@ class WeightSync:
         self, target: WeightSinkClient, version: int, strict: bool = True
     ) -> dict[str, Any]:
         """``version`` of the source's weights into ``target`` (``strict=False``: the names both
-        hold, e.g. a backbone into a critic). Returns seconds, bytes and paths (rank 0's)."""
+        hold, e.g. a backbone into a critic). Returns the seconds it took and rank 0's reports
+        (``WeightsSent``, ``WeightsReceived``) as maps: bytes, seconds, paths."""
         start = time.perf_counter()
-        settings = self.settings.model_dump()
+        settings = self.settings
         what = f"{self.source.role} -> {target.role} (weight version {version})"
         try:
             if self.colocated(target):
-                got = await target.copy_from(self.source.role, version, settings, strict)
-                return {"seconds": time.perf_counter() - start, "received": got}
+                copied = await target.copy_from(self.source.role, version, settings, strict)
+                return {"seconds": time.perf_counter() - start, "received": to_map(copied)}
             if self._described is None:
                 self._described = await self.source.weight_source()
             opened = await target.open_receive(self._described, version, settings, strict)
@@ -65,11 +68,21 @@ class WeightSync:
             target.receive_weights(version),
             what,
         )
-        return {"seconds": time.perf_counter() - start, "sent": sent, "received": got}
+        return {
+            "seconds": time.perf_counter() - start,
+            "sent": to_map(sent),
+            "received": to_map(got),
+        }
 
-    async def _both(self, send: Any, receive: Any, what: str) -> tuple[Any, Any]:
+    async def _both(
+        self,
+        send: Coroutine[Any, Any, WeightsSent],
+        receive: Coroutine[Any, Any, WeightsReceived],
+        what: str,
+    ) -> tuple[WeightsSent, WeightsReceived]:
         """Run both calls; the first failure cancels the other (its group reports it too)."""
-        tasks = [asyncio.ensure_future(send), asyncio.ensure_future(receive)]
+        sending, receiving = asyncio.ensure_future(send), asyncio.ensure_future(receive)
+        tasks: list[asyncio.Future[Any]] = [sending, receiving]
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
         if failed:
@@ -80,7 +93,7 @@ class WeightSync:
                 task.cancel()
             reasons = "; ".join(describe(e) for e in errors if e is not None)
             raise WeightSyncError(f"weight sync {what} failed: {reasons}") from errors[0]
-        return tasks[0].result(), tasks[1].result()
+        return sending.result(), receiving.result()
 
 
 def describe(exc: BaseException) -> str:

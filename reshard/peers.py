@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
-from typing import Any
 
 from transport.channel import host_id, split_tcp
+from transport.weight_sync import Peer  # the struct a Source and an Inbox carry
 
 CLUSTER_ENV = "HYBRIDFLOW_CLUSTER"
 ADVERTISE_ENV = "HYBRIDFLOW_ADVERTISE_HOST"
@@ -32,21 +31,9 @@ class PathError(ValueError):
     """A forced path that cannot connect two ranks."""
 
 
-@dataclass(frozen=True)
-class Peer:
-    host: str
-    cluster: str
-
-    @classmethod
-    def here(cls) -> Peer:
-        return cls(host_id(), os.environ.get(CLUSTER_ENV, ""))
-
-    def to_wire(self) -> dict[str, str]:
-        return {"host": self.host, "cluster": self.cluster}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Peer:
-        return cls(str(data["host"]), str(data["cluster"]))
+def this_peer() -> Peer:
+    """Where this rank runs (``Peer``, a struct of ``transport/weight_sync.py``)."""
+    return Peer(host_id(), os.environ.get(CLUSTER_ENV, ""))
 
 
 def choose_path(forced: str, src: Peer, dst: Peer) -> str:

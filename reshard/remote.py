@@ -51,13 +51,15 @@ from reshard.p2p import (
     pair_buckets,
     params_from_wire,
 )
-from reshard.peers import Peer, choose_path, reachable_host
+from reshard.peers import Peer, choose_path, reachable_host, this_peer
 from reshard.slices import box_shape, check_held, cut, region, unpack
 from transport.device import in_host_memory
 from transport.protocol import Layout
-from transport.weight_sync import WeightSyncSettings
+from transport.weight_sync import Inbox, Source, Target, WeightSyncSettings
 
-__all__ = ["Receiver", "Route", "Source", "Target", "TransferError", "send"]
+# Source, Target and Inbox are the structs the controller passes between the groups
+# (transport/weight_sync.py); they are re-exported here, where they are used
+__all__ = ["Inbox", "Receiver", "Route", "Source", "Target", "TransferError", "send"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,78 +71,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise TransferError(f"weights of dtype {dtype} cannot be transferred; use fp32, bf16 or fp16")
 
 
-@dataclass(frozen=True)
-class Source:
-    role: str
-    layout: Layout
-    dtype: str
-    params: list[dict[str, Any]]  # name, shape, tp_dim, dp_dim (EngineRole.weight_specs)
-    peers: list[Peer]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        found = _DTYPES.get(self.dtype)
-        if found is None:
-            raise TransferError(f"source dtype {self.dtype!r}: expected one of {list(_DTYPES)}")
-        return found
-
-    def to_wire(self) -> dict[str, Any]:
-        peers = [p.to_wire() for p in self.peers]
-        return {**self.__dict__, "layout": self.layout.to_wire(), "peers": peers}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Source:
-        peers = [Peer.from_wire(p) for p in data["peers"]]
-        layout = Layout.from_wire(data["layout"])
-        return cls(str(data["role"]), layout, str(data["dtype"]), list(data["params"]), peers)
-
-
-@dataclass(frozen=True)
-class Inbox:
-    """Where one target rank takes buckets."""
-
-    peer: Peer
-    token: str
-    ipc: str | None = None
-    tcp: str | None = None
-    key: str | None = None  # the tcp socket's CURVE public key (z85)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {**self.__dict__, "peer": self.peer.to_wire()}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Inbox:
-        return cls(
-            Peer.from_wire(data["peer"]), str(data["token"]), *_opt(data, "ipc", "tcp", "key")
-        )
-
-
-def _opt(data: dict[str, Any], *keys: str) -> list[str | None]:
-    return [None if data.get(k) is None else str(data[k]) for k in keys]
-
-
-@dataclass(frozen=True)
-class Target:
-    role: str
-    layout: Layout
-    accept: list[str]
-    splits: dict[str, int]  # tp dim of each parameter the target splits (others: whole)
-    inboxes: list[Inbox]
-    store: str | None = None  # host:port of the stateless group's TCPStore
-    group_key: str | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        inboxes = [i.to_wire() for i in self.inboxes]
-        return {**self.__dict__, "layout": self.layout.to_wire(), "inboxes": inboxes}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Target:
-        inboxes = [Inbox.from_wire(i) for i in data["inboxes"]]
-        store, key = _opt(data, "store", "group_key")
-        layout = Layout.from_wire(data["layout"])
-        accept = [str(n) for n in data["accept"]]
-        splits = {str(k): int(v) for k, v in dict(data["splits"]).items()}
-        return cls(str(data["role"]), layout, accept, splits, inboxes, store, key)
+def source_dtype(source: Source) -> torch.dtype:
+    found = _DTYPES.get(source.dtype)
+    if found is None:
+        raise TransferError(f"source dtype {source.dtype!r}: expected one of {list(_DTYPES)}")
+    return found
 
 
 @dataclass
@@ -156,7 +91,7 @@ class Route:
 
     def __post_init__(self) -> None:
         taken = set(self.accept)
-        every = params_from_wire(self.source.params, self.source.torch_dtype.itemsize)
+        every = params_from_wire(self.source.params, source_dtype(self.source).itemsize)
         theirs = {n: TP_DIM_SPLIT[d] for n, d in self.splits.items() if d in TP_DIM_SPLIT}
         if len(theirs) != len(self.splits):
             raise TransferError(f"target splits {self.splits}: tp dims must be 0 or 1")
@@ -199,7 +134,7 @@ def send(
     plan = route.plan
     boxes = {p.name: plan.held_box(i, rank) for i, p in enumerate(plan.params)}
     mine = {k: v for k, v in boxes.items() if v is not None}
-    check_held(plan.params, mine, held, source.torch_dtype)
+    check_held(plan.params, mine, held, source_dtype(source))
     dsts = sorted({m.dst for m in plan.sends(rank)})
     paths = {d: route.path(rank, target.inboxes[d].peer) for d in dsts}
     try:
@@ -287,7 +222,7 @@ class Receiver:
     ) -> None:
         self.route = Route(source, layout, accept, splits, settings)
         self.rank, self.version, self.role = rank, version, role
-        self.peer = Peer.here()
+        self.peer = this_peer()
         self.token = secrets.token_hex(16)
         sources = sorted({m.src for m in self.route.plan.receives(rank)})
         self.paths = {s: self.route.path(s, self.peer) for s in sources}
@@ -309,7 +244,7 @@ class Receiver:
         return Inbox(self.peer, self.token, i.ipc, i.tcp, i.key)
 
     def staging(self) -> dict[str, torch.Tensor]:
-        plan, dtype = self.route.plan, self.route.source.torch_dtype
+        plan, dtype = self.route.plan, source_dtype(self.route.source)
         found = {}
         for index, p in enumerate(plan.params):
             box = plan.need_box(index, self.rank)

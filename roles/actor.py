@@ -16,18 +16,34 @@ from typing import Any
 import torch
 
 from roles.base import RoleContext
-from roles.engine_role import TOKENS, EngineRole
+from roles.engine_role import EngineRole
 from roles.engines.generation.serve import make_engine, serve
 from roles.engines.generation.vllm import VLLMEngine
 from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.modeling.logprob import token_entropy, token_log_probs
-from roles.modeling.losses import PolicyLossConfig, aggregate, policy_loss
+from roles.modeling.losses import aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
 from roles.modeling.text import encode_rows
 from roles.runtime.device import peak_memory_bytes, reset_peak_memory
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, MICRO_DP, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
+from transport.columns import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    ENTROPY,
+    INPUT_IDS,
+    LOG_PROBS,
+    OLD_LOG_PROBS,
+    PROMPT,
+    REF_LOG_PROBS,
+    RESPONSE,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    TOKENS,
+)
 from transport.protocol import PEAK_MEMORY
+from transport.sampling import SamplingConfig
+from transport.training import PolicyLossConfig
 
 
 class Reference(EngineRole):
@@ -44,19 +60,19 @@ class Reference(EngineRole):
         self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
     ) -> TensorBatch:
         """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
-        batch.require_tensors("input_ids", "attention_mask")
+        batch.require_tensors(INPUT_IDS, ATTENTION_MASK)
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
-            mask = micro.tensor("attention_mask")
-            logp = token_log_probs(logits, micro.tensor("input_ids"), temperature) * mask
+            mask = micro.tensor(ATTENTION_MASK)
+            logp = token_log_probs(logits, micro.tensor(INPUT_IDS), temperature) * mask
             if not entropy:
                 return logp
             return torch.stack([logp, token_entropy(logits, temperature) * mask], dim=-1)
 
         out = self.engine.infer(batch, read)
         if entropy:
-            return TensorBatch.from_dict({"log_probs": out[..., 0], "entropy": out[..., 1]})
-        return TensorBatch.from_dict({"log_probs": out})
+            return TensorBatch.from_dict({LOG_PROBS: out[..., 0], ENTROPY: out[..., 1]})
+        return TensorBatch.from_dict({LOG_PROBS: out})
 
 
 class Actor(Reference):
@@ -98,7 +114,7 @@ class Actor(Reference):
 
     @endpoint(MICRO_DP)
     def generate(
-        self, batch: TensorBatch, sampling: dict[str, Any] | None = None, min_version: int = 0
+        self, batch: TensorBatch, sampling: SamplingConfig | None = None, min_version: int = 0
     ) -> TensorBatch:
         """Colocated generation, the same call a rollout group takes. The actor always samples
         from its newest weights: ``min_version`` is the policy version the controller counts
@@ -112,7 +128,7 @@ class Actor(Reference):
         ``generator: vllm`` see ``_generate_vllm``."""
         reset_peak_memory(self.ctx.device)
         if self.engine.cfg.generator == "vllm":
-            out = self._generate_vllm(batch, sampling or {}, min_version)
+            out = self._generate_vllm(batch, sampling, min_version)
             out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
             return out
         start = time.perf_counter()
@@ -123,7 +139,7 @@ class Actor(Reference):
             gathered = time.perf_counter() - start
             engine = make_engine(self.engine.cfg.generator, module, self.tokenizer)
             with self.engine.autocast():
-                out = serve(engine, self.tokenizer, batch, sampling or {}, min_version)
+                out = serve(engine, self.tokenizer, batch, sampling, min_version)
         out.meta["gather_s"] = gathered
         out.meta["offloaded_bytes"] = offloaded
         if self.hybrid is not None:
@@ -132,7 +148,7 @@ class Actor(Reference):
         return out
 
     def _generate_vllm(
-        self, batch: TensorBatch, sampling: dict[str, Any], version: int
+        self, batch: TensorBatch, sampling: SamplingConfig | None, version: int
     ) -> TensorBatch:
         """Colocated generation through vLLM (``roles/engines/generation/vllm.py``): the actor's
         whole weights are reloaded into vLLM in place (``meta["gather_s"]``), it generates, and
@@ -171,32 +187,33 @@ class Actor(Reference):
 
     @endpoint(DP_REDUCED)
     def update_policy(
-        self, batch: TensorBatch, loss: dict[str, Any] | None = None, temperature: float = 1.0
+        self, batch: TensorBatch, loss: PolicyLossConfig | None = None, temperature: float = 1.0
     ) -> dict[str, float]:
         """One optimizer step of the clipped surrogate on the whole batch. Needs ``input_ids``,
         ``attention_mask``, ``response_mask``, ``old_log_probs``, ``advantages`` (and
         ``ref_log_probs`` when ``loss.kl_coef`` > 0, ``rollout_log_probs``, the generator's,
-        when ``loss.tis_cap`` or ``loss.decoupled`` is set)."""
-        cfg = PolicyLossConfig.model_validate(loss or {})
-        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.kl_coef else [])
-        needed += ["rollout_log_probs"] if cfg.behaviour_cap is not None else []
+        when ``loss.tis_cap`` or ``loss.decoupled`` is set). ``loss`` None: the defaults (a
+        controller that sends the fields as a map still works)."""
+        cfg = PolicyLossConfig.model_validate(loss if loss is not None else {})
+        needed = [OLD_LOG_PROBS, ADVANTAGES] + ([REF_LOG_PROBS] if cfg.kl_coef else [])
+        needed += [ROLLOUT_LOG_PROBS] if cfg.behaviour_cap is not None else []
         batch.require_tensors(*TOKENS, *needed)
 
         def loss_fn(
             logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            ids = micro.tensor("input_ids")
+            ids = micro.tensor(INPUT_IDS)
             return policy_loss(
                 token_log_probs(logits, ids, temperature),
-                micro.tensor("old_log_probs"),
-                micro.tensor("advantages"),
-                micro.tensor("response_mask"),
+                micro.tensor(OLD_LOG_PROBS),
+                micro.tensor(ADVANTAGES),
+                micro.tensor(RESPONSE_MASK),
                 cfg,
                 tokens,
                 seqs,
                 entropy=token_entropy(logits, temperature) if cfg.entropy_coef else None,
-                ref_logp=micro.tensors.get("ref_log_probs") if cfg.kl_coef else None,
-                rollout_logp=micro.tensors.get("rollout_log_probs"),
+                ref_logp=micro.tensors.get(REF_LOG_PROBS) if cfg.kl_coef else None,
+                rollout_logp=micro.tensors.get(ROLLOUT_LOG_PROBS),
             )
 
         reset_peak_memory(self.ctx.device)
@@ -207,7 +224,7 @@ class Actor(Reference):
     def _sft_batch(
         self, batch: TensorBatch, response_only: bool, pack: bool
     ) -> tuple[TensorBatch, int]:
-        prompts, responses = batch.non_tensor("prompt"), batch.non_tensor("response")
+        prompts, responses = batch.non_tensor(PROMPT), batch.non_tensor(RESPONSE)
         limit = int(self.engine.model_config.max_position_embeddings)
         return encode_rows(self.tokenizer, prompts, responses, limit, response_only, pack)
 
@@ -243,12 +260,10 @@ class Actor(Reference):
         tokens_batch, _ = self._sft_batch(batch, response_only, pack)
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
-            nll = -token_log_probs(logits, micro.tensor("input_ids")) * micro.tensor(
-                "response_mask"
-            )
+            nll = -token_log_probs(logits, micro.tensor(INPUT_IDS)) * micro.tensor(RESPONSE_MASK)
             return nll.sum(-1)
 
-        mask = tokens_batch.tensor("response_mask")
+        mask = tokens_batch.tensor(RESPONSE_MASK)
         totals = {"nll": self.engine.infer(tokens_batch, read).sum(), "tokens": mask.sum().float()}
         summed = self.sum_over_dp(totals)
         return {"loss": summed["nll"] / max(summed["tokens"], 1.0), "tokens": summed["tokens"]}
@@ -275,5 +290,5 @@ def whole_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 def _nll(
     logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    nll = -token_log_probs(logits, micro.tensor("input_ids"))
-    return aggregate(nll, micro.tensor("response_mask"), "token-mean", tokens, seqs), {}
+    nll = -token_log_probs(logits, micro.tensor(INPUT_IDS))
+    return aggregate(nll, micro.tensor(RESPONSE_MASK), "token-mean", tokens, seqs), {}

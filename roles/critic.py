@@ -7,20 +7,20 @@ a critic exported earlier. Values follow the log-prob alignment of ``roles/model
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from roles.engine_role import TOKENS, EngineRole
+from roles.engine_role import EngineRole
 from roles.modeling.logprob import aligned
-from roles.modeling.losses import ValueLossConfig, aggregate, value_loss
+from roles.modeling.losses import aggregate, value_loss
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from transport.batch import TensorBatch
+from transport.columns import ATTENTION_MASK, INPUT_IDS, RESPONSE_MASK, RETURNS, TOKENS, VALUES
+from transport.training import ValueLossConfig
 
 
 def values_of(scores: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
     """Per-position head outputs ``[B, T]`` → aligned values, zero on padding."""
-    return aligned(scores[:, :-1].float()) * micro.tensor("attention_mask")
+    return aligned(scores[:, :-1].float()) * micro.tensor(ATTENTION_MASK)
 
 
 class Critic(EngineRole):
@@ -29,25 +29,26 @@ class Critic(EngineRole):
     @endpoint(DP_SPLIT)
     def compute_values(self, batch: TensorBatch) -> TensorBatch:
         """``values`` ``[B, T]`` for the rows of a token batch."""
-        batch.require_tensors("input_ids", "attention_mask")
-        return TensorBatch.from_dict({"values": self.engine.infer(batch, values_of)})
+        batch.require_tensors(INPUT_IDS, ATTENTION_MASK)
+        return TensorBatch.from_dict({VALUES: self.engine.infer(batch, values_of)})
 
     @endpoint(DP_REDUCED)
     def update_critic(
-        self, batch: TensorBatch, loss: dict[str, Any] | None = None
+        self, batch: TensorBatch, loss: ValueLossConfig | None = None
     ) -> dict[str, float]:
         """One optimizer step of the clipped value loss. Needs ``input_ids``,
-        ``attention_mask``, ``response_mask``, ``values`` (the old ones) and ``returns``."""
-        cfg = ValueLossConfig.model_validate(loss or {})
-        batch.require_tensors(*TOKENS, "values", "returns")
+        ``attention_mask``, ``response_mask``, ``values`` (the old ones) and ``returns``.
+        ``loss`` None: the defaults (a controller that sends the fields as a map still works)."""
+        cfg = ValueLossConfig.model_validate(loss if loss is not None else {})
+        batch.require_tensors(*TOKENS, VALUES, RETURNS)
 
         def loss_fn(
             scores: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             values = values_of(scores, micro)
-            mask = micro.tensor("response_mask")
-            returns = micro.tensor("returns")
-            per_token = value_loss(values, micro.tensor("values"), returns, cfg.clip)
+            mask = micro.tensor(RESPONSE_MASK)
+            returns = micro.tensor(RETURNS)
+            per_token = value_loss(values, micro.tensor(VALUES), returns, cfg.clip)
             error = (values.detach() - returns) ** 2
             mse = aggregate(error, mask, "token-mean", tokens, seqs)
             return aggregate(per_token, mask, cfg.agg, tokens, seqs), {"value_mse": mse}

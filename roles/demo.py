@@ -8,8 +8,6 @@ optimizer — so the ranks stay bit-identical and the result equals one process 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -66,5 +64,5 @@ class LinearRegressor(Role):
         return all(torch.equal(g, flat) for g in gathered)
 
     @endpoint(ONE_TO_ALL)
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, int]:
         return {"rank": self.ctx.rank, "world_size": self.ctx.world_size}

@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from roles.base import Role, RoleContext
-from roles.engines.training.config import EngineConfig, OptimConfig
+from roles.engines.training.config import EngineConfig
 from roles.engines.training.factory import build_engine
 from roles.engines.training.interface import Head, TrainingEngine
 from roles.runtime.endpoint import ONE_TO_ALL, RANK_ZERO, endpoint
 from roles.weight_sync import WeightSink, WeightSource
 from transport.protocol import Layout
-
-TOKENS = ("input_ids", "attention_mask", "response_mask")
+from transport.training import OptimConfig
 
 
 class EngineRole(WeightSource, WeightSink, Role):
@@ -96,9 +95,9 @@ class EngineRole(WeightSource, WeightSink, Role):
         return str(Path(path))
 
     @endpoint(ONE_TO_ALL)
-    def configure_optim(self, optim: dict[str, Any]) -> int:
-        """A fresh optimizer and schedule (an ``OptimConfig`` as a dict), e.g. at the start of a
-        training stage; returns the optimizer steps taken so far."""
+    def configure_optim(self, optim: OptimConfig) -> int:
+        """A fresh optimizer and schedule, e.g. at the start of a training stage; returns the
+        optimizer steps taken so far. (A controller that sends the fields as a map still works.)"""
         if self.frozen:
             raise ValueError(f"{type(self).__name__} is frozen; it has no optimizer to configure")
         self.engine.configure_optim(OptimConfig.model_validate(optim))

@@ -36,6 +36,7 @@ from roles.weight_sync import WeightSink, local_piece
 from transport.batch import TensorBatch
 from transport.device import HOST
 from transport.protocol import PEAK_MEMORY, Layout
+from transport.sampling import SamplingConfig
 
 
 class RolloutConfig(BaseModel):
@@ -116,7 +117,7 @@ class Rollout(WeightSink, Role):
 
     @endpoint(DP_RAGGED)
     def generate(
-        self, batch: TensorBatch, sampling: dict[str, Any] | None = None, min_version: int = 0
+        self, batch: TensorBatch, sampling: SamplingConfig | None = None, min_version: int = 0
     ) -> TensorBatch:
         """Samples for the prompts of ``batch`` (see ``roles/engines/generation/serve.py``), on
         weights of version ``min_version`` or newer."""
@@ -126,7 +127,7 @@ class Rollout(WeightSink, Role):
                 f"older than the version {min_version} asked for (did the last weight sync fail?)"
             )
         reset_peak_memory(self.ctx.device)
-        out = serve(self.engine, self.tokenizer, batch, sampling or {}, self.version)
+        out = serve(self.engine, self.tokenizer, batch, sampling, self.version)
         out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
 

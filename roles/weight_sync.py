@@ -39,12 +39,18 @@ import torch
 import torch.distributed as dist
 
 from reshard.channels import drop_store, group_store
-from reshard.peers import Peer, reachable_host
-from reshard.remote import Receiver, Source, Target, TransferError, dtype_name, send
+from reshard.peers import reachable_host, this_peer
+from reshard.remote import Receiver, TransferError, dtype_name, send
 from roles.base import RoleContext
 from roles.runtime.endpoint import ONE_TO_ALL, endpoint
 from transport.protocol import Layout
-from transport.weight_sync import WeightSyncSettings
+from transport.weight_sync import (
+    Source,
+    Target,
+    WeightsReceived,
+    WeightsSent,
+    WeightSyncSettings,
+)
 
 #: roles in this process that can give weights, by role name (for colocated copies)
 _sources: dict[str, WeightSource] = {}
@@ -87,38 +93,36 @@ class WeightSource:
         """This role as a source (made once: layout, shapes and hosts do not change)."""
         found: Source | None = getattr(self, "_described_source", None)
         if found is None:
-            peers = gather(self.ctx, Peer.here().to_wire())
             found = Source(
                 self.ctx.role,
                 self.ctx.layout,
                 dtype_name(self.weight_dtype()),
                 self.weight_specs(),
-                [Peer.from_wire(p) for p in peers],
+                gather(self.ctx, this_peer()),
             )
             self._described_source = found
         return found
 
     @endpoint(ONE_TO_ALL)
-    def weight_source(self) -> dict[str, Any]:
+    def weight_source(self) -> Source:
         """Layout, dtype, parameter shapes and splits, and where each rank runs: what a sink
         needs to plan a transfer from this role."""
-        return self.describe_source().to_wire()
+        return self.describe_source()
 
     @endpoint(ONE_TO_ALL)
     def send_weights(
-        self, target: dict[str, Any], version: int, settings: dict[str, Any]
-    ) -> dict[str, Any]:
+        self, target: Target, version: int, settings: WeightSyncSettings
+    ) -> WeightsSent:
         """Send this group's weights (``version``) to the ranks of ``target`` (what its
         ``open_receive`` answered); returns rank 0's bytes, seconds and paths."""
-        found = Target.from_wire(target)
-        chosen = WeightSyncSettings.model_validate(settings)
+        chosen = WeightSyncSettings.model_validate(settings)  # (a map from an older controller)
         start = time.perf_counter()
         source = self.describe_source()
         with self.held_weights() as held:
             ready = time.perf_counter()
-            stats = send(source, found, self.ctx.rank, held, version, chosen)
+            stats = send(source, target, self.ctx.rank, held, version, chosen)
         paths = {str(k): v for k, v in stats["paths"].items()}
-        return {**stats, "paths": paths, "prepare_s": ready - start}
+        return WeightsSent(stats["bytes"], stats["seconds"], paths, ready - start)
 
 
 class WeightSink:
@@ -162,35 +166,32 @@ class WeightSink:
 
     @endpoint(ONE_TO_ALL)
     def open_receive(
-        self, source: dict[str, Any], version: int, settings: dict[str, Any], strict: bool = True
-    ) -> dict[str, Any]:
+        self, source: Source, version: int, settings: WeightSyncSettings, strict: bool = True
+    ) -> Target:
         """Open this group's inboxes for weights ``version`` from ``source`` (what its
         ``weight_source`` answered); ``strict=False`` takes only the names both hold. Returns
         the target description the source's ``send_weights`` takes."""
-        found = Source.from_wire(source)
-        chosen = WeightSyncSettings.model_validate(settings)
-        taken = self.accept(found, strict)
+        chosen = WeightSyncSettings.model_validate(settings)  # (a map from an older controller)
+        taken = self.accept(source, strict)
         self.close_receive()
         layout, splits, ctx = self.sink_layout(), self.sink_splits(), self.ctx
         receiver = Receiver(
-            found, layout, ctx.rank, taken, splits, version, chosen, ctx.role, socket_dir()
+            source, layout, ctx.rank, taken, splits, version, chosen, ctx.role, socket_dir()
         )
         self._receiver, self._strict = receiver, strict
-        inboxes = gather(ctx, receiver.inbox().to_wire())
-        wire = {"role": ctx.role, "layout": layout.to_wire(), "accept": taken, "splits": splits}
-        target = Target.from_wire({**wire, "inboxes": inboxes})
+        target = Target(ctx.role, layout, taken, splits, gather(ctx, receiver.inbox()))
         if receiver.route.uses_group(target.inboxes):
-            store, key = self._meeting_point(found)
+            store, key = self._meeting_point(source)
             target = replace(target, store=store, group_key=key)
         self._target = target
-        return target.to_wire()
+        return target
 
     def _meeting_point(self, source: Source) -> tuple[str, str]:
         """Rank 0 keeps one TCPStore for stateless groups; the key names the source group, so
         each pair of groups meets under its own prefix. Broadcast to every rank."""
         if self.ctx.rank == 0:
             if self._store is None:
-                everyone_local = all(p.host == Peer.here().host for p in source.peers)
+                everyone_local = all(p.host == this_peer().host for p in source.peers)
                 suffix = secrets.token_hex(6)
                 self._store = (group_store(suffix, reachable_host(everyone_local)), suffix)
             chosen: list[str | None] = [self._store[0], f"{self._store[1]}-{source.role}"]
@@ -201,7 +202,7 @@ class WeightSink:
         return str(chosen[0]), f"{chosen[1]}-{source.layout.world_size}"
 
     @endpoint(ONE_TO_ALL)
-    def receive_weights(self, version: int) -> dict[str, Any]:
+    def receive_weights(self, version: int) -> WeightsReceived:
         """Take the buckets the source sends, then swap them in; returns rank 0's version,
         bytes and seconds. The receiver opened by ``open_receive`` is used once."""
         receiver, target = self._receiver, self._target
@@ -226,7 +227,7 @@ class WeightSink:
         self._swap_together(staged, failure, self._strict, version)
         got = receiver.route.plan.recv_bytes(self.ctx.rank)
         swapped = time.perf_counter() - received
-        return {"version": version, "bytes": got, "receive_s": received - start, "swap_s": swapped}
+        return WeightsReceived(version, got, received - start, swapped)
 
     def check_staged(self, staged: dict[str, torch.Tensor]) -> None:
         """Raise if staged pieces cannot be swapped in (before any rank swaps)."""
@@ -266,8 +267,8 @@ class WeightSink:
 
     @endpoint(ONE_TO_ALL)
     def copy_from(
-        self, role: str, version: int, settings: dict[str, Any], strict: bool = True
-    ) -> dict[str, Any]:
+        self, role: str, version: int, settings: WeightSyncSettings, strict: bool = True
+    ) -> WeightsReceived:
         """Weights of ``role``, a role of this same group: each rank receives its pieces in a
         thread while it sends its own (shared memory on one host, ZeroMQ between hosts)."""
         giver = _sources.get(role)
@@ -281,8 +282,8 @@ class WeightSink:
         chosen = WeightSyncSettings.model_validate(settings).model_copy(
             update={"path": "shm" if one_host else "zmq"}
         )
-        wire = self.open_receive(source.to_wire(), version, chosen.model_dump(), strict)
-        receiver, target = self._receiver, Target.from_wire(wire)
+        target = self.open_receive(source, version, chosen, strict)
+        receiver = self._receiver
         assert receiver is not None  # open_receive just made it
         self._receiver = None
         taking = _Taking(receiver, target)
@@ -296,7 +297,7 @@ class WeightSink:
             finally:
                 taking.join()
         self._swap_together(taking.staged, failure or taking.error, strict, version)
-        return {"version": version, "bytes": receiver.route.plan.recv_bytes(self.ctx.rank)}
+        return WeightsReceived(version, receiver.route.plan.recv_bytes(self.ctx.rank))
 
 
 class _Taking(threading.Thread):

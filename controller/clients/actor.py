@@ -7,13 +7,13 @@ can take the actor too.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from controller.clients.engine import EngineClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
+from transport.sampling import SamplingConfig
+from transport.training import PolicyLossConfig
 
 
 class ReferenceClient(EngineClient):
@@ -35,14 +35,15 @@ class ActorClient(ReferenceClient):
     async def generate(
         self,
         batch: TensorBatch,
-        sampling: dict[str, Any] | None = None,
+        sampling: SamplingConfig | None = None,
         min_version: int = 0,
         *,
         timeout: float | None = None,
     ) -> TensorBatch:
         """Samples for the prompts of ``batch`` on the actor's own weights (colocated), which
         are always the newest: ``min_version`` is their policy version, echoed in
-        ``meta["weight_version"]`` (the call a ``RolloutClient`` takes too)."""
+        ``meta["weight_version"]`` (the call a ``RolloutClient`` takes too). ``sampling`` None:
+        ``SamplingConfig()``."""
         return await self._call(
             Transfer.MICRO_DP, "generate", batch, sampling, min_version, timeout=timeout
         )
@@ -54,12 +55,13 @@ class ActorClient(ReferenceClient):
     async def update_policy(
         self,
         batch: TensorBatch,
-        loss: dict[str, Any] | None = None,
+        loss: PolicyLossConfig | None = None,
         temperature: float = 1.0,
         *,
         timeout: float | None = None,
     ) -> dict[str, float]:
-        """One optimizer step of the clipped surrogate on the whole batch; its metrics."""
+        """One optimizer step of the clipped surrogate on the whole batch; its metrics.
+        ``loss`` None: ``PolicyLossConfig()``."""
         return await self._call(
             Transfer.DP_REDUCED, "update_policy", batch, loss, temperature, timeout=timeout
         )

@@ -7,7 +7,10 @@ line through ``RoleClient._call``, which names the transfer protocol the method 
 before anything is sent, that the role's group registered that endpoint with that protocol: a
 client pointed at the wrong kind of role fails at its first call naming both protocols, instead of
 returning a result collected the wrong way. ``tests/controller/test_contract.py`` keeps client
-methods and role endpoints in step (names, parameters, protocols, result types).
+methods and role endpoints in step (names, parameters and the types they resolve to, protocols,
+result types). Settings and descriptions travel as the typed structs of ``transport/``
+(``SamplingConfig``, ``PolicyLossConfig``, ``OptimConfig``, ``WeightSyncSettings``, ``Source``...),
+never as loose dicts.
 
 A method's result is what the controller receives after the protocol's collect step: the role
 method's return value, except under ``dp-split`` / ``dp-split/ragged`` where anything but a

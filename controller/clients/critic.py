@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from controller.clients.engine import EngineClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
+from transport.training import ValueLossConfig
 
 
 class CriticClient(EngineClient):
@@ -19,9 +18,10 @@ class CriticClient(EngineClient):
     async def update_critic(
         self,
         batch: TensorBatch,
-        loss: dict[str, Any] | None = None,
+        loss: ValueLossConfig | None = None,
         *,
         timeout: float | None = None,
     ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss; its metrics."""
+        """One optimizer step of the clipped value loss; its metrics. ``loss`` None:
+        ``ValueLossConfig()``."""
         return await self._call(Transfer.DP_REDUCED, "update_critic", batch, loss, timeout=timeout)

@@ -6,8 +6,6 @@ dp rank (all equal: the ranks reduce the loss over the group).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from controller.clients.base import RoleClient
@@ -32,5 +30,5 @@ class LinearRegressorClient(RoleClient):
         """True when every rank holds bit-identical weights."""
         return await self._call(Transfer.ONE_TO_ALL, "replicas_agree", timeout=timeout)
 
-    async def info(self, *, timeout: float | None = None) -> dict[str, Any]:
+    async def info(self, *, timeout: float | None = None) -> dict[str, int]:
         return await self._call(Transfer.ONE_TO_ALL, "info", timeout=timeout)

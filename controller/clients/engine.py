@@ -8,12 +8,11 @@ role class.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from controller.clients.weights import WeightSinkClient, WeightSourceClient
 from transport.protocol import Transfer
+from transport.training import OptimConfig
 
 
 class EngineClient(WeightSourceClient, WeightSinkClient):
@@ -21,9 +20,8 @@ class EngineClient(WeightSourceClient, WeightSinkClient):
         """Sharded checkpoint (model, optimizer, schedule, RNG) under ``path``; returns it."""
         return await self._call(Transfer.ONE_TO_ALL, "save", path, timeout=timeout)
 
-    async def configure_optim(self, optim: dict[str, Any], *, timeout: float | None = None) -> int:
-        """A fresh optimizer and schedule (an ``OptimConfig`` as a dict); returns the optimizer
-        steps taken so far."""
+    async def configure_optim(self, optim: OptimConfig, *, timeout: float | None = None) -> int:
+        """A fresh optimizer and schedule; returns the optimizer steps taken so far."""
         return await self._call(Transfer.ONE_TO_ALL, "configure_optim", optim, timeout=timeout)
 
     async def load(self, path: str, *, timeout: float | None = None) -> int:

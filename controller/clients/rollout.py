@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from controller.clients.weights import WeightSinkClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
+from transport.sampling import SamplingConfig
 
 
 class RolloutClient(WeightSinkClient):
     async def generate(
         self,
         batch: TensorBatch,
-        sampling: dict[str, Any] | None = None,
+        sampling: SamplingConfig | None = None,
         min_version: int = 0,
         *,
         timeout: float | None = None,

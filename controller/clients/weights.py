@@ -2,28 +2,34 @@
 
 ``WeightSinkClient`` speaks to roles that take weights (the rollout, and every engine role);
 ``WeightSourceClient`` to roles that give them (every engine role). The controller carries only
-the small descriptions these return (layouts, parameter shapes, inbox addresses, the version);
-``controller/sync.py`` strings the calls together.
+the small descriptions these return — the structs of ``transport/weight_sync.py``: a ``Source``
+(layout, dtype, parameter shapes, hosts), a ``Target`` (inbox addresses), the reports — never a
+weight; ``controller/sync.py`` strings the calls together.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from controller.clients.base import RoleClient
 from transport.protocol import Transfer
+from transport.weight_sync import (
+    Source,
+    Target,
+    WeightsReceived,
+    WeightsSent,
+    WeightSyncSettings,
+)
 
 
 class WeightSinkClient(RoleClient):
     async def open_receive(
         self,
-        source: dict[str, Any],
+        source: Source,
         version: int,
-        settings: dict[str, Any],
+        settings: WeightSyncSettings,
         strict: bool = True,
         *,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> Target:
         """Open every rank's inbox for weights ``version`` from ``source`` (a source's
         ``weight_source``); returns the target description ``send_weights`` takes."""
         return await self._call(
@@ -32,19 +38,19 @@ class WeightSinkClient(RoleClient):
 
     async def receive_weights(
         self, version: int, *, timeout: float | None = None
-    ) -> dict[str, Any]:
-        """Take the buckets a source sends and swap them in; rank 0's version and bytes."""
+    ) -> WeightsReceived:
+        """Take the buckets a source sends and swap them in; rank 0's version, bytes, seconds."""
         return await self._call(Transfer.ONE_TO_ALL, "receive_weights", version, timeout=timeout)
 
     async def copy_from(
         self,
         role: str,
         version: int,
-        settings: dict[str, Any],
+        settings: WeightSyncSettings,
         strict: bool = True,
         *,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> WeightsReceived:
         """Weights of ``role``, a role of the same group (a colocated copy)."""
         return await self._call(
             Transfer.ONE_TO_ALL, "copy_from", role, version, settings, strict, timeout=timeout
@@ -52,18 +58,18 @@ class WeightSinkClient(RoleClient):
 
 
 class WeightSourceClient(RoleClient):
-    async def weight_source(self, *, timeout: float | None = None) -> dict[str, Any]:
+    async def weight_source(self, *, timeout: float | None = None) -> Source:
         """Layout, dtype, parameter shapes and splits, and where each rank runs."""
         return await self._call(Transfer.ONE_TO_ALL, "weight_source", timeout=timeout)
 
     async def send_weights(
         self,
-        target: dict[str, Any],
+        target: Target,
         version: int,
-        settings: dict[str, Any],
+        settings: WeightSyncSettings,
         *,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> WeightsSent:
         """Send weights ``version`` to the ranks of ``target`` (a sink's ``open_receive``)."""
         return await self._call(
             Transfer.ONE_TO_ALL, "send_weights", target, version, settings, timeout=timeout

@@ -8,22 +8,37 @@ takes them once with `count(whole_mask)` (summed over ranks) and passes them as 
 normalised the same way so that summing them over micro-batches and ranks gives the batch value.
 
 All per-token tensors are [B, T]; `mask` is a [B, T] 0/1 tensor (bool or float) marking the
-tokens that count (response tokens, not prompt or padding).
+tokens that count (response tokens, not prompt or padding). The settings (`PolicyLossConfig`,
+`ValueLossConfig`) come from the controller with the call: they live in `transport/training.py`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
+from transport.training import AggMode, KLKind, PolicyLossConfig, ValueLossConfig
+
+__all__ = [  # the loss settings are the controller's too: they live in transport/training.py
+    "AggMode",
+    "KLKind",
+    "PolicyLossConfig",
+    "PolicyTerms",
+    "ValueLossConfig",
+    "aggregate",
+    "bradley_terry_loss",
+    "count",
+    "entropy_from_logits",
+    "kl_penalty",
+    "policy_loss",
+    "ppo_policy_terms",
+    "truncated_is_weight",
+    "value_loss",
+]
 
 _KL_ALIASES: dict[str, str] = {"mse": "k2", "low_var_kl": "k3"}
 # exp() of a log-ratio beyond this overflows float32 into inf, whose backward is NaN even where a
@@ -148,84 +163,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
     """Per-pair reward-model loss -log sigmoid(r_chosen - r_rejected), shape [N]."""
     return -F.logsigmoid(chosen - rejected)
-
-
-class PolicyLossConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    clip_ratio_low: float = Field(0.2, description="ratio floor is 1 - clip_ratio_low")
-    clip_ratio_high: float | None = Field(
-        None, description="ratio ceiling is 1 + clip_ratio_high; null: same as clip_ratio_low"
-    )
-    dual_clip: float | None = Field(
-        3.0, description="cap on a negative-advantage token's loss, in units of -A; null: off"
-    )
-    entropy_coef: float = Field(0.0, description="weight of the entropy bonus")
-    kl_coef: float = Field(0.0, description="weight of KL-to-reference; needs ref_log_probs")
-    kl_type: KLKind = Field("k3", description="KL estimator, see kl_penalty")
-    agg: AggMode = Field("token-mean", description="how per-token terms become one number")
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="truncated importance sampling: weight each token's policy loss by "
-        "min(pi_old / pi_rollout, tis_cap), pi_rollout being the generator's own log-probs "
-        "(rollout_log_probs), as verl and slime do for vLLM rollouts; null: off",
-    )
-    decoupled: bool = Field(
-        False,
-        description="AReaL's decoupled PPO: clip pi / pi_prox (pi_prox = the recomputed pi_old) "
-        "and weight each token by the behaviour weight pi_prox / pi_behav (pi_behav = the "
-        "generator's log-probs), capped at tis_cap when that is set, uncapped otherwise",
-    )
-
-    @field_validator("clip_ratio_low", "clip_ratio_high", "kl_coef")
-    @classmethod
-    def _non_negative(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value is not None and value < 0:
-            raise ValueError(f"{info.field_name}={value} must be >= 0")
-        return value
-
-    @field_validator("dual_clip")
-    @classmethod
-    def _dual_clip_above_one(cls, value: float | None) -> float | None:
-        if value is not None and value <= 1:
-            raise ValueError(f"dual_clip={value} must be > 1 (or null to disable)")
-        return value
-
-    @property
-    def clip_high(self) -> float:
-        return self.clip_ratio_low if self.clip_ratio_high is None else self.clip_ratio_high
-
-    @property
-    def behaviour_cap(self) -> float | None:
-        """Cap of the per-token behaviour weight pi_old / pi_rollout; None: no weight at all.
-
-        Truncated IS (``tis_cap``) and decoupled PPO (``decoupled``) are one formula: with
-        r = pi / pi_prox and w = pi_prox / pi_behav (no gradient),
-
-            loss_t = w_t * max(-A_t * r_t, -A_t * clip(r_t, 1 - eps_low, 1 + eps_high))
-
-        where pi_prox is the trainer's recomputed pi_old. Decoupled PPO (Fu et al. 2025, AReaL)
-        is that objective with w uncapped (cap = inf) unless ``tis_cap`` bounds it; TIS is it
-        with w capped. So ``decoupled`` only names the uncapped case, on the same code path.
-        """
-        if self.tis_cap is not None:
-            return self.tis_cap
-        return math.inf if self.decoupled else None
-
-
-class ValueLossConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    clip: float | None = Field(0.5, description="max move of a value from its old one; null: off")
-    agg: AggMode = Field("token-mean", description="how per-token terms become one number")
-
-    @field_validator("clip")
-    @classmethod
-    def _clip_non_negative(cls, value: float | None) -> float | None:
-        if value is not None and value < 0:
-            raise ValueError(f"clip={value} must be >= 0 (or null to disable)")
-        return value
 
 
 def policy_loss(

@@ -2,8 +2,10 @@
 
 ``disagreements(client, role)`` lists every way a client class and a role class are out of step:
 an endpoint with no client method, a client method with no endpoint, a different parameter list
-(names, kinds, defaults, annotations; ``self`` and the client-only ``timeout`` aside), a result
-type other than what the endpoint's transfer protocol collects, and — by driving each client
+(names, kinds, defaults, annotations; ``self`` and the client-only ``timeout`` aside), a parameter
+whose annotation, resolved in its module, is another type than the endpoint's (a look-alike class
+of the same name, a dict where the role takes a struct), a result type other than what the
+endpoint's transfer protocol collects, and — by driving each client
 method against a recording ``_call`` — a protocol, endpoint name, argument or timeout the method
 does not send as declared. ``CONTRACT`` pairs every client with the role class(es) it speaks to;
 the tests below also prove the checker catches each kind of drift, so it cannot pass silently.
@@ -15,6 +17,7 @@ import asyncio
 import importlib
 import inspect
 import pkgutil
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -45,7 +48,7 @@ from roles.demo import LinearRegressor
 from roles.engine_role import EngineRole
 from roles.reward import ModelReward, RuleReward
 from roles.rollout import Rollout
-from roles.runtime.endpoint import ONE_TO_ALL, endpoint, endpoints_of
+from roles.runtime.endpoint import DP_RAGGED, ONE_TO_ALL, endpoint, endpoints_of
 from roles.weight_sync import WeightSink, WeightSource
 from tests.fixtures import actor as fixture_actor
 from tests.fixtures import clients as fixture_clients
@@ -61,6 +64,7 @@ from tests.fixtures.clients import (
     SummerClient,
 )
 from tests.fixtures.roles import DeviceProbe, Echo, Faulty, Summer
+from transport.batch import TensorBatch
 from transport.protocol import Transfer
 
 #: client class -> the role classes it speaks to
@@ -163,6 +167,35 @@ def _signature_disagreements(
             f"(the endpoint returns {_text(inspect.signature(target).return_annotation)} "
             f"under {protocol.value})"
         )
+    return found + _type_disagreements(where, method, target, protocol)
+
+
+def _hints(fn: Callable[..., Any]) -> dict[str, Any] | str:
+    """The annotations of ``fn`` resolved in its own module (or why they cannot be)."""
+    try:
+        return typing.get_type_hints(fn)
+    except Exception as exc:  # NameError and the like: say which function, and how it failed
+        return f"the annotations of {fn.__qualname__} do not resolve: {exc!r}"
+
+
+def _type_disagreements(
+    where: str, method: Callable[..., Any], target: Callable[..., Any], protocol: Transfer
+) -> list[str]:
+    """Each parameter's type, and the result's, as objects: the same text can name two classes
+    (a look-alike defined elsewhere, an import of another module's class of that name)."""
+    ours, theirs = _hints(method), _hints(target)
+    if isinstance(ours, str) or isinstance(theirs, str):
+        return [f"{where}: {h}" for h in (ours, theirs) if isinstance(h, str)]
+    found = [
+        f"{where}: parameter {name!r} is {ours.get(name)!r} in the client, {kind!r} in the role"
+        for name, kind in theirs.items()
+        if name != "return" and ours.get(name) != kind
+    ]
+    expected = theirs.get("return")
+    if protocol in LISTED_BY_DP and expected is not TensorBatch:
+        expected = list[expected]  # type: ignore[valid-type]
+    if ours.get("return") != expected:
+        found.append(f"{where}: the client returns {ours.get('return')!r}, not {expected!r}")
     return found
 
 
@@ -354,6 +387,55 @@ def test_a_changed_parameter_is_caught(change: str) -> None:
     assert found, f"a {change} change of fail_on went unnoticed"
     assert found[0].startswith("FaultyClient.fail_on vs Changed.fail_on: ")
     assert all("fail_on" in line for line in found)
+
+
+def test_a_look_alike_type_of_the_same_name_is_caught() -> None:
+    """The text of the annotations agrees, the classes do not: a role whose ``sampling`` is a
+    class of its own named ``SamplingConfig`` would refuse what the client sends."""
+    namespace: dict[str, Any] = {
+        "SamplingConfig": type("SamplingConfig", (), {}),  # not transport.sampling's
+        "TensorBatch": TensorBatch,
+    }
+    source = (
+        "from __future__ import annotations\n"
+        "def generate(self, batch: TensorBatch, sampling: SamplingConfig | None = None, "
+        "min_version: int = 0) -> TensorBatch: ..."
+    )
+    exec(source, namespace)
+    changed = type("Changed", (Rollout,), {"generate": endpoint(DP_RAGGED)(namespace["generate"])})
+    found = disagreements(RolloutClient, changed)
+    assert len(found) == 1, found
+    assert found[0].startswith("RolloutClient.generate vs Changed.generate: parameter 'sampling' ")
+    assert "transport.sampling.SamplingConfig | None in the client" in found[0]
+
+
+def test_a_dict_where_the_role_takes_a_struct_is_caught() -> None:
+    class Loose(RolloutClient):
+        async def generate(
+            self,
+            batch: TensorBatch,
+            sampling: dict[str, Any] | None = None,
+            min_version: int = 0,
+            *,
+            timeout: float | None = None,
+        ) -> TensorBatch:
+            return await self._call(
+                Transfer.DP_RAGGED, "generate", batch, sampling, min_version, timeout=timeout
+            )
+
+    found = disagreements(Loose, Rollout)
+    assert any("parameter 'sampling' is dict[str, typing.Any] | None" in f for f in found), found
+
+
+def test_unresolvable_annotations_are_reported() -> None:
+    namespace: dict[str, Any] = {}
+    source = (
+        "from __future__ import annotations\n"
+        "def fail_on(self, rank: int, message: Nowhere = 'boom') -> int: ..."
+    )
+    exec(source, namespace)
+    changed = type("Changed", (Faulty,), {"fail_on": endpoint(ONE_TO_ALL)(namespace["fail_on"])})
+    assert any("do not resolve" in f for f in disagreements(FaultyClient, changed))
 
 
 def test_a_method_that_drops_or_moves_an_argument_is_caught() -> None:

@@ -1,4 +1,5 @@
-"""The generation-engine interface, its sampling settings and its one output contract.
+"""The generation-engine interface and its one output contract (the sampling settings it takes,
+``SamplingConfig``, come from the controller with the call: ``transport/sampling.py``).
 
 An engine turns prompts (token ids) into samples. Whatever the engine, a sample reports:
 
@@ -26,44 +27,38 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from transport.batch import TensorBatch
+from transport.columns import (
+    ATTENTION_MASK,
+    FINISH,
+    INPUT_IDS,
+    LOG_PROBS,
+    PAD_VALUES,
+    REQUEST,
+    RESPONSE_MASK,
+)
+from transport.sampling import SamplingConfig
+
+__all__ = [  # SamplingConfig is the controller's too: it lives in transport/sampling.py
+    "GenerationEngine",
+    "GenerationError",
+    "LogitsProcessor",
+    "Resume",
+    "Sample",
+    "SamplingConfig",
+    "ServingEngine",
+    "check_prompts",
+    "check_resume",
+    "resumed_seed",
+    "sample_seed",
+    "samples_to_batch",
+]
 
 #: ``processor(samples, step, logits) -> logits``: ``samples`` are the sample indices of the rows
 #: of ``logits`` ``[rows, V]``, ``step`` the index of the token being chosen. It shapes what is
 #: sampled (e.g. forced lengths in benchmarks), never the reported log-probs.
 LogitsProcessor = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
-
-
-class SamplingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(1.0, ge=0, description="0: greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1: off")
-    top_k: int = Field(0, ge=0, description="0: off")
-    max_new_tokens: int = Field(64, ge=1)
-    n: int = Field(1, ge=1, description="samples per prompt")
-    stop_token_ids: list[int] | None = Field(
-        None, description="tokens that end a sample (kept in it); default: the model's eos"
-    )
-    seed: int = Field(
-        0,
-        description="sample j of request i draws from (seed, i, j); i is the request's own "
-        "seed when the batch has a 'seed' column, else its index in the call",
-    )
-
-    @model_validator(mode="after")
-    def _greedy_is_single(self) -> SamplingConfig:
-        if self.temperature == 0 and self.n > 1:
-            raise ValueError(
-                f"n={self.n} greedy samples of one prompt are identical; use temperature > 0"
-            )
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass
@@ -186,12 +181,7 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> TensorBatch:
         response[i, p : p + r] = 1
         log_probs[i, p : p + r] = torch.tensor(s.log_probs, dtype=torch.float32)
     return TensorBatch.from_dict(
-        {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "response_mask": response,
-            "log_probs": log_probs,
-        },
-        {"finish": [s.finish for s in samples], "request": [s.request for s in samples]},
-        {"pad_values": {"input_ids": pad_id}},
+        {INPUT_IDS: ids, ATTENTION_MASK: attention, RESPONSE_MASK: response, LOG_PROBS: log_probs},
+        {FINISH: [s.finish for s in samples], REQUEST: [s.request for s in samples]},
+        {PAD_VALUES: {INPUT_IDS: pad_id}},
     )

@@ -23,10 +23,11 @@ from roles.engines.generation.interface import (
     GenerationEngine,
     GenerationError,
     Resume,
-    SamplingConfig,
     samples_to_batch,
 )
 from transport.batch import BatchError, TensorBatch
+from transport.columns import CONTINUATION, PROMPT, PROMPT_IDS, RESPONSE, SEED, WEIGHT_VERSION
+from transport.sampling import SamplingConfig
 
 EngineName = Literal["native", "hf", "vllm", "sglang"]
 
@@ -46,25 +47,25 @@ def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngin
 
 
 def prompt_ids(batch: TensorBatch, tokenizer: Any) -> list[list[int]]:
-    if "prompt_ids" in batch.non_tensors:
-        return [list(map(int, p)) for p in batch.non_tensor("prompt_ids")]
-    if "prompt" not in batch.non_tensors:
-        raise BatchError("a generation batch needs a 'prompt' (text) or 'prompt_ids' column")
+    if PROMPT_IDS in batch.non_tensors:
+        return [list(map(int, p)) for p in batch.non_tensor(PROMPT_IDS)]
+    if PROMPT not in batch.non_tensors:
+        raise BatchError(f"a generation batch needs a {PROMPT!r} (text) or {PROMPT_IDS!r} column")
     bos = tokenizer.bos_token_id
-    return [
-        [bos, *tokenizer.encode(p, add_special_tokens=False)] for p in batch.non_tensor("prompt")
-    ]
+    return [[bos, *tokenizer.encode(p, add_special_tokens=False)] for p in batch.non_tensor(PROMPT)]
 
 
 def serve(
     engine: GenerationEngine,
     tokenizer: Any,
     batch: TensorBatch,
-    sampling: dict[str, Any] | SamplingConfig,
+    sampling: SamplingConfig | dict[str, Any] | None,
     version: int,
 ) -> TensorBatch:
-    settings = SamplingConfig.model_validate(sampling)
-    seeds = batch.non_tensors.get("seed")
+    """``sampling`` as the controller sent it: the struct, or (from a controller that sends
+    maps) its fields; None: the defaults."""
+    settings = SamplingConfig.model_validate(sampling if sampling is not None else {})
+    seeds = batch.non_tensors.get(SEED)
     resume = continuations(batch)
     samples = engine.generate(
         prompt_ids(batch, tokenizer),
@@ -75,24 +76,26 @@ def serve(
     out = samples_to_batch(samples, tokenizer.pad_token_id)
     requests = [s.request for s in samples]
     echoed = [n for n in batch.non_tensors if n not in out.non_tensors]
-    for name in echoed if resume is None else [n for n in echoed if n != "prompt_ids"]:
+    for name in echoed if resume is None else [n for n in echoed if n != PROMPT_IDS]:
         out.non_tensors[name] = [batch.non_tensors[name][r] for r in requests]
-    out.non_tensors["response"] = [
+    out.non_tensors[RESPONSE] = [
         tokenizer.decode(_so_far(s.prompt, s.tokens, resume, s.request), skip_special_tokens=True)
         for s in samples
     ]
-    out.meta["weight_version"] = version
+    out.meta[WEIGHT_VERSION] = version
     return out
 
 
 def continuations(batch: TensorBatch) -> list[Resume] | None:
     """The ``continuation`` column as ``Resume`` entries (None without one)."""
-    if "continuation" not in batch.non_tensors:
+    if CONTINUATION not in batch.non_tensors:
         return None
-    if "prompt_ids" not in batch.non_tensors:
-        raise BatchError("a 'continuation' column continues the token ids of a 'prompt_ids' column")
+    if PROMPT_IDS not in batch.non_tensors:
+        raise BatchError(
+            f"a {CONTINUATION!r} column continues the token ids of a {PROMPT_IDS!r} column"
+        )
     found = []
-    for i, entry in enumerate(batch.non_tensor("continuation")):
+    for i, entry in enumerate(batch.non_tensor(CONTINUATION)):
         if not isinstance(entry, list | tuple) or len(entry) != 2:
             raise GenerationError(f"continuation row {i} is {entry!r}, not [sample, offset]")
         found.append(Resume(sample=int(entry[0]), offset=int(entry[1])))

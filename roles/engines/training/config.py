@@ -2,63 +2,21 @@
 
 Roles receive these as plain dicts from the placement (``RoleSpec.config``) and validate them
 here, on every rank, before any weight is loaded — a bad value fails the group's build call with
-the field's name, not a stack trace from deep inside torch.
+the field's name, not a stack trace from deep inside torch. ``OptimConfig`` is also what the
+controller sends ``configure_optim`` at the start of a training stage, so it lives in
+``transport/training.py``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from roles.runtime.device import Precision
+from transport.training import OptimConfig
 
-
-class OptimConfig(BaseModel):
-    """AdamW with linear warm-up, then a constant, linear or cosine schedule."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(1e-4, gt=0, description="peak learning rate")
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0")
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    total_steps: int | None = Field(
-        None, ge=1, description="optimizer steps the linear/cosine decay spans"
-    )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decay, as lr fraction")
-    grad_clip: float | None = Field(1.0, gt=0, description="max global gradient norm; null: off")
-
-    @model_validator(mode="after")
-    def _decay_has_length(self) -> OptimConfig:
-        if self.schedule != "constant" and self.total_steps is None:
-            raise ValueError(
-                f"optim.schedule={self.schedule!r} needs optim.total_steps (the steps it decays "
-                "over); set it or use schedule='constant'"
-            )
-        if self.total_steps is not None and self.warmup_steps > self.total_steps:
-            raise ValueError(
-                f"optim.warmup_steps={self.warmup_steps} exceeds optim.total_steps="
-                f"{self.total_steps}"
-            )
-        return self
-
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of ``lr`` for optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.schedule == "constant" or self.total_steps is None:
-            return 1.0
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        if self.schedule == "linear":
-            shape = 1.0 - progress
-        else:
-            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+__all__ = ["EngineConfig", "OptimConfig"]  # OptimConfig: transport/training.py (configure_optim)
 
 
 class EngineConfig(BaseModel):
