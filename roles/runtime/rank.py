@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from roles.runtime.coordinator import Coordinator
 from roles.runtime.device import RankDevice, rank_device
-from roles.runtime.env import GroupEnv
+from roles.runtime.env import GroupEnv, RankVar
 from roles.runtime.host import RoleHost
 from roles.runtime.worker import Worker
 
@@ -31,7 +31,7 @@ log = logging.getLogger("hybridflow.rank")
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (even by ``kill -9``); exit
     now if the parent is already gone (the race between fork and this call)."""
-    parent = os.environ.get("HYBRIDFLOW_PARENT_PID")
+    parent = os.environ.get(RankVar.PARENT_PID)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
