@@ -27,7 +27,7 @@ from pathlib import Path
 
 from controller.placement import GroupSpec
 from deploy.clusters import RemoteCluster, SlurmCluster
-from deploy.keys_cli import CONTROLLER
+from deploy.keys_cli import client_files
 from deploy.local import begin_log, last_error
 from deploy.slurm import (
     group_steps,
@@ -38,6 +38,7 @@ from deploy.slurm import (
     wait_steps,
 )
 from reshard.peers import CLUSTER_ENV
+from roles.runtime.env import RankVar, curve_env
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
@@ -97,7 +98,7 @@ class RemoteGroups:
         python = self.cluster.python or sys.executable
         workdir = self.cluster.workdir or str(Path.cwd())
         there = dir_there(self.cluster, self.run_dir, self.name)
-        env = [f"{TIMEOUTS_ENV}={self.timeouts.to_env()}", "OMP_NUM_THREADS=1"]
+        env = [f"{TIMEOUTS_ENV}={self.timeouts.to_env()}", f"{RankVar.THREADS}=1"]
         env.append(f"{CLUSTER_ENV}={self.name}")  # weight syncs pick paths by it (reshard/peers.py)
         cli = [python, "-m", "deploy.cli", *role_argv(group, address, there, self.keys)]
         argv = ["env", *env, *cli, "--token", "-"]
@@ -202,9 +203,9 @@ class SlurmJob:
             f"# hybridflow: the groups of cluster {self.name!r}; the controller is at {address}",
             "set -euo pipefail",
             'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-            f"export HYBRIDFLOW_TOKEN={token}",
+            f"export {RankVar.TOKEN}={token}",
             f"export {TIMEOUTS_ENV}={shlex.quote(self.timeouts.to_env())}",
-            "export OMP_NUM_THREADS=1",
+            f"export {RankVar.THREADS}=1",
             f"export {CLUSTER_ENV}={shlex.quote(self.name)}",
             f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
             "pids=()",
@@ -280,10 +281,7 @@ class SlurmJob:
 
 
 def client_env(keys: Path | None, group: str) -> dict[str, str]:
-    """What a rank process reads to be a CURVE client (``roles/runtime/rank.py``)."""
+    """What a rank process reads to be a CURVE client (``roles/runtime/env.py``)."""
     if keys is None:
         return {}
-    return {
-        "HYBRIDFLOW_CURVE_SECRET": str(keys / f"{group}.key_secret"),
-        "HYBRIDFLOW_CURVE_SERVER_KEY": str(keys / f"{CONTROLLER}.key"),
-    }
+    return curve_env(*client_files(keys, group))

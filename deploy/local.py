@@ -36,6 +36,7 @@ from pathlib import Path
 
 from controller.placement import GroupSpec
 from roles.runtime.device import check_device
+from roles.runtime.env import RankEnv, RankPlace, inherited_threads
 from transport.channel import spare_port
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
@@ -108,6 +109,35 @@ def _lock_is_free(fd: int) -> bool:
     return True
 
 
+def group_rank_env(
+    spec: GroupSpec,
+    place: RankPlace,
+    controller: str,
+    token: str,
+    socket_dir: Path,
+    threads: str,
+    parent_pid: int | None = None,
+) -> RankEnv:
+    """The environment of the rank at ``place`` in ``spec``'s group (this launcher's ranks and
+    a rank torchrun or srun started, ``role_cli.py``)."""
+    return RankEnv(
+        place=place,
+        group=spec.name,
+        roles=tuple(spec.roles),
+        controller=controller,
+        token=token,
+        tp=spec.tp,
+        pp=spec.pp,
+        gen_tp=spec.gen_tp,
+        gen_pp=spec.gen_pp,
+        fanout=spec.fanout,
+        device=spec.device,
+        socket_dir=socket_dir,
+        threads=threads,
+        parent_pid=parent_pid,
+    )
+
+
 def begin_log(path: Path) -> int:
     """Mark the start of a run in an appended log; returns the offset after the marker."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -139,27 +169,20 @@ class LocalLauncher:
     def rank_env(
         self, spec: GroupSpec, rank: int, port: int, extra: dict[str, str] | None = None
     ) -> dict[str, str]:
+        """This launcher's environment, ``extra`` (CURVE key files) and the rank's
+        (``RankEnv``: its place, its group's settings) for rank ``rank`` of ``spec``."""
         env = {**os.environ, **(extra or {})}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(spec.nproc),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-            HYBRIDFLOW_GROUP=spec.name,
-            HYBRIDFLOW_ROLES=",".join(spec.roles),
-            HYBRIDFLOW_TP=str(spec.tp),
-            HYBRIDFLOW_PP=str(spec.pp),
-            HYBRIDFLOW_GEN_TP=str(spec.gen_tp),
-            HYBRIDFLOW_GEN_PP=str(spec.gen_pp),
-            HYBRIDFLOW_CONTROLLER=self.controller_address,
-            HYBRIDFLOW_TOKEN=self.token,
-            HYBRIDFLOW_FANOUT=spec.fanout,
-            HYBRIDFLOW_DEVICE=spec.device,
-            HYBRIDFLOW_SOCKET_DIR=str(self.socket_dir),
-            HYBRIDFLOW_PARENT_PID=str(os.getpid()),
+        place = RankPlace(rank, spec.nproc, local_rank=rank, master_port=port)
+        started = group_rank_env(
+            spec,
+            place,
+            self.controller_address,
+            self.token,
+            self.socket_dir,
+            threads=inherited_threads(env),
+            parent_pid=os.getpid(),
         )
+        env.update(started.to_env())
         env[TIMEOUTS_ENV] = self.timeouts.to_env()
         return env
 

@@ -28,8 +28,9 @@ from rich.markup import escape
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.keys_cli import client_files
-from deploy.local import LocalLauncher
+from deploy.local import LocalLauncher, group_rank_env
 from deploy.terminal import add_device_option, console, run_async
+from roles.runtime.env import RankPlace, RankVar, curve_env, inherited_threads
 from transport.channel import split_tcp
 from transport.device import DeviceKind
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
@@ -158,7 +159,7 @@ def run_role(opts: RoleOptions) -> int:
 
 
 def _use_client_keys(keys: Path, client: str) -> bool:
-    """Point the ranks at the client's CURVE key files (roles/runtime/rank.py reads them);
+    """Point the ranks at the client's CURVE key files (roles/runtime/env.py reads them);
     False, after saying which file is missing, when one is."""
     secret, server = client_files(keys, client)
     for path in (secret, server):
@@ -167,8 +168,7 @@ def _use_client_keys(keys: Path, client: str) -> bool:
                 f"[red]hybridflow role: no key file {escape(str(path))} (hybridflow keys)[/]"
             )
             return False
-    os.environ["HYBRIDFLOW_CURVE_SECRET"] = str(secret.resolve())
-    os.environ["HYBRIDFLOW_CURVE_SERVER_KEY"] = str(server.resolve())
+    os.environ.update(curve_env(secret.resolve(), server.resolve()))
     return True
 
 
@@ -179,36 +179,30 @@ def launched_outside(env: dict[str, str]) -> bool:
 
 def run_as_rank(opts: RoleOptions) -> int:
     """This process is one rank (torchrun / srun set RANK, WORLD_SIZE or SLURM_PROCID,
-    SLURM_NTASKS): fill in what the rank runtime reads and become it; rank 0 coordinates."""
+    SLURM_NTASKS): write the rest of its ``RankEnv`` and become it; rank 0 coordinates."""
     from roles.runtime import rank  # roles code: loaded only by a process that becomes a rank
 
     env = os.environ
-    if "MASTER_PORT" not in env and opts.master_port is None:
+    if RankVar.MASTER_PORT not in env and opts.master_port is None:
         if "SLURM_JOB_ID" not in env:
             raise SystemExit("hybridflow role: set MASTER_PORT or --master-port for the group")
         # one port per job step, the same on every rank of the step
         step = int(env.get("SLURM_STEP_ID", "0") or 0)
-        env["MASTER_PORT"] = str(20000 + (int(env["SLURM_JOB_ID"]) * 7 + step) % 20000)
+        env[RankVar.MASTER_PORT] = str(20000 + (int(env["SLURM_JOB_ID"]) * 7 + step) % 20000)
     if opts.master_port is not None:
-        env["MASTER_PORT"] = str(opts.master_port)
+        env[RankVar.MASTER_PORT] = str(opts.master_port)
+    place = RankPlace.from_env(env)  # as torchrun or srun set it
     if opts.master_addr is not None:
-        env["MASTER_ADDR"] = opts.master_addr
-    env.update(
-        HYBRIDFLOW_GROUP=opts.group,
-        HYBRIDFLOW_ROLES=",".join(opts.roles),
-        HYBRIDFLOW_CONTROLLER=opts.connect,
-        HYBRIDFLOW_TP=str(opts.tp),
-        HYBRIDFLOW_PP=str(opts.pp),
-        HYBRIDFLOW_GEN_TP=str(opts.gen_tp),
-        HYBRIDFLOW_GEN_PP=str(opts.gen_pp),
-        HYBRIDFLOW_FANOUT=opts.fanout,
-        HYBRIDFLOW_DEVICE=opts.device,
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        place = replace(place, master_addr=opts.master_addr)
+    started = group_rank_env(
+        _group_spec(opts),
+        place,
+        opts.connect,
+        token=opts.token or env.get(RankVar.TOKEN, ""),
+        socket_dir=Path(opts.socket_dir or env.get(RankVar.SOCKET_DIR, "/tmp")),
+        threads=inherited_threads(env),
     )
-    if opts.token:
-        env["HYBRIDFLOW_TOKEN"] = opts.token
-    if opts.socket_dir:
-        env["HYBRIDFLOW_SOCKET_DIR"] = opts.socket_dir
+    env.update(started.to_env())
     rank.main()
     return 0
 
