@@ -41,11 +41,14 @@ from controller.clients import (
     RoleClient,
     RolloutClient,
 )
-from controller.scoring import TOKENS, scores
+from controller.scoring import scores
 from controller.server import Controller
 from controller.streaming import PartialRollout
 from transport.batch import TensorBatch
+from transport.columns import TOKENS
 from transport.protocol import PEAK_MEMORY
+from transport.sampling import SamplingConfig
+from transport.training import PolicyLossConfig, ValueLossConfig
 
 Name = Literal["ppo", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf"]
 GROUPED = ("grpo", "rloo", "reinforce_pp_baseline")  # need n >= 2 samples per prompt
@@ -104,8 +107,8 @@ class SafeConfig(BaseModel):
 
 
 class AlgorithmConfig(BaseModel):
-    """What one RL step does. The policy loss (``loss``) and value loss (``value_loss``) are
-    passed to the roles as dicts and validated there (``roles/modeling/losses.py``)."""
+    """What one RL step does. The policy loss (``loss``) and value loss (``value_loss``) travel
+    to the roles as they are (``transport/training.py``; computed in ``roles/modeling/losses.py``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -123,10 +126,8 @@ class AlgorithmConfig(BaseModel):
     whiten: bool = Field(True, description="whiten GAE advantages over the batch")
     norm_std: bool = Field(True, description="GRPO: divide by the group's std")
     kl: KLConfig = Field(default_factory=KLConfig)
-    loss: dict[str, Any] = Field(
-        default_factory=dict, description="roles.modeling.losses.PolicyLossConfig"
-    )
-    value_loss: dict[str, Any] = Field(default_factory=dict)
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    value_loss: ValueLossConfig = Field(default_factory=ValueLossConfig)
     old_log_probs: Literal["recompute", "rollout"] = Field(
         "recompute",
         description="rollout: take pi_old from the generator's own log-probs (saves a forward "
@@ -197,7 +198,7 @@ class AlgorithmConfig(BaseModel):
     @property
     def behaviour_weighted(self) -> bool:
         """The loss weights tokens by pi_old / pi_behav (``tis_cap`` or ``decoupled``)."""
-        return self.loss.get("tis_cap") is not None or bool(self.loss.get("decoupled"))
+        return self.loss.tis_cap is not None or self.loss.decoupled
 
     @property
     def greedy_baseline(self) -> bool:
@@ -208,22 +209,22 @@ class AlgorithmConfig(BaseModel):
     def rows(self) -> int:
         return self.prompts_per_step * self.n
 
-    def sampling(self, seed: int, greedy: bool = False) -> dict[str, Any]:
+    def sampling(self, seed: int, greedy: bool = False) -> SamplingConfig:
         if greedy:
-            return {"temperature": 0.0, "n": 1, "max_new_tokens": self.max_new_tokens}
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_new_tokens": self.max_new_tokens,
-            "n": self.n,
-            "seed": seed,
-        }
+            return SamplingConfig(temperature=0.0, n=1, max_new_tokens=self.max_new_tokens)
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            n=self.n,
+            seed=seed,
+        )
 
-    def policy_loss(self, kl_coef: float) -> dict[str, Any]:
+    def policy_loss(self, kl_coef: float) -> PolicyLossConfig:
         if self.kl.mode == "loss" and self.kl.coef:
-            return {**self.loss, "kl_coef": kl_coef, "kl_type": self.kl.kl_type}
-        return dict(self.loss)
+            return self.loss.model_copy(update={"kl_coef": kl_coef, "kl_type": self.kl.kl_type})
+        return self.loss
 
     def needed_roles(self) -> set[str]:
         needed = {"actor", "reward"}
@@ -431,7 +432,7 @@ async def learn(
                         sums[f"{name}/{key}"] = sums.get(f"{name}/{key}", 0.0) + float(value)
             updates += 1
     found = {k: v / updates for k, v in sums.items()} | peaks
-    cap = cfg.loss.get("tis_cap")
+    cap = cfg.loss.tis_cap
     if cfg.behaviour_weighted:
         found.update(behaviour_weights(batch, math.inf if cap is None else float(cap)))
     return found

@@ -50,6 +50,7 @@ from controller.streaming import Generator, WeightGate, stream
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
 from transport.protocol import PEAK_MEMORY
+from transport.sampling import SamplingConfig
 
 VERSION = "policy_version"
 
@@ -119,7 +120,7 @@ class RolloutPipeline:
         """The actor's weights took one more training step (SFT or RL)."""
         self.version += 1
 
-    async def generate(self, prompts: TensorBatch, sampling: dict[str, Any]) -> TensorBatch:
+    async def generate(self, prompts: TensorBatch, sampling: SamplingConfig) -> TensorBatch:
         """One generation call on the generator's current weights (validation's)."""
         return await self.generator.generate(prompts, sampling, self.held)
 

@@ -17,10 +17,10 @@ import torch
 
 from controller.clients import RewardClient
 from transport.batch import TensorBatch
+from transport.columns import FINISH, REQUEST, SCORES, TOKENS
 
-TOKENS = ("input_ids", "attention_mask", "response_mask")
 #: text columns the pipeline adds to generated rows; a reward role is not sent them
-BOOKKEEPING = ("finish", "request")
+BOOKKEEPING = (FINISH, REQUEST)
 
 
 def request(batch: TensorBatch) -> TensorBatch:
@@ -44,7 +44,7 @@ def stashed(batch: TensorBatch, role: str) -> dict[str, torch.Tensor] | None:
     """The columns reward role ``role`` returned for ``batch``'s rows while it streamed in
     (``scores``, ``reward/<key>``), or None when it was not scored so."""
     prefix = f"{role}:"
-    if f"{prefix}scores" not in batch.tensors:
+    if f"{prefix}{SCORES}" not in batch.tensors:
         return None
     return {k[len(prefix) :]: v for k, v in batch.tensors.items() if k.startswith(prefix)}
 
@@ -55,4 +55,4 @@ async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, 
     if found is None:
         found = (await ask(role, batch)).tensors
     extras = {k: float(v.float().mean()) for k, v in found.items() if k.startswith("reward/")}
-    return found["scores"].float(), extras
+    return found[SCORES].float(), extras

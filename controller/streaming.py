@@ -55,6 +55,7 @@ from controller import scoring
 from controller.clients import ActorClient, RewardClient, RoleClient, RolloutClient
 from transport.batch import TensorBatch
 from transport.protocol import Layout
+from transport.sampling import SamplingConfig
 
 NO_VERSION = -1  # token_versions outside responses
 Generator = ActorClient | RolloutClient
@@ -145,19 +146,17 @@ class _Response:
 async def generate_partial(
     generator: Generator,
     prompts: TensorBatch,
-    sampling: dict[str, Any],
+    sampling: SamplingConfig,
     partial: PartialRollout,
     *,
     min_version: int = 0,
     gate: WeightGate | None = None,
     on_chunk: OnChunk | None = None,
 ) -> TensorBatch:
-    """``sampling["n"]`` samples per prompt, ``partial.chunk_tokens`` new tokens per call, laid
+    """``sampling.n`` samples per prompt, ``partial.chunk_tokens`` new tokens per call, laid
     out as one call lays them out, plus ``token_versions``. A rollout group refuses to generate
     on weights older than ``min_version`` (later chunks: than the last chunk's)."""
-    if "max_new_tokens" not in sampling:
-        raise ValueError("partial rollout needs sampling['max_new_tokens'] (the response budget)")
-    limit, n = int(sampling["max_new_tokens"]), int(sampling.get("n", 1))
+    limit, n = sampling.max_new_tokens, sampling.n
     prompts, added_seed = with_seeds(prompts)
     seeds = [int(s) for s in prompts.non_tensors["seed"]]
     gate = gate or WeightGate()
@@ -189,7 +188,7 @@ async def generate_partial(
                 }
             )
             padded = fill_replicas(batch, replicas(generator))
-            budget = {**_budget(sampling, partial, offset), "n": 1}
+            budget = _budget(sampling, partial, offset).model_copy(update={"n": 1})
             async with each:
                 reply = await generator.generate(padded, budget, max(min_version, version))
             now = int(reply.meta["weight_version"])
@@ -207,9 +206,9 @@ async def generate_partial(
     return without(out, "seed") if added_seed else out
 
 
-def _budget(sampling: dict[str, Any], partial: PartialRollout, offset: int) -> dict[str, Any]:
-    remaining = int(sampling["max_new_tokens"]) - offset
-    return {**sampling, "max_new_tokens": min(partial.chunk_tokens, remaining)}
+def _budget(sampling: SamplingConfig, partial: PartialRollout, offset: int) -> SamplingConfig:
+    remaining = sampling.max_new_tokens - offset
+    return sampling.model_copy(update={"max_new_tokens": min(partial.chunk_tokens, remaining)})
 
 
 def _prompt_of(reply: TensorBatch, row: int) -> list[int]:
@@ -257,7 +256,7 @@ def assemble(first: TensorBatch, responses: Sequence[_Response]) -> TensorBatch:
 async def stream(
     roles: Scored,
     prompts: TensorBatch,
-    sampling: dict[str, Any],
+    sampling: SamplingConfig,
     *,
     sub_batches: int = 1,
     partial: PartialRollout | None = None,
@@ -273,7 +272,7 @@ async def stream(
         async with gate.generating() if gate else nullcontext():
             return await generator.generate(prompts, sampling, min_version)
     prompts, added_seed = with_seeds(prompts)
-    n = int(sampling.get("n", 1))
+    n = sampling.n
     scorers = [role for role in (roles.reward, roles.cost) if role is not None]
     start = time.perf_counter()
     parts = prompts.chunk(min(sub_batches, len(prompts)))
@@ -304,7 +303,7 @@ async def stream(
 async def _piece(
     generator: Generator,
     prompts: TensorBatch,
-    sampling: dict[str, Any],
+    sampling: SamplingConfig,
     partial: PartialRollout | None,
     min_version: int,
     gate: WeightGate | None,
@@ -317,7 +316,7 @@ async def _piece(
     padded = fill_replicas(prompts, replicas(generator))
     async with gate.generating() if gate else nullcontext():
         reply = await generator.generate(padded, sampling, min_version)
-    reply = reply[: len(prompts) * int(sampling.get("n", 1))]
+    reply = reply[: len(prompts) * sampling.n]
     version = int(reply.meta["weight_version"])
     mask = reply.tensors["response_mask"].bool()
     versions = torch.full(mask.shape, NO_VERSION, dtype=torch.long).masked_fill(mask, version)

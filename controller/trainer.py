@@ -45,6 +45,8 @@ from controller.scoring import scores
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
+from transport.sampling import SamplingConfig
+from transport.training import OptimConfig
 from transport.weight_sync import WeightSyncSettings
 
 Rows = list[dict[str, Any]]
@@ -63,7 +65,8 @@ class _Stage(BaseModel):
     data: str = Field(description="training rows: JSONL, Parquet or builtin:...")
     optim: dict[str, Any] | None = Field(
         None,
-        description="the actor's optimizer for this stage (roles.engines.training OptimConfig)",
+        description="the actor's optimizer for this stage (transport/training.py OptimConfig; "
+        "a decaying schedule's total_steps defaults to the stage's optimizer steps)",
     )
     shuffle: bool = Field(True, description="false: rows in file order, epoch after epoch")
 
@@ -84,15 +87,18 @@ class _Stage(BaseModel):
     def optimizer_steps(self) -> int:
         return self.steps
 
-    def _fill_total_steps(self, optim: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A decaying schedule spans the stage's optimizer steps unless told otherwise."""
-        if optim is None or optim.get("schedule", "constant") == "constant":
-            return optim
-        return {"total_steps": max(1, self.optimizer_steps()), **optim}
+    def fill_total_steps(self, optim: dict[str, Any] | None) -> OptimConfig | None:
+        """The optimizer config; a decaying schedule spans the stage's optimizer steps unless
+        told otherwise (validated here: a warm-up must fit in those steps)."""
+        if optim is None:
+            return None
+        if optim.get("schedule", "constant") == "constant":
+            return OptimConfig.model_validate(optim)
+        return OptimConfig.model_validate({"total_steps": max(1, self.optimizer_steps()), **optim})
 
-    def optims(self) -> dict[str, dict[str, Any]]:
+    def optims(self) -> dict[str, OptimConfig]:
         """Role → optimizer config this stage sets at its start."""
-        found = self._fill_total_steps(self.optim)
+        found = self.fill_total_steps(self.optim)
         return {"actor": found} if found is not None else {}
 
 
@@ -125,9 +131,9 @@ class RLStage(_Stage):
     def optimizer_steps(self) -> int:
         return self.steps * self.algorithm.ppo_epochs * self.algorithm.mini_batches
 
-    def optims(self) -> dict[str, dict[str, Any]]:
+    def optims(self) -> dict[str, OptimConfig]:
         found = super().optims()
-        critic = self._fill_total_steps(self.critic_optim)
+        critic = self.fill_total_steps(self.critic_optim)
         if critic is not None:
             found["critic"] = critic
             if self.algorithm.name == "safe_rlhf":
@@ -294,7 +300,7 @@ class Trainer:
 
     async def _configure(self, index: int) -> None:
         """The optimizers in force at stage ``index``: the newest each role was given."""
-        effective: dict[str, dict[str, Any]] = {}
+        effective: dict[str, OptimConfig] = {}
         for stage in self.stages[: index + 1]:
             effective.update(stage.optims())
         for role, optim in effective.items():
@@ -446,7 +452,7 @@ class Trainer:
         prompts = self._prompt_batch(self.data[self.cfg.val_data])
         await self.pipeline.sync()
         start = time.perf_counter()
-        sampling = {"temperature": 0.0, "n": 1, "max_new_tokens": self.cfg.val_max_new_tokens}
+        sampling = SamplingConfig(temperature=0.0, n=1, max_new_tokens=self.cfg.val_max_new_tokens)
         answers = await self.pipeline.generate(prompts, sampling)
         score, _ = await scores(self.roles.reward, answers)
         record: dict[str, Any] = {

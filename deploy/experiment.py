@@ -185,12 +185,22 @@ def parse(
 def explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"])
+        field = ".".join(str(p) for p in _as_written(err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; docs/experiments.md lists the fields)"
         lines.append(f"{field}: {message}" if field else message)
     return "; ".join(lines)
+
+
+def _as_written(loc: Sequence[int | str]) -> list[int | str]:
+    """An error's location as the file spells it: without the ``sft`` / ``rl`` segment pydantic
+    adds after a stage's index (the tag that picked the stage's kind)."""
+    return [
+        part
+        for i, part in enumerate(loc)
+        if not (i == 2 and loc[0] == "stages" and part in ("sft", "rl"))
+    ]
 
 
 def set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -349,27 +359,15 @@ def _check_stages(exp: Experiment) -> None:
 
 
 def _check_settings(exp: Experiment) -> None:
-    """Optimizer and loss settings, with the roles' own config classes."""
-    # roles code (torch, transformers): loaded only when an experiment is checked
-    from roles.engines.training.config import OptimConfig
-    from roles.modeling.losses import PolicyLossConfig, ValueLossConfig
-
+    """Each stage's optimizers with their schedules filled in: a warm-up must fit in the steps
+    (the loss and optimizer fields themselves were validated when the file was read)."""
     for i, stage in enumerate(exp.stages):
-        for role, optim in stage.optims().items():
-            field = "optim" if role == "actor" else "critic_optim"
+        fields = {"optim": stage.optim, "critic_optim": getattr(stage, "critic_optim", None)}
+        for field, optim in fields.items():
             try:
-                OptimConfig.model_validate(optim)
+                stage.fill_total_steps(optim)
             except ValidationError as exc:
                 raise ExperimentError(f"stages.{i}.{field}: {_short(exc)}") from None
-        if isinstance(stage, RLStage):
-            try:
-                PolicyLossConfig.model_validate(stage.algorithm.loss)
-            except ValidationError as exc:
-                raise ExperimentError(f"stages.{i}.algorithm.loss: {_short(exc)}") from None
-            try:
-                ValueLossConfig.model_validate(stage.algorithm.value_loss)
-            except ValidationError as exc:
-                raise ExperimentError(f"stages.{i}.algorithm.value_loss: {_short(exc)}") from None
 
 
 def _kl_hint(stage: RLStage, missing: set[str]) -> str:

@@ -22,6 +22,8 @@ from controller.clients import ActorClient, CriticClient, RewardClient, RolloutC
 from controller.rollouts import first_of_each, index_of
 from controller.server import Controller
 from transport.batch import TensorBatch
+from transport.sampling import SamplingConfig
+from transport.training import PolicyLossConfig
 
 
 def test_config_rules() -> None:
@@ -34,12 +36,12 @@ def test_config_rules() -> None:
     assert safe.safe is not None
     assert safe.needed_roles() == {"actor", "reward", "critic", "cost", "cost_critic", "reference"}
     loss_kl = AlgorithmConfig.model_validate({"kl": {"coef": 0.2, "mode": "loss"}})
-    assert loss_kl.policy_loss(0.2) == {"kl_coef": 0.2, "kl_type": "low_var_kl"}
-    assert AlgorithmConfig().sampling(7, greedy=True) == {
-        "temperature": 0.0,
-        "n": 1,
-        "max_new_tokens": 32,
-    }
+    assert loss_kl.policy_loss(0.2) == PolicyLossConfig(kl_coef=0.2, kl_type="low_var_kl")
+    assert AlgorithmConfig().policy_loss(0.2) == PolicyLossConfig()  # kl in the reward: none
+    assert AlgorithmConfig().sampling(7, greedy=True) == SamplingConfig(
+        temperature=0.0, n=1, max_new_tokens=32
+    )
+    assert AlgorithmConfig().sampling(7).seed == 7
     assert isinstance(
         AlgorithmConfig.model_validate(
             {"kl": {"target": 1.0, "target_unit": "token"}}

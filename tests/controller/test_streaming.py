@@ -35,11 +35,12 @@ from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.roles.test_training import token_batch
 from transport.batch import TensorBatch
 from transport.protocol import PEAK_MEMORY
+from transport.sampling import SamplingConfig
 
 TEXTS = ["1+2=", "34+56=", "7+80=", "a longer prompt, 99+1=", "0+0=", "5+5="]
 TOKENS = ["input_ids", "attention_mask", "response_mask"]
-SAMPLING = {"temperature": 1.0, "top_p": 0.9, "n": 2, "seed": 3, "max_new_tokens": 12}
-GREEDY = {"temperature": 0.0, "n": 1, "max_new_tokens": 12}
+SAMPLING = SamplingConfig(temperature=1.0, top_p=0.9, n=2, seed=3, max_new_tokens=12)
+GREEDY = SamplingConfig(temperature=0.0, n=1, max_new_tokens=12)
 
 
 def prompts() -> TensorBatch:
@@ -93,7 +94,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 int(ids[long[0]][mask[long[0]]][5]),
                 int(ids[long[-1]][mask[long[-1]]][9]),
             ]
-            sampling = {**SAMPLING, "stop_token_ids": stops}
+            sampling = SAMPLING.model_copy(update={"stop_token_ids": stops})
             out["sampling"] = sampling
             chunks = PartialRollout(chunk_tokens=4)
             for name, settings in (("seeded", sampling), ("greedy", GREEDY)):

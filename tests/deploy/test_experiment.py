@@ -52,9 +52,9 @@ def test_quick_and_set_override_in_that_order() -> None:
     "overrides, message",
     [
         (["stages.1.algorithm.n=1"], "set n >= 2"),
-        (["stages.1.algorithm.nn=1"], "stages.1.rl.algorithm.nn: unknown field"),
+        (["stages.1.algorithm.nn=1"], "stages.1.algorithm.nn: unknown field"),
         (["stages.0.kind=dpo"], "stages.0"),
-        (["stages.1.steps=-1"], "stages.1.rl.steps"),
+        (["stages.1.steps=-1"], "stages.1.steps"),
         (["trainer.keep_last=0"], "trainer.keep_last"),
         (["stages.1.algorithm.name=ppo"], "needs role(s) ['critic']"),
         (["stages.1.algorithm.kl={coef: 0.1}"], "kl.coef > 0 needs a 'reference'"),
