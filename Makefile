@@ -1,5 +1,6 @@
 # Two entry points, both safe on a fresh machine: they create .venv and install what they need.
-#   make demo   the main job: examples/quickstart.yaml (tiny Llama, SFT then GRPO, ~3 minutes)
+#   make demo   the main job: examples/quickstart.yaml (tiny Llama, SFT then GRPO; the run ~1.5
+#               minutes on 2 idle cores, the first install a few minutes more)
 #   make test   lint + type check + the test suite (make test-all: with its extended tier)
 PY ?= python3
 VENV := .venv

@@ -74,7 +74,7 @@ def synthetic(total_bytes: int, layers: int = 8) -> list[Param]:
 
 
 def tiny_llama_params(size: str) -> list[Param]:
-    from roles.engines.training.fsdp import TP_PLAN
+    from roles.engines.training.common import TP_PLAN
     from roles.modeling.models import _model_config, build_tokenizer
 
     config = _model_config(size, build_tokenizer())

@@ -446,7 +446,7 @@ def _role_spec(
     """The role's class and settings; its model folder checked (and against the group's tp and
     pp) and resolved to an absolute path."""
     # roles code (transformers): loaded only when a run's groups are built
-    from roles.engines.training.fsdp import check_tp
+    from roles.engines.training.common import check_tp
     from roles.modeling.models import check_model_dir
 
     cfg = exp.roles[role]

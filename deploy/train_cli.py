@@ -146,8 +146,8 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
 def _prepare(opts: TrainOptions) -> tuple[GroupSpec, Rows, Rows]:
     """Datasets, placement and model checked up front; raises ValueError subclasses."""
     # roles code (transformers) loads only once a training job is being checked
+    from roles.engines.training.common import check_tp
     from roles.engines.training.config import EngineConfig
-    from roles.engines.training.fsdp import check_tp
     from roles.modeling.models import check_model_dir
 
     columns = SFT_COLUMNS if opts.job == "sft" else PREFERENCE_COLUMNS

@@ -32,9 +32,6 @@ from torch.distributed.tensor import DTensor
 
 from roles.base import RoleContext
 from roles.engines.training.common import (
-    TP_PLAN as TP_PLAN,  # still importable from here (bench/reshard.py)
-)
-from roles.engines.training.common import (
     EngineError,
     checkpoint_aside,
     decoder_layers,
@@ -46,9 +43,6 @@ from roles.engines.training.common import (
     sum_over_dp,
     tensor_parallel,
     write_hf_folder,
-)
-from roles.engines.training.common import (
-    check_tp as check_tp,  # still importable from here (deploy/experiment.py, train_cli.py)
 )
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
