@@ -41,7 +41,7 @@ from controller.clients import (
     RoleClient,
     RolloutClient,
 )
-from controller.scoring import scores
+from controller.scoring import scores, stashed
 from controller.server import Controller
 from controller.streaming import PartialRollout
 from transport.batch import TensorBatch
@@ -238,6 +238,7 @@ class AlgorithmConfig(BaseModel):
 
 
 C = TypeVar("C", bound=RoleClient)
+R = TypeVar("R")
 
 
 @dataclass
@@ -294,7 +295,8 @@ class State:
     kl: adv.FixedKL | adv.AdaptiveKL
     lagrange: float = 0.0  # Safe-RLHF's lambda
     timings: dict[str, float] = field(default_factory=dict)
-    # stage -> (first start, last end), perf_counter seconds: the step's timeline
+    # stage (or "<call>@<role>") -> (first start, last end), perf_counter seconds: the step's
+    # timeline
     spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
@@ -315,7 +317,13 @@ class State:
 
 class Timer:
     """Wall time of each stage of a step: ``async with timer("gen"): ...``; with ``spans``,
-    also when each stage first started and last ended (the step's timeline)."""
+    also when each stage first started and last ended (the step's timeline).
+
+    ``timer.lane(call, role)`` times one role's calls instead: a span ``<call>@<role>`` only (no
+    timing), so that the timeline has a lane for every role a step keeps busy, not only the
+    actor's stages, and each group's idle share counts the work of all its roles
+    (``deploy/live.py``). Calls of one name in a step make one span, the first start to the last
+    end (the mini-batches of an update, the gaps between them included)."""
 
     def __init__(
         self, into: dict[str, float], spans: dict[str, tuple[float, float]] | None = None
@@ -325,10 +333,13 @@ class Timer:
     def __call__(self, name: str) -> _Span:
         return _Span(self.into, name, self.spans)
 
+    def lane(self, call: str, role: str) -> _Span:
+        return _Span(None, f"{call}@{role}", self.spans)
+
 
 class _Span:
     def __init__(
-        self, into: dict[str, float], name: str, spans: dict[str, tuple[float, float]] | None
+        self, into: dict[str, float] | None, name: str, spans: dict[str, tuple[float, float]] | None
     ) -> None:
         self.into, self.name, self.spans = into, name, spans
 
@@ -337,7 +348,8 @@ class _Span:
 
     async def __aexit__(self, *exc: object) -> None:
         end = time.perf_counter()
-        self.into[self.name] = self.into.get(self.name, 0.0) + end - self.start
+        if self.into is not None:
+            self.into[self.name] = self.into.get(self.name, 0.0) + end - self.start
         if self.spans is not None:
             first = self.spans.get(self.name, (self.start, end))[0]
             self.spans[self.name] = (first, end)
@@ -352,26 +364,52 @@ def need(client: C | None, name: str) -> C:
 # -- the pieces every step is made of -----------------------------------------------------------
 
 
-async def log_probs(role: ReferenceClient | None, batch: TensorBatch, temperature: float) -> Any:
+async def on(timer: Timer | None, role: RoleClient, call: str, pending: Awaitable[R]) -> R:
+    """``await pending``, a call to ``role``, as a span of the step's timeline when timed."""
+    if timer is None:
+        return await pending
+    async with timer.lane(call, role.role):
+        return await pending
+
+
+async def log_probs(
+    role: ReferenceClient | None,
+    batch: TensorBatch,
+    temperature: float,
+    timer: Timer | None = None,
+) -> Any:
     if role is None:
         return None
-    out = await role.compute_log_prob(batch.select(TOKENS, []), temperature=temperature)
+    asked = role.compute_log_prob(batch.select(TOKENS, []), temperature=temperature)
+    out = await on(timer, role, "compute_log_prob", asked)
     return out["log_probs"]
 
 
-async def old_log_probs(roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig) -> torch.Tensor:
+async def old_log_probs(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, timer: Timer | None = None
+) -> torch.Tensor:
     """pi_old: recomputed by the actor, or the generator's own (``old_log_probs: rollout``)."""
     if cfg.old_log_probs == "rollout":
         return batch.tensors["log_probs"]
-    found: torch.Tensor = await log_probs(roles.actor, batch, cfg.temperature)
+    found: torch.Tensor = await log_probs(roles.actor, batch, cfg.temperature, timer)
     return found
 
 
-async def values(role: CriticClient | None, batch: TensorBatch) -> Any:
+async def values(role: CriticClient | None, batch: TensorBatch, timer: Timer | None = None) -> Any:
     if role is None:
         return None
-    out = await role.compute_values(batch.select(TOKENS, []))
+    out = await on(timer, role, "compute_values", role.compute_values(batch.select(TOKENS, [])))
     return out["values"]
+
+
+async def scored(
+    role: RewardClient, batch: TensorBatch, timer: Timer | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``scores`` of ``batch`` from ``role``; timed only when the role is asked now (a streamed
+    batch was scored while it generated: ``controller/streaming.py``)."""
+    if stashed(batch, role.role) is not None:
+        return await scores(role, batch)
+    return await on(timer, role, "compute_reward", scores(role, batch))
 
 
 def kl_of(old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
@@ -402,17 +440,17 @@ async def learn(
     sums: dict[str, float] = {}
     peaks: dict[str, float] = {}
     updates = 0
+    t = state.timer()
     generator = torch.Generator().manual_seed(step)
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator)
         for mini in batch.index(order).chunk(cfg.mini_batches):
-            calls: list[Awaitable[dict[str, float]]] = [
-                roles.actor.update_policy(
-                    mini.select(actor_columns, []),
-                    loss=cfg.policy_loss(state.kl.value),
-                    temperature=cfg.temperature,
-                )
-            ]
+            policy = roles.actor.update_policy(
+                mini.select(actor_columns, []),
+                loss=cfg.policy_loss(state.kl.value),
+                temperature=cfg.temperature,
+            )
+            calls = [on(t, roles.actor, "update_policy", policy)]
             for critic, values_key, returns_key in critics:
                 part = TensorBatch.from_dict(
                     {
@@ -421,7 +459,9 @@ async def learn(
                         "returns": mini.tensors[returns_key],
                     }
                 )
-                calls.append(critic.update_critic(part, loss=cfg.value_loss))
+                calls.append(
+                    on(t, critic, "update_critic", critic.update_critic(part, loss=cfg.value_loss))
+                )
             results = await asyncio.gather(*calls)
             names = ["actor"] + [c.role for c, _, _ in critics]
             for name, result in zip(names, results, strict=True):
@@ -508,10 +548,10 @@ async def ppo_step(
     mask = batch.tensors["response_mask"]
     async with t("prepare"):  # the four calls overlap when the roles live in different groups
         old, ref, value, (score, extras) = await asyncio.gather(
-            old_log_probs(roles, batch, cfg),
-            log_probs(roles.reference, batch, cfg.temperature),
-            values(roles.critic, batch),
-            scores(roles.reward, batch),
+            old_log_probs(roles, batch, cfg, t),
+            log_probs(roles.reference, batch, cfg.temperature, t),
+            values(roles.critic, batch, t),
+            scored(roles.reward, batch, t),
         )
     kl = kl_of(old, ref, mask)
     reward_kl = state.kl.value if cfg.kl.mode == "reward" else 0.0
@@ -544,9 +584,9 @@ async def remax_step(
     baseline = batch.tensors["remax_baseline"].float()
     async with t("prepare"):
         old, ref, (score, extras) = await asyncio.gather(
-            old_log_probs(roles, batch, cfg),
-            log_probs(roles.reference, batch, cfg.temperature),
-            scores(roles.reward, batch),
+            old_log_probs(roles, batch, cfg, t),
+            log_probs(roles.reference, batch, cfg.temperature, t),
+            scored(roles.reward, batch, t),
         )
     kl = kl_of(old, ref, mask)
     advantages = adv.remax(score, baseline, mask)
@@ -566,12 +606,12 @@ async def safe_rlhf_step(
     mask = batch.tensors["response_mask"]
     async with t("prepare"):
         old, ref, value, cost_value, (score, extras), (cost, _) = await asyncio.gather(
-            old_log_probs(roles, batch, cfg),
-            log_probs(roles.reference, batch, cfg.temperature),
-            values(roles.critic, batch),
-            values(roles.cost_critic, batch),
-            scores(roles.reward, batch),
-            scores(need(roles.cost, "cost"), batch),
+            old_log_probs(roles, batch, cfg, t),
+            log_probs(roles.reference, batch, cfg.temperature, t),
+            values(roles.critic, batch, t),
+            values(roles.cost_critic, batch, t),
+            scored(roles.reward, batch, t),
+            scored(need(roles.cost, "cost"), batch, t),
         )
     kl = kl_of(old, ref, mask)
     reward_kl = state.kl.value if (cfg.kl.mode == "reward" and kl is not None) else 0.0
@@ -616,9 +656,9 @@ async def group_step(
     mask = batch.tensors["response_mask"]
     async with t("prepare"):
         old, ref, (score, extras) = await asyncio.gather(
-            old_log_probs(roles, batch, cfg),
-            log_probs(roles.reference, batch, cfg.temperature),
-            scores(roles.reward, batch),
+            old_log_probs(roles, batch, cfg, t),
+            log_probs(roles.reference, batch, cfg.temperature, t),
+            scored(roles.reward, batch, t),
         )
     kl = kl_of(old, ref, mask)
     coef = state.kl.value if (cfg.kl.mode == "reward" and kl is not None) else 0.0

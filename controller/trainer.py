@@ -29,8 +29,9 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, first_rows
 from controller.clients import EngineClient
+from controller.metrics import Sample, sample_sinks
 from controller.rollouts import (
     Rollout,
     RolloutPipeline,
@@ -41,10 +42,11 @@ from controller.rollouts import (
     save_pending,
     staleness_metrics,
 )
-from controller.scoring import scores
+from controller.scoring import scores, stashed
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
+from transport.columns import SCORES
 from transport.sampling import SamplingConfig
 from transport.training import OptimConfig
 from transport.weight_sync import WeightSyncSettings
@@ -151,6 +153,18 @@ class RLStage(_Stage):
 Stage = Annotated[SFTStage | RLStage, Field(discriminator="kind")]
 
 
+class LogSamples(BaseModel):
+    """How many generated answers the trainer logs, and how often (``samples.jsonl``,
+    TensorBoard's text tab, ``hybridflow report``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(4, ge=0, description="samples logged each time (0: none)")
+    every: int = Field(
+        10, ge=1, description="RL steps between logged rollout samples (each stage's first is)"
+    )
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -165,6 +179,11 @@ class TrainerConfig(BaseModel):
     )
     save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
     keep_last: int = Field(2, ge=1)
+    log_samples: LogSamples = Field(
+        default_factory=LogSamples,
+        description="generated answers logged with their prompt and reward: at every "
+        "validation (greedy) and every few RL steps (sampled)",
+    )
     export: bool = Field(True, description="export the final actor as a Hugging Face folder")
     weight_sync: WeightSyncSettings = Field(
         default_factory=WeightSyncSettings,
@@ -213,6 +232,7 @@ class Trainer:
         self.cfg, self.stages, self.roles, self.clients = cfg, list(stages), roles, clients
         self.data, self.run_dir, self.trainable = data, run_dir, list(trainable)
         self.sinks = list(sinks)
+        self.sample_sinks = sample_sinks(sinks)
         self.stop_after = stop_after  # global step to checkpoint and stop at (as if interrupted)
         self.ckpt_dir = run_dir / "checkpoints"
         self.validations: list[dict[str, Any]] = []
@@ -362,6 +382,8 @@ class Trainer:
                     async with timer("sync"):
                         await self.pipeline.sync()
                 record = self._rl_record(stage, k, rollout, metrics, start)
+                if k % self.cfg.log_samples.every == 0:
+                    await self._rollout_samples(stage.name, rollout.batch)
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)
@@ -380,7 +402,7 @@ class Trainer:
         record = self._record(stage, k, {f"train/{n}": v for n, v in metrics.items()})
         elapsed = time.perf_counter() - start
         record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
-        record.update(self._timeline(start, rollout.span))
+        record.update(self._timeline(start, rollout.span, rollout.batch.meta.get("stream")))
         record["time/step_s"] = elapsed
         record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
         record["train/weight_version"] = self.pipeline.version
@@ -390,19 +412,36 @@ class Trainer:
         record.update(memory)
         return record
 
-    def _timeline(self, start: float, gen: tuple[float, float] | None) -> dict[str, float]:
+    def _timeline(
+        self,
+        start: float,
+        gen: tuple[float, float] | None,
+        stream: list[dict[str, list[float]]] | None = None,
+    ) -> dict[str, float]:
         """Flat ``time/timeline/<stage>@<role>_start_s`` / ``_end_s`` offsets from the step's start
-        (a batch generated ahead starts and ends before 0), and the step's start in the run."""
+        (a batch generated ahead starts and ends before 0), and the step's start in the run.
+
+        The step's stages (prepare, update, sync) are the actor's lanes, generation the
+        generator's; every role a step calls has its own lanes besides, one per call
+        (``compute_values@critic``, ``update_critic@critic``, ``compute_reward@reward``, ...:
+        ``Timer.lane`` in ``controller/algorithms.py``), so each group's busy time is known. A
+        batch scored while it streamed in (``stream``: its ``meta["stream"]``, seconds since its
+        generation began) gives the scoring roles' ``compute_reward`` lanes."""
         where = {"prepare": "actor", "update": "actor", "sync": "actor"}
         found = {"time/timeline/step_start_s": start - self.t0}
         spans = dict(self.state.spans)
         if gen is not None:
             spans["generate"] = gen
             where["generate"] = self.pipeline.generator.role
+            scoring = _streamed_scoring(gen[0], stream or [])
+            scorers = [r for r in (self.roles.reward, self.roles.cost) if r is not None]
+            if scoring is not None:
+                spans.update({f"compute_reward@{r.role}": scoring for r in scorers})
         for name, (begin, end) in spans.items():
-            if name in where:
-                found[f"time/timeline/{name}@{where[name]}_start_s"] = begin - start
-                found[f"time/timeline/{name}@{where[name]}_end_s"] = end - start
+            lane = name if "@" in name else f"{name}@{where[name]}" if name in where else None
+            if lane is not None:
+                found[f"time/timeline/{lane}_start_s"] = begin - start
+                found[f"time/timeline/{lane}_end_s"] = end - start
         return found
 
     async def _ptx(self, stage: RLStage, seed: int, k: int) -> None:
@@ -473,9 +512,53 @@ class Trainer:
                 "record": record,
             }
         )
+        count = min(self.cfg.log_samples.count, len(answers))
+        self._log_samples("validation", tag, answers, list(range(count)), score)
         if emit:
             self._emit({"step": self.global_step, "stage": tag, **record})
         return record
+
+    # -- samples: what the model said ---------------------------------------------------------
+
+    async def _rollout_samples(self, stage: str, batch: TensorBatch) -> None:
+        """A few of the step's samples, one per prompt, with the scores the step used: kept in
+        the batch when it was scored while streaming in, else asked again for these rows only
+        (a reward role scores the same row the same: rules are functions of the row, and a
+        reward model does not train during RL)."""
+        picked = _spread(batch, self.cfg.log_samples.count)
+        if not picked or not self.sample_sinks:
+            return
+        found = stashed(batch, self.roles.reward.role)
+        if found is not None:
+            score = found[SCORES].float()[picked]
+        else:
+            score, _ = await scores(self.roles.reward, batch.index(picked))
+        self._log_samples("rollout", stage, batch, picked, score, indexed=found is None)
+
+    def _log_samples(
+        self,
+        kind: str,
+        stage: str,
+        batch: TensorBatch,
+        rows: list[int],
+        score: torch.Tensor,
+        indexed: bool = False,
+    ) -> None:
+        """Hand rows ``rows`` of ``batch`` to the sample sinks; ``score`` holds every row's
+        score, or (``indexed``) just those of ``rows``, in order."""
+        if not rows or not self.sample_sinks:
+            return
+        text = batch.non_tensors
+        found: list[Sample] = []
+        for i, row in enumerate(rows):
+            sample: Sample = {"step": self.global_step, "stage": stage, "kind": kind}
+            sample["prompt"] = text["prompt"][row]
+            sample["response"] = text["response"][row]
+            sample["reward"] = float(score[i if indexed else row])
+            sample.update({c: text[c][row] for c in ("answer", "finish") if c in text})
+            found.append(sample)
+        for sink in self.sample_sinks:
+            sink.samples(found)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -549,6 +632,26 @@ class Trainer:
         if stage_step >= self.stages[stage].steps:
             return stage + 1, 0
         return stage, stage_step
+
+
+def _streamed_scoring(
+    began: float, stream: list[dict[str, list[float]]]
+) -> tuple[float, float] | None:
+    """When a streamed batch's sub-batches were scored: the first start to the last end, in
+    ``perf_counter`` seconds (``stream``'s are since its generation ``began``); None: none was."""
+    pieces = [piece["score"] for piece in stream if "score" in piece]
+    if not pieces:
+        return None
+    return began + min(a for a, _ in pieces), began + max(b for _, b in pieces)
+
+
+def _spread(batch: TensorBatch, count: int) -> list[int]:
+    """Up to ``count`` rows of ``batch``: the first sample of each prompt, then others."""
+    if "uid" not in batch.non_tensors:
+        return list(range(min(count, len(batch))))
+    first = first_rows(batch)
+    chosen = set(first)
+    return (first + [i for i in range(len(batch)) if i not in chosen])[:count]
 
 
 class _Stopped(Exception):

@@ -6,7 +6,8 @@ line every few steps instead, so logs stay readable.
 
 In RL stages a **pipeline** panel has one row per role group: the stages it ran in the last step
 (from the records' ``time/timeline/<stage>@<role>`` spans, a role mapped to the group that hosts
-it), and its idle fraction over the last ``WINDOW`` steps: 1 - (the union of its spans inside the
+it; every role's calls are spans, e.g. ``compute_values@critic``, so a group without the actor is
+busy while its roles compute), and its idle fraction over the last ``WINDOW`` steps: 1 - (the union of its spans inside the
 window) / (the window's wall time, from the first step's start to the last one's end). Batches
 generated ahead (``max_staleness`` k >= 1) are spans that began in earlier steps; they count where
 they fall. The staleness in use (mean and max of the last step) sits beside it.

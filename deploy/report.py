@@ -2,8 +2,9 @@
 
 reward.png (train reward and validation score), kl.png, length.png (response length) and
 time.png (per-step seconds split into generation, preparation, update and weight sync) and
-timeline.png (when each stage ran, one lane per stage and role, from ``time/timeline/...``: with
-``max_staleness`` >= 1 on a rollout group the generation lane overlaps the update lane). A plot
+timeline.png (when each stage ran, one lane per stage and role, from ``time/timeline/...``: the
+actor's stages and every role's calls, e.g. ``update_critic@critic``; with ``max_staleness`` >= 1
+on a rollout group the generation lane overlaps the update lane). A plot
 whose metric the run never logged (e.g. KL without a reference) is skipped.
 """
 
@@ -122,17 +123,29 @@ def timeline_spans(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, fl
     return lanes
 
 
+def lane_order(lanes: dict[str, list[tuple[float, float]]]) -> list[str]:
+    """Lanes top to bottom: a role's lanes together, roles and each role's lanes in the order
+    they first ran."""
+    first = {lane: min(start for start, _ in spans) for lane, spans in lanes.items()}
+    role_first: dict[str, float] = {}
+    for lane, start in first.items():
+        role = lane.split("@", 1)[1]
+        role_first[role] = min(start, role_first.get(role, start))
+
+    def key(lane: str) -> tuple[float, str, float, str]:
+        role = lane.split("@", 1)[1]
+        return role_first[role], role, first[lane], lane
+
+    return sorted(lanes, key=key)
+
+
 def _timeline(plt: Any, rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """A Gantt chart: one lane per stage and role, a bar per step's span in it."""
+    """A Gantt chart: one lane per stage (or call) and role, a bar per step's span in it."""
     lanes = timeline_spans(rows)
     if not lanes:
         return None
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(lanes)))
-    stages = ("generate", "prepare", "update", "sync")
-    order = sorted(lanes, key=lambda lane: (lane.split("@")[0] not in stages, lane))
-    order.sort(
-        key=lambda lane: stages.index(lane.split("@")[0]) if lane.split("@")[0] in stages else 9
-    )
+    order = lane_order(lanes)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(order)))
     for y, lane in enumerate(order):
         bars = [(start, end - start) for start, end in lanes[lane]]
         ax.broken_barh(bars, (y - 0.4, 0.8), alpha=0.8)
