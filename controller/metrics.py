@@ -1,6 +1,9 @@
 """Where the trainer's records go: JSON lines, TensorBoard, W&B (offline), anything callable.
 
-Every record is a flat dict with a global ``step``; numeric values become scalars. On resume the
+Every record is a flat dict with a global ``step``; numeric values become scalars. Samples (what
+the model said: prompt, response, reward) take their own path: a sink that also has a
+``samples`` method (``SampleSink``) gets them, ``JsonlSink`` into ``samples.jsonl`` beside the
+metrics, ``TensorBoardSink`` as a table in TensorBoard's text tab. On resume the
 JSONL file is cut back to the checkpoint's step first, so the steps redone after a crash are not
 logged twice and a resumed run's file reads like a straight run's. A torn last line (the machine
 lost power mid-write) is dropped with a warning; a bad line before the last is a ``MetricsError``
@@ -12,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 log = logging.getLogger("hybridflow.metrics")
 
@@ -40,7 +44,7 @@ def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
         else:
             raise MetricsError(
                 f"{path}:{number}: not a JSON record ({problem}) and not the last line, so not "
-                "a torn write; fix or delete that line, then resume"
+                "a torn write; fix or delete that line"
             )
     return records
 
@@ -56,22 +60,79 @@ def _record(line: str) -> tuple[dict[str, Any] | None, str]:
     return found, ""
 
 
+#: One generated answer as logged: ``step``, ``stage``, ``kind`` (validation or rollout),
+#: ``prompt``, ``response``, ``reward``, and ``answer`` / ``finish`` when the row had them.
+Sample = dict[str, Any]
+SAMPLES_FILE = "samples.jsonl"
+SAMPLE_COLUMNS = ("prompt", "response", "reward", "answer")  # what a samples table shows
+
+
+@runtime_checkable
+class SampleSink(Protocol):
+    """A sink that takes samples besides records (the trainer hands them to no other sink)."""
+
+    def samples(self, rows: Sequence[Sample]) -> None: ...
+
+
+def sample_sinks(sinks: Iterable[object]) -> list[SampleSink]:
+    """The sinks among ``sinks`` that take samples."""
+    return [sink for sink in sinks if isinstance(sink, SampleSink)]
+
+
+def _cut_back(path: Path, resume_step: int) -> None:
+    """Keep only the records of ``path`` up to ``resume_step`` (the checkpoint's)."""
+    kept = [line for line, record in read_records(path) if record.get("step", 0) <= resume_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 class JsonlSink:
+    """``metrics.jsonl``, and the samples in ``samples.jsonl`` beside it (opened at the first)."""
+
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None and path.exists():
-            kept = [
-                line for line, record in read_records(path) if record.get("step", 0) <= resume_step
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
+        self.samples_path = path.with_name(SAMPLES_FILE)
+        for file in (path, self.samples_path):
+            if resume_step is not None and file.exists():
+                _cut_back(file, resume_step)
+        if resume_step is None:
+            self.samples_path.unlink(missing_ok=True)  # an earlier try's, in a reused run dir
         self.file = path.open("a" if resume_step is not None else "w")
+        self.samples_file: TextIO | None = None
 
     def __call__(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
+    def samples(self, rows: Sequence[Sample]) -> None:
+        if self.samples_file is None:
+            self.samples_file = self.samples_path.open("a", encoding="utf-8")
+        for row in rows:
+            self.samples_file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.samples_file.flush()
+
     def close(self) -> None:
         self.file.close()
+        if self.samples_file is not None:
+            self.samples_file.close()
+
+
+def read_samples(path: Path) -> list[Sample]:
+    """The samples of a ``samples.jsonl`` file (none when it does not exist)."""
+    return [record for _, record in read_records(path)] if path.is_file() else []
+
+
+def markdown_table(rows: Sequence[Sample], columns: Sequence[str] = SAMPLE_COLUMNS) -> str:
+    """Samples as a Markdown table (TensorBoard's text tab renders it), one row per sample."""
+    shown = [c for c in columns if any(c in row for row in rows)]
+
+    def cell(value: Any) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else "" if value is None else str(value)
+        text = text if text or value is None else "(empty)"
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n")
+
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in shown) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -93,6 +154,16 @@ class TensorBoardSink:
     def __call__(self, record: dict[str, Any]) -> None:
         for name, value in scalars(record).items():
             self.writer.add_scalar(name, value, int(record["step"]))
+        self.writer.flush()
+
+    def samples(self, rows: Sequence[Sample]) -> None:
+        """One table per kind and stage (``samples/validation/final``) in the text tab."""
+        groups: dict[tuple[str, str, int], list[Sample]] = {}
+        for row in rows:
+            key = (str(row.get("kind", "")), str(row.get("stage", "")), int(row.get("step", 0)))
+            groups.setdefault(key, []).append(row)
+        for (kind, stage, step), picked in groups.items():
+            self.writer.add_text(f"samples/{kind}/{stage}", markdown_table(picked), step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -29,8 +29,9 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State
+from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, first_rows
 from controller.clients import EngineClient
+from controller.metrics import Sample, sample_sinks
 from controller.rollouts import (
     Rollout,
     RolloutPipeline,
@@ -41,10 +42,11 @@ from controller.rollouts import (
     save_pending,
     staleness_metrics,
 )
-from controller.scoring import scores
+from controller.scoring import scores, stashed
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
+from transport.columns import SCORES
 from transport.sampling import SamplingConfig
 from transport.training import OptimConfig
 from transport.weight_sync import WeightSyncSettings
@@ -151,6 +153,18 @@ class RLStage(_Stage):
 Stage = Annotated[SFTStage | RLStage, Field(discriminator="kind")]
 
 
+class LogSamples(BaseModel):
+    """How many generated answers the trainer logs, and how often (``samples.jsonl``,
+    TensorBoard's text tab, ``hybridflow report``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(4, ge=0, description="samples logged each time (0: none)")
+    every: int = Field(
+        10, ge=1, description="RL steps between logged rollout samples (each stage's first is)"
+    )
+
+
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -165,6 +179,11 @@ class TrainerConfig(BaseModel):
     )
     save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
     keep_last: int = Field(2, ge=1)
+    log_samples: LogSamples = Field(
+        default_factory=LogSamples,
+        description="generated answers logged with their prompt and reward: at every "
+        "validation (greedy) and every few RL steps (sampled)",
+    )
     export: bool = Field(True, description="export the final actor as a Hugging Face folder")
     weight_sync: WeightSyncSettings = Field(
         default_factory=WeightSyncSettings,
@@ -213,6 +232,7 @@ class Trainer:
         self.cfg, self.stages, self.roles, self.clients = cfg, list(stages), roles, clients
         self.data, self.run_dir, self.trainable = data, run_dir, list(trainable)
         self.sinks = list(sinks)
+        self.sample_sinks = sample_sinks(sinks)
         self.stop_after = stop_after  # global step to checkpoint and stop at (as if interrupted)
         self.ckpt_dir = run_dir / "checkpoints"
         self.validations: list[dict[str, Any]] = []
@@ -362,6 +382,8 @@ class Trainer:
                     async with timer("sync"):
                         await self.pipeline.sync()
                 record = self._rl_record(stage, k, rollout, metrics, start)
+                if k % self.cfg.log_samples.every == 0:
+                    await self._rollout_samples(stage.name, rollout.batch)
                 if self.cfg.val_every and (k + 1) % self.cfg.val_every == 0 and k + 1 < stage.steps:
                     record.update(await self._validate(f"{stage.name}:{k + 1}", emit=False))
                 self._emit(record)
@@ -490,9 +512,46 @@ class Trainer:
                 "record": record,
             }
         )
+        count = min(self.cfg.log_samples.count, len(answers))
+        self._log_samples("validation", tag, answers, list(range(count)), score[:count])
         if emit:
             self._emit({"step": self.global_step, "stage": tag, **record})
         return record
+
+    # -- samples: what the model said ---------------------------------------------------------
+
+    async def _rollout_samples(self, stage: str, batch: TensorBatch) -> None:
+        """A few of the step's samples, one per prompt, with the scores the step used: kept in
+        the batch when it was scored while streaming in, else asked again for these rows only
+        (a reward role scores the same row the same: rules are functions of the row, and a
+        reward model does not train during RL)."""
+        picked = _spread(batch, self.cfg.log_samples.count)
+        if not picked or not self.sample_sinks:
+            return
+        found = stashed(batch, self.roles.reward.role)
+        if found is not None:
+            score = found[SCORES].float()[picked]
+        else:
+            score, _ = await scores(self.roles.reward, batch.index(picked))
+        self._log_samples("rollout", stage, batch, picked, score)
+
+    def _log_samples(
+        self, kind: str, stage: str, batch: TensorBatch, rows: list[int], score: torch.Tensor
+    ) -> None:
+        """Hand rows ``rows`` of ``batch`` to the sample sinks, with their scores (in order)."""
+        if not rows or not self.sample_sinks:
+            return
+        text = batch.non_tensors
+        found: list[Sample] = []
+        for row, value in zip(rows, score.tolist(), strict=True):
+            sample: Sample = {"step": self.global_step, "stage": stage, "kind": kind}
+            sample["prompt"] = text["prompt"][row]
+            sample["response"] = text["response"][row]
+            sample["reward"] = float(value)
+            sample.update({c: text[c][row] for c in ("answer", "finish") if c in text})
+            found.append(sample)
+        for sink in self.sample_sinks:
+            sink.samples(found)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -577,6 +636,15 @@ def _streamed_scoring(
     if not pieces:
         return None
     return began + min(a for a, _ in pieces), began + max(b for _, b in pieces)
+
+
+def _spread(batch: TensorBatch, count: int) -> list[int]:
+    """Up to ``count`` rows of ``batch``: the first sample of each prompt, then others."""
+    if "uid" not in batch.non_tensors:
+        return list(range(min(count, len(batch))))
+    first = first_rows(batch)
+    chosen = set(first)
+    return (first + [i for i in range(len(batch)) if i not in chosen])[:count]
 
 
 class _Stopped(Exception):
