@@ -9,6 +9,9 @@ Sources:
 - ``data.jsonl`` / ``data.json``: one JSON object per non-empty line; errors say ``FILE:LINE: ``
   with 1-based line numbers.
 - ``data.parquet``: one row per record; errors say ``FILE: row N: `` with 1-based row numbers.
+- ``FILE?prompt_key=question&answer_key=reward_model.ground_truth``: the file's own column names
+  (a dotted name reaches into a nested record) renamed to the ones hybridflow reads (``KEYS``), as
+  verl's ``data.prompt_key`` does; the row keeps its other columns.
 - ``builtin:NAME?key=value&...``: a task from `controller.tasks.TASKS`, e.g.
   ``builtin:arithmetic?n=2000&split=train&seed=0``.
 """
@@ -44,6 +47,7 @@ class Column:
     kind: type | tuple[type, ...]
     required: bool = True
     why: str = ""  # who needs it, said when it is missing (e.g. "the reward function f reads it")
+    blank: bool = True  # False: an empty (or all-space) string is refused like a missing value
 
     @property
     def kinds(self) -> tuple[type, ...]:
@@ -63,8 +67,8 @@ class Column:
 SFT_COLUMNS = (Column("prompt", str), Column("response", str))
 PREFERENCE_COLUMNS = (Column("prompt", str), Column("chosen", str), Column("rejected", str))
 PROMPT_COLUMNS = (
-    Column("prompt", str),
-    Column("answer", (str, int, float), required=False),
+    Column("prompt", str, blank=False),
+    Column("answer", (str, int, float), required=False, blank=False),
     Column("data_source", str, required=False),
 )
 
@@ -81,6 +85,26 @@ def require(columns: Sequence[Column], names: Iterable[str], why: str) -> tuple[
     return (*out, *(Column(n, object, why=why) for n in names if n not in known))
 
 
+#: ``FILE?KEY=COLUMN`` settings: the column hybridflow reads, by the key that renames it
+KEYS = {
+    "prompt_key": "prompt",
+    "response_key": "response",
+    "answer_key": "answer",
+    "chosen_key": "chosen",
+    "rejected_key": "rejected",
+}
+
+
+def combine(*uses: Sequence[Column]) -> tuple[Column, ...]:
+    """The columns of every use of one source (an SFT stage and an RL stage reading one file):
+    a row must satisfy each use, so nothing one use needs is skipped because another read the
+    file first."""
+    found: list[Column] = []
+    for columns in uses:
+        found.extend(c for c in columns if c not in found)
+    return tuple(found)
+
+
 def read_rows(source: str | Path, columns: Sequence[Column]) -> list[dict[str, Any]]:
     """Every row of `source`, each checked against `columns`; raises DatasetError otherwise."""
     if isinstance(source, str) and source.startswith(BUILTIN):
@@ -88,7 +112,7 @@ def read_rows(source: str | Path, columns: Sequence[Column]) -> list[dict[str, A
         for number, row in enumerate(rows, 1):
             check_row(row, columns, f"{source}: row {number}")
         return rows
-    path = Path(source)
+    path, renames = _file_source(source)
     if path.suffix not in SUFFIXES:
         raise DatasetError(
             f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(SUFFIXES)} "
@@ -96,10 +120,75 @@ def read_rows(source: str | Path, columns: Sequence[Column]) -> list[dict[str, A
         )
     if not path.is_file():
         raise DatasetError(f"{path}: {'not a file' if path.exists() else 'no such file'}")
-    rows = _parquet_rows(path, columns) if path.suffix == ".parquet" else _jsonl_rows(path, columns)
+    found = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path, columns)
+    rows = [_renamed(row, renames, columns, where) for row, where in found]
     if not rows:
         raise DatasetError(f"{path}: no rows; expected at least one with {_needs(columns)}")
     return rows
+
+
+def source_file(source: str | Path) -> Path | None:
+    """The file a data source reads (``FILE?prompt_key=...``: FILE); None for a built-in task."""
+    if isinstance(source, str) and source.startswith(BUILTIN):
+        return None
+    return _file_source(source)[0]
+
+
+def _file_source(source: str | Path) -> tuple[Path, dict[str, str]]:
+    """The file of ``FILE?prompt_key=COLUMN&...`` and its renames (hybridflow's name -> the
+    file's column); a plain path (or an existing file whose name holds a ``?``) renames nothing."""
+    text = str(source)
+    name, sep, query = text.partition("?")
+    if not sep or Path(text).is_file():
+        return Path(text), {}
+    renames: dict[str, str] = {}
+    for part in filter(None, query.split("&")):
+        key, has_value, column = part.partition("=")
+        if key not in KEYS or not has_value or not column or KEYS[key] in renames:
+            raise DatasetError(
+                f"{text}: cannot read {part!r}; after a file name give KEY=COLUMN pairs joined "
+                f"by '&', KEY one of {', '.join(KEYS)} (each once), e.g. "
+                f"{name}?prompt_key=question&answer_key=solution"
+            )
+        renames[KEYS[key]] = unquote(column)
+    return Path(name), renames
+
+
+def _renamed(
+    row: dict[str, Any], renames: Mapping[str, str], columns: Sequence[Column], where: str
+) -> dict[str, Any]:
+    """``row`` with each renamed column under hybridflow's name, then checked."""
+    if not renames:
+        check_row(row, columns, where)
+        return row
+    out = dict(row)
+    for ours, theirs in renames.items():
+        found = _lookup(row, theirs)
+        if found is _ABSENT:
+            key = next(k for k, v in KEYS.items() if v == ours)
+            raise DatasetError(
+                f"{where}: column {theirs!r} (the file's {key}) is missing; the row has "
+                f"{', '.join(sorted(row)) or 'no columns'}"
+            )
+        out.pop(theirs, None)
+        out[ours] = found
+    check_row(out, columns, where)
+    return out
+
+
+_ABSENT = object()
+
+
+def _lookup(row: Mapping[str, Any], name: str) -> Any:
+    """``row[name]``, or for ``a.b`` ``row["a"]["b"]`` when the row has no ``a.b`` column."""
+    if name in row:
+        return row[name]
+    node: Any = row
+    for part in name.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
 
 
 def check_row(row: Mapping[str, Any], columns: Sequence[Column], where: str) -> None:
@@ -115,13 +204,31 @@ def check_row(row: Mapping[str, Any], columns: Sequence[Column], where: str) -> 
                 why = f" ({column.why})" if column.why else ""
                 raise DatasetError(
                     f"{where}: column {column.name!r} {state}{why}; every row needs "
-                    f"{_needs(columns)}"
+                    f"{_needs(columns)}{_rename_hint(column, row)}"
                 )
         elif not column.accepts(value):
             raise DatasetError(
                 f"{where}: column {column.name!r} is {type(value).__name__} "
                 f"({_preview(value)}); expected {column.describe()}"
             )
+        elif not column.blank and isinstance(value, str) and not value.strip():
+            why = f" ({column.why})" if column.why else ""
+            raise DatasetError(
+                f"{where}: column {column.name!r} is an empty string{why}; give it a value "
+                "or leave the row out"
+            )
+
+
+def _rename_hint(column: Column, row: Mapping[str, Any]) -> str:
+    """How to point a column hybridflow reads at another of the file's columns."""
+    key = next((k for k, v in KEYS.items() if v == column.name), None)
+    if key is None:
+        return ""
+    others = ", ".join(sorted(k for k in row if k != column.name)) or "none"
+    return (
+        f" (the row's other columns: {others}; to read another one as {column.name!r}, "
+        f"name the data FILE?{key}=COLUMN)"
+    )
 
 
 def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -140,13 +247,15 @@ def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
         raise
 
 
-def _jsonl_rows(path: Path, columns: Sequence[Column]) -> list[dict[str, Any]]:
+def _jsonl_rows(path: Path, columns: Sequence[Column]) -> list[tuple[dict[str, Any], str]]:
+    """(row, where) of each line holding one; a line that is not a JSON object is an error."""
     rows = []
     try:
         with path.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
-                    rows.append(_parse_line(line, columns, f"{path}:{number}"))
+                    where = f"{path}:{number}"
+                    rows.append((_parse_line(line, columns, where), where))
     except UnicodeDecodeError as error:
         raise DatasetError(f"{path}: not UTF-8 text ({error.reason}); save it as UTF-8") from error
     return rows
@@ -165,11 +274,11 @@ def _parse_line(line: str, columns: Sequence[Column], where: str) -> dict[str, A
             f"{where}: a JSON {type(row).__name__}, not an object; expected one object per line "
             f"with {_needs(columns)}"
         )
-    check_row(row, columns, where)
     return row
 
 
-def _parquet_rows(path: Path, columns: Sequence[Column]) -> list[dict[str, Any]]:
+def _parquet_rows(path: Path) -> list[tuple[dict[str, Any], str]]:
+    """(row, where) of each row of a Parquet file."""
     # pyarrow is imported here so the controller pays for it only when it reads Parquet.
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -178,9 +287,7 @@ def _parquet_rows(path: Path, columns: Sequence[Column]) -> list[dict[str, Any]]
         rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise DatasetError(f"{path}: not a readable Parquet file ({error})") from error
-    for number, row in enumerate(rows, 1):
-        check_row(row, columns, f"{path}: row {number}")
-    return rows
+    return [(row, f"{path}: row {number}") for number, row in enumerate(rows, 1)]
 
 
 def _builtin_rows(source: str) -> list[dict[str, Any]]:

@@ -183,6 +183,20 @@ TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "preference": preference,
 }
 
+#: What each parameter of a task means, for the reference in docs/experiments.md
+#: (``deploy/docgen.py``; a test checks every parameter of every task is here).
+PARAMETERS = {
+    "n": "rows to draw (without replacement while the split has that many problems)",
+    "split": "train, sft or test: disjoint sets of problems (a stable hash of each problem)",
+    "seed": "which rows are drawn, and the noise coin",
+    "max_operand": "operands range over 0..max_operand",
+    "ops": "operators to draw from, written together: any of + - * (e.g. ops=+-)",
+    "noise": "fraction of rows whose response is written '<answer>!', a format the exact-answer "
+    "reward rejects",
+    "style": "short (the number) or explain (the number, then a restatement: ~20 tokens)",
+    "kinds": "how the rejected answer is wrong, comma-separated: operand, format, near",
+}
+
 
 def _sample(n: int, split: str, max_operand: int, ops: str, rng: random.Random) -> list[Problem]:
     if n < 1:
