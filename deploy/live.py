@@ -2,7 +2,9 @@
 
 Shows the stage and step, reward, KL, response length, tokens/s, where the last step's time went
 and the last validation score. When stderr is not a terminal (CI, a log file) it prints a plain
-line every few steps instead, so logs stay readable.
+line every few steps instead, one record per line however long (never wrapped), so logs stay
+readable and greppable. While the table is drawn, library progress bars are off
+(``deploy/terminal.py``): a bar's carriage returns would tear the table.
 
 In RL stages a **pipeline** panel has one row per role group: the stages it ran in the last step
 (from the records' ``time/timeline/<stage>@<role>`` spans, a role mapped to the group that hosts
@@ -24,6 +26,7 @@ from rich.live import Live
 from rich.table import Table
 
 from deploy.experiment import placement
+from deploy.terminal import quiet_library_progress
 
 #: steps the pipeline panel's idle fractions cover
 WINDOW = 10
@@ -99,6 +102,7 @@ class LiveView:
 
     def __enter__(self) -> LiveView:
         if self.tty:
+            quiet_library_progress()
             self.live = Live(self._table(), console=self.console, refresh_per_second=4)
             self.live.__enter__()
         return self
@@ -119,7 +123,7 @@ class LiveView:
         if self.live is not None:
             self.live.update(self._table())
         elif self.enabled and self._due(record):
-            self.console.print(self._line(record))
+            self.console.print(self._line(record), soft_wrap=True, markup=False, highlight=False)
 
     def _due(self, record: dict[str, Any]) -> bool:
         if "stage_step" not in record:

@@ -5,13 +5,21 @@ stays one line. ``run_async`` runs a command's async main on uvloop (when instal
 SIGINT/SIGTERM into cancelling it, so sessions tear their processes down in order. They live
 here, apart from ``deploy/cli.py``, because the command modules (``run_cli``, ``train_cli``, ...)
 need them and ``cli.py`` needs the command modules.
+
+When stderr is not a terminal (``nohup``, SLURM, CI, a pipe) output is for grep and log parsers:
+the console never wraps a line (rich would wrap at 80 columns there), so one record is one line,
+and library progress bars (transformers' and huggingface_hub's, drawn with carriage returns) are
+off in this process and the processes it starts (``quiet_library_progress``). On a terminal the
+live view turns them off while it draws (``deploy/live.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,7 +29,28 @@ from transport.device import DeviceKind
 
 T = TypeVar("T")
 
-console = Console(stderr=True)
+#: progress bars of huggingface_hub, and of transformers, which follows it; read when they are
+#: imported, so the processes this one starts inherit it
+PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
+
+
+def quiet_library_progress() -> None:
+    """Turn library progress bars off here and in the processes started from now on."""
+    os.environ[PROGRESS_BARS_ENV] = "1"
+    if "transformers" in sys.modules:  # imported already: it read the variable then
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+_plain = not sys.stderr.isatty()
+console = Console(stderr=True, soft_wrap=_plain)
+if _plain:
+    quiet_library_progress()
 
 
 def _event_loop_runner() -> Callable[..., Any]:
