@@ -3,7 +3,7 @@
 ``wait_for(predicate, timeout, what)`` polls until the predicate holds and returns its value; on
 timeout it fails saying what was awaited (and, with ``proc``, fails at once, with its exit code,
 when the process that should produce the event exits first). ``cpu_seconds`` reads a process's
-CPU time, the observable of a rank that is computing.
+CPU time, the observable of a rank that is computing; ``Blocked`` sees a thread that waits.
 """
 
 from __future__ import annotations
@@ -67,8 +67,33 @@ def _fail(message: str, detail: Callable[[], object] | None) -> None:
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process ``pid`` so far (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(") ", 1)[1].split()
+def _stat(pid: int, tid: int | None) -> list[str]:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        return f.read().rsplit(") ", 1)[1].split()  # from field 3 (state) on
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User plus system CPU time so far of process ``pid`` (all its threads), or of its thread
+    ``tid`` (its main thread: ``tid=pid``), from /proc."""
+    fields = _stat(pid, tid)
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: fields 14 and 15
+
+
+class Blocked:
+    """A predicate: thread ``tid`` of process ``pid`` is blocked — sleeping, and it has used no CPU
+    time for ``quiet_s`` (one reading of /proc per call; a computing thread gains a clock tick
+    every 10 ms, so a thread whose CPU time stands still that long is waiting, not working)."""
+
+    def __init__(self, pid: int, tid: int, quiet_s: float = 0.3) -> None:
+        self.pid, self.tid, self.quiet_s = pid, tid, quiet_s
+        self.cpu, self.since = -1.0, time.monotonic()
+
+    def __call__(self) -> bool:
+        fields = _stat(self.pid, self.tid)
+        cpu = (int(fields[11]) + int(fields[12])) * _TICK_S
+        now = time.monotonic()
+        if fields[0] not in ("S", "D") or cpu != self.cpu:
+            self.cpu, self.since = cpu, now
+            return False
+        return now - self.since >= self.quiet_s
