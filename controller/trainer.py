@@ -8,10 +8,20 @@ at the start of the run, at each stage boundary, every ``val_every`` RL steps an
 
 Checkpoints (``run_dir/checkpoints/step_NNNNNN``) hold every trained role's sharded state
 (weights, optimizer, schedule, RNG) and ``controller.json`` (stage, step, data position, the
-stage's KL controller and Lagrange multiplier, validations so far). They are written into
-``step_NNNNNN.partial`` and renamed, so a crash never leaves a half checkpoint; the last
-``keep_last`` are kept. Resuming reloads the newest and continues with the same data order and
-the same per-request sampling seeds, so a resumed run reproduces the straight run exactly.
+stage's KL controller and Lagrange multiplier, validations so far, the dtype each
+model-holding role computed in). They are written into ``step_NNNNNN.partial`` and renamed, so
+a crash never leaves a half checkpoint; the last ``keep_last`` are kept. Resuming reloads the
+newest and continues with the same data order and the same per-request sampling seeds, so a
+resumed run reproduces the straight run exactly.
+
+Precision is part of that: ``dtype: auto`` is resolved on the ranks at every start (a CPU probe
+that can flip between starts on one machine, or another machine's GPU), so a resumed run could
+continue a bf16 run in fp32, and its summary would then claim fp32 for all of it. Resuming
+therefore refuses (``PrecisionChanged``) when a role's resolved dtype differs from the one its
+checkpoint records, naming the role, both dtypes and the setting that fixes the choice
+(``--set roles.<role>.dtype=<recorded>``). It refuses rather than pins: the dtype is decided on
+the ranks when their engines are built, before the controller reads any checkpoint, and a run
+should not change what its configuration says behind the user's back.
 """
 
 from __future__ import annotations
@@ -585,6 +595,7 @@ class Trainer:
                 self.state.state_dict() if isinstance(self.stages[stage], RLStage) else None
             ),
             "validations": self.validations,
+            "precision": self.precision,  # checked on resume (_check_precision)
         }
         pending = await self.pipeline.drain()
         if pending:  # generated ahead (max_staleness): the resumed run trains on these
@@ -607,6 +618,7 @@ class Trainer:
             )
         latest = found[-1]
         saved = json.loads((latest / "controller.json").read_text())
+        self._check_precision(latest, saved.get("precision") or {})
         stage, stage_step = int(saved["stage"]), int(saved["stage_step"])
         await self._configure(stage)
         for role in self.trainable:
@@ -625,6 +637,27 @@ class Trainer:
         if stage_step >= self.stages[stage].steps:
             return stage + 1, 0
         return stage, stage_step
+
+    def _check_precision(self, checkpoint: Path, saved: dict[str, dict[str, str]]) -> None:
+        """Refuse to resume when a role now computes in another dtype than ``checkpoint``
+        records (the module docstring says why); a role the checkpoint does not name, or one
+        no longer placed, is not compared."""
+        changed = {
+            role: (was["dtype"], self.precision[role])
+            for role, was in sorted(saved.items())
+            if role in self.precision and self.precision[role]["dtype"] != was["dtype"]
+        }
+        if not changed:
+            return
+        said = "; ".join(
+            f"role {role!r} computed in {was} then, now in {now['dtype']} ({now['reason']})"
+            for role, (was, now) in changed.items()
+        )
+        fix = " ".join(f"--set roles.{role}.dtype={was}" for role, (was, _) in changed.items())
+        raise PrecisionChanged(
+            f"{checkpoint}: {said}. Resume in the checkpoint's precision with {fix} (the "
+            "role's dtype: setting), or start a new run to change it"
+        )
 
 
 def _streamed_scoring(
@@ -645,6 +678,10 @@ def _spread(batch: TensorBatch, count: int) -> list[int]:
     first = first_rows(batch)
     chosen = set(first)
     return (first + [i for i in range(len(batch)) if i not in chosen])[:count]
+
+
+class PrecisionChanged(RuntimeError):
+    """A resumed run would compute a role in another dtype than its checkpoint was written in."""
 
 
 class _Stopped(Exception):
