@@ -9,26 +9,36 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_for
 from transport.channel import spare_port
+from transport.security import load_public
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
+ANNOUNCED = r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n"  # the command it prints
 
 
-def wait_for(path: Path, pattern: str, proc: subprocess.Popen[str], limit: float) -> re.Match[str]:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        found = re.search(pattern, path.read_text()) if path.exists() else None
-        if found:
-            return found
-        assert proc.poll() is None, path.read_text()
-        time.sleep(0.1)
-    raise AssertionError(f"{pattern!r} never appeared in {path}")
+def wait_for_line(
+    path: Path,
+    pattern: str,
+    proc: subprocess.Popen[str],
+    limit: float,
+    what: str,
+    joined: bool = False,
+) -> re.Match[str]:
+    """``pattern`` found in the log ``path`` that ``proc`` writes; fails naming ``what``.
+    ``joined``: in the log's lines joined, runs of whitespace made one space (log records are
+    wrapped to the console's width)."""
+
+    def found() -> re.Match[str] | None:
+        text = path.read_text() if path.exists() else ""
+        return re.search(pattern, " ".join(text.split()) if joined else text)
+
+    return wait_for(found, limit, what, proc=proc, detail=path.read_text)
 
 
 @pytest.mark.slow
@@ -45,7 +55,7 @@ def test_controller_alone_and_a_group_started_by_hand(launcher: str, tmp_path: P
     with err.open("w") as stderr:
         ctl = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        line = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n", ctl, 60)
+        line = wait_for_line(err, ANNOUNCED, ctl, 60, "the controller printing the role command")
         env = {**os.environ, "HYBRIDFLOW_TOKEN": line.group(1)}
         role_args = [*line.group(2).split(), "--run-dir", str(tmp_path / "role")]
         assert role_args[:2] == ["actor,reward", "--connect"]
@@ -106,13 +116,18 @@ def test_curve_keys_admit_the_listed_group_and_refuse_another(tmp_path: Path) ->
         ctl = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=stderr, text=True)
     intruder = None
     try:
-        line = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n", ctl, 60)
+        line = wait_for_line(err, ANNOUNCED, ctl, 60, "the controller printing the role command")
         env = {**os.environ, "HYBRIDFLOW_TOKEN": line.group(1)}
         args = line.group(2).split()
         assert args[-4:] == ["--keys", str(keys), "--client", "main"]
         wrong = [*args[:-1], "intruder", "--run-dir", str(tmp_path / "intruder")]
         intruder = subprocess.Popen([*CLI, "role", *wrong], env=env)
-        time.sleep(3)  # the intruder's handshake is refused; the controller keeps waiting
+        # the intruder's handshake is refused, by its key, and logged; the controller keeps waiting
+        refusal = (
+            rf"refused a CURVE handshake from {re.escape(host)}(?::\d+)?: its key (\S+) is not"
+        )
+        seen = wait_for_line(err, refusal, ctl, 60, "the refusal of the intruder's key", True)
+        assert seen.group(1) == load_public(keys / "intruder.key").decode()
         assert ctl.poll() is None and intruder.poll() is None
         good = [*args, "--run-dir", str(tmp_path / "role")]
         role = subprocess.run([*CLI, "role", *good], env=env, timeout=240)
