@@ -8,12 +8,15 @@
 The experiment gives the models (roles with a model; rule rewards have none), the algorithm's
 workload (the first RL stage: prompts x samples, max new tokens as the response length, PPO
 epochs and mini-batches, whether pi_old is recomputed) and the engines' micro-batch size; flags
-override any of it (``--model-size`` gives every model a preset's dimensions, as in the paper's
-evaluation, and allows pipeline parallel). The plans are ranked by predicted step time
+override any of it (``--model-size`` gives every model a preset's dimensions for the cost
+model, as in the paper's evaluation). Only layouts the experiment's engines can run are
+proposed (``deploy/plan/rules.py``: e.g. pipeline parallel only for groups whose engine roles
+all have ``backend: megatron``). The plans are ranked by predicted step time
 (``deploy/plan/cost.py``); ``--write`` saves the experiment with the best plan's ``placement:``
-block in place of its own, ready for ``hybridflow run``. ``--calibrate`` measures this
-machine's profile first (``deploy/plan/calibrate.py``), prints it (``--out``: saves it, a file
-``--device-profile`` takes later) and, given an experiment, plans with it.
+block in place of its own, every other line as it was (``deploy/plan/written.py``), ready for
+``hybridflow run``. ``--calibrate`` measures this machine's profile first
+(``deploy/plan/calibrate.py``), prints it (``--out``: saves it, a file ``--device-profile``
+takes later) and, given an experiment, plans with it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from deploy.experiment import Experiment, ExperimentError, load, placement, read_yaml
+from deploy.experiment import Experiment, ExperimentError, load, parse, placement, read_yaml
 from deploy.plan.cost import STAGES, ModelShape, Strategy, Workload, group_cost, step_cost
 from deploy.plan.profiles import PROFILES, DeviceProfile, ProfileError, load_profile
+from deploy.plan.rules import RunRules
 from deploy.plan.search import Plan, PlanError, Planner
+from deploy.plan.written import SpliceError, carried_settings, group_name, replace_placement
 from reshard.shapes import PRESETS, LlamaDims, from_hf_config
 
 EXIT_BAD_INPUT = 2
@@ -178,27 +183,33 @@ def workload(exp: Experiment, opts: PlanOptions) -> Workload:
     )
 
 
-def placement_block(exp: Experiment, plan: Plan) -> dict[str, dict[str, Any]]:
+def own_dims(exp: Experiment, opts: PlanOptions) -> dict[str, LlamaDims | None]:
+    """Each role's own model (what runs, whatever ``--model-size`` prices). Under
+    ``--model-size`` a model not readable here (a folder made later) is None: not checked."""
+    found: dict[str, LlamaDims | None] = {}
+    for role, cfg in exp.roles.items():
+        if cfg.model is None:
+            continue
+        try:
+            found[role] = model_dims(exp, role)
+        except ValueError as exc:
+            if not opts.model_size:
+                raise
+            found[role] = None
+            print(
+                f"hybridflow plan: roles.{role}.model: {exc}; the plans are not checked against "
+                "its heads and layers",
+                file=sys.stderr,
+            )
+    return found
+
+
+def placement_block(rules: RunRules, plan: Plan) -> dict[str, dict[str, Any]]:
     """The plan as an experiment's ``placement:`` (roles without a model join the actor)."""
-    planned = {r for g in plan.groups for r in g}
-    extra = [r for r in exp.roles if r not in planned]
-    block: dict[str, dict[str, Any]] = {}
-    for group, cost in zip(plan.groups, plan.costs, strict=True):
-        roles = list(group) + (extra if "actor" in group else [])
-        entry: dict[str, Any] = {
-            "roles": roles,
-            "nproc": cost.strategy.p * cost.strategy.t * cost.strategy.d,
-        }
-        if cost.strategy.t > 1:
-            entry["tp"] = cost.strategy.t
-        if cost.strategy.p > 1:
-            entry["pp"] = cost.strategy.p
-        if "actor" in group and cost.strategy.gen_t != cost.strategy.t:
-            entry["gen_tp"] = cost.strategy.gen_t
-        if cost.strategy.p > 1 and "actor" in group:
-            entry["gen_pp"] = 1
-        block["_".join(group)] = entry
-    return block
+    return {
+        group_name(group): rules.entry(group, cost.strategy)
+        for group, cost in zip(plan.groups, plan.costs, strict=True)
+    }
 
 
 def predict(
@@ -243,12 +254,21 @@ def run_plan(opts: PlanOptions) -> int:
 
         profile = replace(profile, mem_bytes=opts.gpu_mem * 1e9)
     wl = workload(exp, opts)
-    allow_pp = bool(opts.model_size) or all(
-        exp.roles[r].settings().get("backend") == "megatron" for r in wl.trained
-    )
+    raw = read_yaml(opts.experiment, "experiment file")
+    carried = carried_settings(raw.get("placement"))
+    rules = RunRules(exp, own_dims(exp, opts), list(wl.models), wl.generator, carried)
     start = time.perf_counter()
-    plans = Planner(wl, opts.gpus, opts.per_node, profile, allow_pp).plans(opts.top)
+    planner = Planner(wl, opts.gpus, opts.per_node, profile, allow_pp=True, allows=rules.allows)
+    try:
+        plans = planner.plans(opts.top)
+    except PlanError as exc:
+        if not rules.rejected:
+            raise
+        raise PlanError(
+            f"{exc}; the experiment's engines ruled out, e.g.: {'; '.join(rules.reasons())}"
+        ) from None
     seconds = time.perf_counter() - start
+    best = placement_block(rules, plans[0])
     result = {
         "experiment": str(opts.experiment),
         "gpus": opts.gpus,
@@ -256,19 +276,34 @@ def run_plan(opts: PlanOptions) -> int:
         "profile": profile.name,
         "models": {r: m.params for r, m in wl.models.items()},
         "plan_s": round(seconds, 3),
-        "plans": [describe(p) for p in plans],
-        "placement": placement_block(exp, plans[0]),
+        "plans": [{**describe(p), "placement": placement_block(rules, p)} for p in plans],
+        "placement": best,
+        "ruled_out": rules.reasons(),
     }
     if opts.write is not None:
-        raw = read_yaml(opts.experiment, "experiment file")
-        raw["placement"] = result["placement"]
-        opts.write.write_text(yaml.safe_dump(raw, sort_keys=False))
+        write_plan(opts.experiment, opts.write, raw, best, rules)
         result["written"] = str(opts.write)
     if opts.json:
         print(json.dumps(result))
     else:
         print_plans(result, wl)
     return 0
+
+
+def write_plan(
+    source: Path, out: Path, raw: dict[str, Any], block: dict[str, Any], rules: RunRules
+) -> None:
+    """``source`` with its placement replaced by ``block``, validated as ``hybridflow run``
+    reads it, then written atomically."""
+    try:
+        text = replace_placement(source.read_text(), raw, block)
+    except SpliceError as exc:
+        print(f"hybridflow plan: --write: {exc}; writing it re-dumped instead", file=sys.stderr)
+        text = yaml.safe_dump({**raw, "placement": block}, sort_keys=False)
+    rules.check_placement(parse(yaml.safe_load(text), where=str(out)))
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
 
 
 def print_plans(result: dict[str, Any], wl: Workload) -> None:
@@ -288,6 +323,10 @@ def print_plans(result: dict[str, Any], wl: Workload) -> None:
         stages = [f"{plan['stages_s'][s]:.3g}" for s in STAGES]
         table.add_row(str(i), groups, f"{plan['step_s']:.3g}", *stages)
     console.print(table)
+    if result["ruled_out"]:
+        console.print("left out, as the experiment's engines cannot run them, e.g.:")
+        for reason in result["ruled_out"]:
+            console.print(f"  {reason}", markup=False)
     console.print(f"planned in {result['plan_s']:.2f} s; best placement:")
     console.print(yaml.safe_dump({"placement": result["placement"]}, sort_keys=False))
     if "written" in result:

@@ -9,6 +9,7 @@
    parallel is allowed), d = n / (p t), and the actor's generation tp dividing t. The best is the
    fitting one with the least summed stage time; it is cached per (group, device count), so an
    allocation costs only lookups.
+   ``allows`` (``deploy/plan/rules.py``) leaves out what the experiment's engines cannot run.
 5. The plan's step time: per stage the slowest group, summed over stages; plans ranked by it.
 
 Difference from the paper: one ``(p, t)`` per group rather than per model, because a placement
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -71,6 +72,10 @@ class Plan:
         return self.stages["total"]
 
 
+#: whether the experiment can run a group at a strategy (``deploy/plan/rules.py``)
+Allows = Callable[[tuple[str, ...], Strategy], bool]
+
+
 class Planner:
     def __init__(
         self,
@@ -79,9 +84,10 @@ class Planner:
         per_node: int,
         profile: DeviceProfile,
         allow_pp: bool = False,
+        allows: Allows | None = None,
     ) -> None:
         self.wl, self.devices, self.per_node, self.profile = wl, devices, per_node, profile
-        self.allow_pp = allow_pp
+        self.allow_pp, self.allows = allow_pp, allows
         self.best = lru_cache(maxsize=None)(self._best)
 
     def strategies(self, roles: tuple[str, ...], n: int) -> Iterator[Strategy]:
@@ -102,7 +108,9 @@ class Planner:
                     else [t]
                 )
                 for g in gen:
-                    yield Strategy(p=p, t=t, d=n // (p * t), gen_t=g)
+                    s = Strategy(p=p, t=t, d=n // (p * t), gen_t=g)
+                    if self.allows is None or self.allows(roles, s):
+                        yield s
 
     def _best(self, roles: tuple[str, ...], n: int) -> GroupCost | None:
         found: GroupCost | None = None
