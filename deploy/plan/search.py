@@ -11,6 +11,9 @@
    allocation costs only lookups.
    ``allows`` (``deploy/plan/rules.py``) leaves out what the experiment's engines cannot run.
 5. The plan's step time: per stage the slowest group, summed over stages; plans ranked by it.
+   Equal times (to 9 significant digits) rank the plan with fewer groups first, then by its
+   groups in the experiment's role order (roles, devices, p, t, d, gen tp), so the winner is
+   the same on every run and for every ``top``.
 
 Difference from the paper: one ``(p, t)`` per group rather than per model, because a placement
 group runs all its roles at one tp and pp here (``controller/placement.py``).
@@ -18,11 +21,11 @@ group runs all its roles at one tp and pp here (``controller/placement.py``).
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from deploy.plan.cost import GroupCost, Strategy, Workload, group_cost, step_cost
 from deploy.plan.profiles import DeviceProfile
@@ -74,6 +77,14 @@ class Plan:
 
 #: whether the experiment can run a group at a strategy (``deploy/plan/rules.py``)
 Allows = Callable[[tuple[str, ...], Strategy], bool]
+#: a plan's place in the ranking: rounded step time, groups, then the groups themselves
+RankKey = tuple[float, int, tuple[tuple[Any, ...], ...]]
+
+
+def tie(seconds: float) -> float:
+    """``seconds`` to 9 significant digits: times that differ only in the last bits of their
+    float sums (the same work added up in another order) tie."""
+    return float(f"{seconds:.9g}")
 
 
 class Planner:
@@ -127,12 +138,12 @@ class Planner:
         return None
 
     def plans(self, top: int = 10) -> list[Plan]:
-        """The ``top`` plans by step time, best first."""
+        """The ``top`` plans by step time, best first (ties: ``rank_key``)."""
         models = list(self.wl.models)
-        heap: list[tuple[float, int, Plan]] = []
-        counter = itertools.count()
+        order = {r: i for i, r in enumerate(models)}
+        kept: list[tuple[RankKey, Plan]] = []
         for partition in set_partitions(models):
-            groups = tuple(tuple(g) for g in partition)
+            groups = tuple(sorted((tuple(g) for g in partition), key=lambda g: order[g[0]]))
             minimums = [self.minimum(g) for g in groups]
             if any(m is None for m in minimums):
                 continue
@@ -142,15 +153,24 @@ class Planner:
                     continue
                 fitted = tuple(c for c in costs if c is not None)
                 stages = step_cost(list(fitted))
-                entry = (-stages["total"], next(counter), Plan(groups, fitted, stages))
-                if len(heap) < top:
-                    heapq.heappush(heap, entry)
-                elif entry[0] > heap[0][0]:
-                    heapq.heapreplace(heap, entry)
-        if not heap:
+                if len(kept) == top and tie(stages["total"]) > kept[-1][0][0]:
+                    continue
+                plan = Plan(groups, fitted, stages)
+                bisect.insort(kept, (self.rank_key(plan, order), plan), key=lambda e: e[0])
+                del kept[top:]
+        if not kept:
             raise PlanError(
                 f"no placement of {', '.join(models)} fits {self.devices} devices of "
                 f"{self.profile.mem_bytes / 1e9:.0f} GB: raise --gpus or --gpu-mem, or plan smaller "
                 "models"
             )
-        return [plan for _, _, plan in sorted(heap, key=lambda e: e[0], reverse=True)]
+        return [plan for _, plan in kept]
+
+    @staticmethod
+    def rank_key(plan: Plan, order: dict[str, int]) -> RankKey:
+        """Step time, then fewer groups, then the groups in the experiment's role order."""
+        layout = tuple(
+            (tuple(order[r] for r in g), s.p * s.t * s.d, s.p, s.t, s.d, s.gen_t)
+            for g, s in zip(plan.groups, (c.strategy for c in plan.costs), strict=True)
+        )
+        return (tie(plan.total), len(plan.groups), layout)
