@@ -139,6 +139,8 @@ class Planner:
 
     def plans(self, top: int = 10) -> list[Plan]:
         """The ``top`` plans by step time, best first (ties: ``rank_key``)."""
+        if top < 1:
+            raise PlanError(f"--top {top}: show at least 1 plan")
         models = list(self.wl.models)
         order = {r: i for i, r in enumerate(models)}
         kept: list[tuple[RankKey, Plan]] = []

@@ -14,7 +14,7 @@ import pytest
 
 from deploy.plan.cost import ModelShape, Workload
 from deploy.plan.profiles import PROFILES
-from deploy.plan.search import Plan, Planner, tie
+from deploy.plan.search import Plan, PlanError, Planner, tie
 from deploy.plan_cli import PlanOptions, run_plan
 from reshard.shapes import LlamaDims
 
@@ -49,6 +49,12 @@ def test_equal_times_rank_fewer_groups_then_role_order_for_any_top() -> None:
         firsts = [order[g[0]] for g in plan.groups]
         assert firsts == sorted(firsts)
         assert all([order[r] for r in g] == sorted(order[r] for r in g) for g in plan.groups)
+
+
+def test_top_below_one_is_a_clear_error() -> None:
+    wl = Workload(models={"actor": SAME}, rows=8, prompt_len=8, response_len=8)
+    with pytest.raises(PlanError, match="--top 0"):
+        Planner(wl, 2, 2, PROFILES["vm-2core"]).plans(top=0)
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], top: int) -> dict[str, Any]:
