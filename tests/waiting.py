@@ -3,7 +3,8 @@
 ``wait_for(predicate, timeout, what)`` polls until the predicate holds and returns its value; on
 timeout it fails saying what was awaited (and, with ``proc``, fails at once, with its exit code,
 when the process that should produce the event exits first). ``cpu_seconds`` reads a process's
-CPU time, the observable of a rank that is computing; ``Blocked`` sees a thread that waits.
+CPU time, the observable of a rank that is computing; ``waits`` counts the times a process's main
+thread blocked (a rank serving calls); ``Blocked`` sees a thread that waits.
 """
 
 from __future__ import annotations
@@ -78,6 +79,17 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     ``tid`` (its main thread: ``tid=pid``), from /proc."""
     fields = _stat(pid, tid)
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: fields 14 and 15
+
+
+def waits(pid: int) -> int:
+    """How many times the main thread of process ``pid`` has blocked so far (its voluntary
+    context switches): a rank serving calls blocks a few times per call, waiting for messages;
+    starting up, it mostly computes (imports)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/{pid}/status")
 
 
 class Blocked:

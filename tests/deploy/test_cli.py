@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from deploy.cli import build_parser
+from deploy.local import SOCKET_PREFIX
 from deploy.role_cli import RoleOptions, _group_spec
 from tests.roles.test_mesh import pid_alive
+from tests.waiting import wait_for, waits
 
 
 def rank_pids(parent: int) -> list[int]:
@@ -24,13 +27,12 @@ def rank_pids(parent: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def wait_for(predicate: object, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
+def accepted(socket_path: Path) -> bool:
+    """Whether a process has connected to the unix socket bound at ``socket_path``: the kernel
+    lists each accepted connection under the listener's path, in state 03 (connected)."""
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(len(row) == 8 and row[7] == str(socket_path) and row[5] == "03" for row in rows)
 
 
 def test_demo_trains_the_linear_model() -> None:
@@ -47,28 +49,55 @@ def test_demo_trains_the_linear_model() -> None:
     assert result["replicas_agree"] is True
 
 
-def _start_long_demo() -> tuple[subprocess.Popen[bytes], list[int]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "demo", "--steps", "1000000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+# A demo step blocks each rank's main thread about 5 times (waiting for the call, for each
+# all-reduce); the whole start-up of a rank blocks it about 20 times, only a few after it joined.
+TRAINING_WAITS = 200
+
+
+def _until_training(proc: subprocess.Popen[bytes], tmp: Path) -> list[int]:
+    """The demo's rank pids once it is well into training: its two ranks started, the group
+    joined the controller (its coordinator connected to the controller's socket, in ``tmp``),
+    and both ranks computing steps."""
+
+    def both_ranks() -> list[int] | None:
+        found = rank_pids(proc.pid)
+        return found if len(found) == 2 else None
+
+    pids = wait_for(both_ranks, 30, "the demo's two rank processes", proc=proc)
+    sockets = wait_for(
+        lambda: list(tmp.glob(f"{SOCKET_PREFIX}*/controller")), 30, "the controller's socket"
     )
-    assert wait_for(lambda: len(rank_pids(proc.pid)) == 2, 30), "ranks never started"
-    pids = rank_pids(proc.pid)
-    time.sleep(4)  # well into training
-    return proc, pids
+    wait_for(lambda: accepted(sockets[0]), 60, "the group joining the controller", proc=proc)
+    joined = [waits(p) for p in pids]
+    wait_for(
+        lambda: all(waits(p) - n >= TRAINING_WAITS for p, n in zip(pids, joined, strict=True)),
+        60,
+        f"both ranks training (their main threads blocked {TRAINING_WAITS} times since)",
+        proc=proc,
+    )
+    return pids
 
 
 @pytest.fixture
 def long_demo() -> Iterator[tuple[subprocess.Popen[bytes], list[int]]]:
-    proc, pids = _start_long_demo()
+    tmp = Path(tempfile.mkdtemp(prefix="hfcli"))  # short: ipc paths are limited to ~100 bytes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "demo", "--steps", "1000000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmp)},  # its socket folder goes there
+    )
+    pids = rank_pids(proc.pid)
     try:
+        pids = _until_training(proc, tmp)
         yield proc, pids
     finally:  # whatever the test saw, leave nothing running
+        pids = pids or rank_pids(proc.pid)
         proc.kill()
         for pid in pids:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -78,7 +107,7 @@ def test_sigterm_or_ctrl_c_ends_everything(
     proc, pids = long_demo
     proc.send_signal(sig)
     assert proc.wait(timeout=20) == 130
-    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 10)
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 10, "every rank gone after the signal")
 
 
 def test_kill_9_of_the_controller_leaves_no_orphans(
@@ -87,7 +116,7 @@ def test_kill_9_of_the_controller_leaves_no_orphans(
     proc, pids = long_demo
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=5)
-    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 5), "ranks outlived their parent"
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 5, "every rank gone after their parent")
 
 
 def test_role_command_options_reach_the_group_it_launches() -> None:
