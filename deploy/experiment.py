@@ -33,19 +33,33 @@ name the override and the part of its path that does not exist. OmegaConf's othe
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.util
+import inspect
+import json
+import shutil
+import types
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, Column, read_rows, require
+from controller.data import (
+    BUILTIN,
+    PROMPT_COLUMNS,
+    SFT_COLUMNS,
+    Column,
+    DatasetError,
+    read_rows,
+    require,
+)
 from controller.placement import GroupSpec, RoleSpec, check_placement
-from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig
+from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig, checkpoints
 from transport.device import DeviceKind
+from transport.training import OptimConfig
 
 if TYPE_CHECKING:  # roles code is loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
@@ -179,18 +193,82 @@ def parse(
     try:
         return Experiment.model_validate(raw)
     except ValidationError as exc:
-        raise ExperimentError(f"{where}: {explain(exc)}") from None
+        raise ExperimentError(f"{where}: {explain(exc, Experiment)}") from None
 
 
-def explain(exc: ValidationError) -> str:
+def explain(exc: ValidationError, model: Any = None, prefix: str = "") -> str:
+    """Each error as ``field: message``, the field spelled as in the file (under ``prefix``); an
+    unknown field gets the nearest field of ``model`` (the validated class) as a suggestion."""
     lines = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in _as_written(err["loc"]))
+        field = ".".join(str(p) for p in [*([prefix] if prefix else []), *_as_written(err["loc"])])
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling; docs/experiments.md lists the fields)"
+            known = _field_names(model, err["loc"][:-1])
+            message = "unknown field" + (
+                _did_you_mean(str(err["loc"][-1]), known)
+                or " (check the spelling; docs/experiments.md lists the fields)"
+            )
         lines.append(f"{field}: {message}" if field else message)
     return "; ".join(lines)
+
+
+def _did_you_mean(word: str, known: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known``, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_names(model: Any, loc: Sequence[int | str]) -> list[str]:
+    """The field names of the model found by following ``loc`` (a pydantic error location) from
+    ``model``: through fields, list items, dict values and tagged unions; [] off the map."""
+    node = model
+    for part in loc:
+        node = _inside(node, part)
+        if node is None:
+            return []
+    node = _unwrapped(node)
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return list(node.model_fields)
+    return []
+
+
+def _inside(node: Any, part: int | str) -> Any:
+    """The type at ``part`` of ``node``: a field's, an item's, or the union member ``part`` tags."""
+    node = _unwrapped(node)
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        field = node.model_fields.get(str(part))
+        return None if field is None else field.annotation
+    origin, args = get_origin(node), get_args(node)
+    if origin in (list, tuple) and isinstance(part, int) and args:
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    if origin in (Union, types.UnionType):
+        return next((m for m in args if _tagged(m, part)), None)
+    return None
+
+
+def _unwrapped(node: Any) -> Any:
+    """``node`` without ``Annotated[...]`` and without ``| None``."""
+    while True:
+        origin, args = get_origin(node), get_args(node)
+        if origin is Annotated:
+            node = args[0]
+        elif origin in (Union, types.UnionType) and len(args) == 2 and type(None) in args:
+            node = next(a for a in args if a is not type(None))
+        else:
+            return node
+
+
+def _tagged(member: Any, tag: int | str) -> bool:
+    """Whether a union member is the one a discriminator value ``tag`` picks."""
+    if not (isinstance(member, type) and issubclass(member, BaseModel)):
+        return False
+    return any(
+        get_origin(f.annotation) is Literal and tag in get_args(f.annotation)
+        for f in member.model_fields.values()
+    )
 
 
 def _as_written(loc: Sequence[int | str]) -> list[int | str]:
@@ -232,8 +310,15 @@ def set_path(raw: dict[str, Any], dotted: str, value: Any) -> None:
 def role_class(name: str, role: RoleConfig) -> str:
     if role.cls:
         return role.cls
-    if name in ("reward", "cost") and "function" in role.settings():
-        return RULE_CLASS
+    if name in ("reward", "cost"):
+        if "function" in role.settings():
+            return RULE_CLASS
+        near = difflib.get_close_matches("function", list(role.settings()), n=1)
+        if near:  # a misspelt rule reward would otherwise be taken for a reward model
+            raise ExperimentError(
+                f"roles.{name}.{near[0]}: unknown setting (did you mean 'function'?); a rule "
+                "reward names its function as function: package.module:function"
+            )
     if name not in ROLE_CLASSES:
         raise ExperimentError(
             f"roles.{name}: no default class for a role named {name!r}; name it one of "
@@ -253,6 +338,7 @@ def check(exp: Experiment) -> None:
         raise ExperimentError("roles: every experiment needs an 'actor'")
     _check_stages(exp)
     _check_settings(exp)
+    _check_rule_settings(exp)
     _check_sglang(exp)
     if exp.logging.wandb and importlib.util.find_spec("wandb") is None:
         raise ExperimentError(
@@ -269,6 +355,25 @@ def check(exp: Experiment) -> None:
                 f"roles.{role}.model: {model!r} is neither a name under models "
                 f"({sorted(exp.models)}) nor an existing folder"
             )
+
+
+def _check_rule_settings(exp: Experiment) -> None:
+    """A rule reward's keys are the arguments of ``RuleReward`` (checked here, since the role
+    takes them as keyword arguments in its rank, where a typo would be a remote TypeError)."""
+    # roles code: the rule reward's constructor is the list of what it takes
+    from roles.reward import RuleReward
+
+    takes = [p for p in inspect.signature(RuleReward).parameters if p != "ctx"]
+    for name, cfg in exp.roles.items():
+        if role_class(name, cfg) != RULE_CLASS:
+            continue
+        given = [*cfg.settings(), *(["model"] if cfg.model is not None else [])]
+        for key in given:
+            if key not in takes:
+                raise ExperimentError(
+                    f"roles.{name}.{key}: not a setting of a rule reward"
+                    f"{_did_you_mean(key, takes)}; it takes {', '.join(takes)}"
+                )
 
 
 def _check_sglang(exp: Experiment) -> None:
@@ -367,7 +472,7 @@ def _check_settings(exp: Experiment) -> None:
             try:
                 stage.fill_total_steps(optim)
             except ValidationError as exc:
-                raise ExperimentError(f"stages.{i}.{field}: {_short(exc)}") from None
+                raise ExperimentError(explain(exc, OptimConfig, f"stages.{i}.{field}")) from None
 
 
 def _kl_hint(stage: RLStage, missing: set[str]) -> str:
@@ -385,33 +490,69 @@ def model_path(exp: Experiment, name: str, run_dir: Path) -> Path:
 
 
 def prepare_models(exp: Experiment, run_dir: Path) -> None:
-    """Create or import the named models into ``run_dir/models`` (kept on resume)."""
+    """Create, import or link the named models into ``run_dir/models``, each with the source
+    that made it recorded beside it (``NAME.source.json``). A model the config's source did not
+    make (an earlier try with another source, or a try killed before the record was written) is
+    rebuilt; with checkpoints in the run dir, which were trained from it, it is refused instead."""
     # roles code (transformers): loaded only when a run makes its models
     from roles.modeling.models import import_gguf, init_model
 
     for name, source in exp.models.items():
         target = run_dir / "models" / name
+        record = target.with_name(f"{name}.source.json")
+        wanted = _source_of(source)
+        if target.exists() or target.is_symlink():
+            _drop_if_stale(name, target, record, wanted, run_dir)
         if source.path is not None:
             _link(target, Path(source.path).resolve())
-        elif (target / "config.json").exists():
-            continue
-        elif source.init is not None:
-            init_model(target, source.init, seed=source.seed)
-        else:
-            import_gguf(target)
+        elif not (target / "config.json").exists():
+            if source.init is not None:
+                init_model(target, source.init, seed=source.seed)
+            else:
+                import_gguf(target)
+        record.write_text(json.dumps(wanted))  # after the model is whole
+
+
+def _source_of(source: ModelSource) -> dict[str, Any]:
+    """What makes the model, as recorded: the folder linked, or how it was made."""
+    if source.path is not None:
+        return {"path": str(Path(source.path).resolve())}
+    if source.init is not None:
+        return {"init": source.init, "seed": source.seed}
+    return {"gguf": source.gguf}
+
+
+def _drop_if_stale(
+    name: str, target: Path, record: Path, wanted: dict[str, Any], run_dir: Path
+) -> None:
+    """Remove ``target`` when ``wanted`` did not make it (refuse when checkpoints need it)."""
+    made: dict[str, Any] | None = None
+    if record.is_file():
+        made = json.loads(record.read_text())
+    elif target.is_symlink():  # links are made only for path sources
+        made = {"path": str(target.readlink())}
+    if made == wanted:
+        return
+    if checkpoints(run_dir / "checkpoints"):
+        if made is None:
+            return  # made before sources were recorded, and trained from: kept as it is
+        raise ExperimentError(
+            f"models.{name}: {target} was made from {made}, not {wanted}, and the checkpoints "
+            f"in {run_dir / 'checkpoints'} were trained from it; resume with the run's saved "
+            "config, or start a new --run-dir"
+        )
+    if target.is_symlink():
+        target.unlink()
+    else:
+        shutil.rmtree(target)
+    record.unlink(missing_ok=True)
 
 
 def _link(target: Path, folder: Path) -> None:
-    """``target`` → ``folder``; a link left by an earlier try (dangling, or to another folder)
-    is replaced, so a rerun with a corrected ``path`` and the same run dir works."""
+    """``target`` → ``folder`` (``target`` is absent or already that link)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_symlink():
-        if target.readlink() == folder:
-            return
-        target.unlink()
-    elif target.exists():
-        return  # a folder the run made itself (an earlier init or gguf source): kept
-    target.symlink_to(folder, target_is_directory=True)
+    if not target.is_symlink():
+        target.symlink_to(folder, target_is_directory=True)
 
 
 def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
@@ -460,6 +601,8 @@ def _role_spec(
             check_tp(model_config, group.tp)
             settings["model"] = str(path.resolve())
         engine = _check_role_settings(role, cls, settings)
+    except ExperimentError:
+        raise
     except (ValueError, ValidationError) as exc:
         raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
     if engine is not None:
@@ -511,8 +654,8 @@ def _check_pipeline(
 
 def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> EngineConfig | None:
     """Validate ``settings`` with the config class of the role's class (a scoring-only role
-    gets ``optim: None``); raises ValueError or ValidationError. Returns the engine settings of
-    an engine role (None for other roles)."""
+    gets ``optim: None``); raises ExperimentError naming ``roles.ROLE.FIELD``, or ValueError.
+    Returns the engine settings of an engine role (None for other roles)."""
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
     from roles.reward import load_function
@@ -520,12 +663,17 @@ def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engin
 
     if cls == RULE_CLASS:
         load_function(str(settings.get("function")))
-    elif cls == ROLE_CLASSES["rollout"]:
-        RolloutConfig.model_validate(settings)
-    elif cls in ROLE_CLASSES.values():
-        if role in ("reference", "reward", "cost"):
-            settings.setdefault("optim", None)  # scoring only
-        return EngineConfig.model_validate(settings)
+        return None
+    try:
+        if cls == ROLE_CLASSES["rollout"]:
+            RolloutConfig.model_validate(settings)
+        elif cls in ROLE_CLASSES.values():
+            if role in ("reference", "reward", "cost"):
+                settings.setdefault("optim", None)  # scoring only
+            return EngineConfig.model_validate(settings)
+    except ValidationError as exc:
+        config = RolloutConfig if cls == ROLE_CLASSES["rollout"] else EngineConfig
+        raise ExperimentError(explain(exc, config, f"roles.{role}")) from None
     return None
 
 
@@ -556,21 +704,22 @@ def scored_columns(exp: Experiment) -> tuple[Column, ...]:
 
 
 def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
-    """Every dataset the stages name, read and checked row by row (file:line on error)."""
-    wanted: dict[str, Any] = {}
+    """Every dataset the stages name, read and checked row by row; an error names the field
+    that names the dataset, then the file and line."""
+    wanted: dict[str, tuple[str, tuple[Column, ...]]] = {}  # source -> (a field naming it, columns)
     scored = scored_columns(exp)
-    for stage in exp.stages:
+    for i, stage in enumerate(exp.stages):
         if isinstance(stage, SFTStage):
-            wanted[stage.data] = SFT_COLUMNS
+            wanted[stage.data] = (f"stages.{i}.data", SFT_COLUMNS)
             if stage.val_data:
-                wanted[stage.val_data] = SFT_COLUMNS
+                wanted[stage.val_data] = (f"stages.{i}.val_data", SFT_COLUMNS)
         else:
-            wanted.setdefault(stage.data, scored)
+            wanted.setdefault(stage.data, (f"stages.{i}.data", scored))
             if stage.ptx_data:
-                wanted[stage.ptx_data] = SFT_COLUMNS
+                wanted[stage.ptx_data] = (f"stages.{i}.ptx_data", SFT_COLUMNS)
     if exp.trainer.val_data:
-        wanted.setdefault(exp.trainer.val_data, scored)
-    data = {source: read_rows(source, columns) for source, columns in wanted.items()}
+        wanted.setdefault(exp.trainer.val_data, ("trainer.val_data", scored))
+    data = {source: _read(field, source, columns) for source, (field, columns) in wanted.items()}
     for stage in exp.stages:
         stage.resolve_epochs(len(data[stage.data]))
     for i, stage in enumerate(exp.stages):
@@ -580,3 +729,14 @@ def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
                 f"stages.{i}.data: {len(data[stage.data])} rows cannot fill a batch of {need}"
             )
     return data
+
+
+def _read(field: str, source: str, columns: tuple[Column, ...]) -> list[dict[str, Any]]:
+    """``read_rows``; its DatasetError names the config field that named the dataset first."""
+    if not source.startswith(BUILTIN) and not Path(source).exists():
+        where = "" if Path(source).is_absolute() else f" (relative to {Path.cwd()}, where it ran)"
+        raise DatasetError(f"{field}: no such file {source!r}{where}")
+    try:
+        return read_rows(source, columns)
+    except DatasetError as exc:
+        raise DatasetError(f"{field}: {exc}") from None

@@ -104,7 +104,7 @@ def test_role_settings_are_checked_with_the_roles_config_classes(tmp_path: Path)
     exp = parse(base(), ["roles.actor.dtype=fp16"])
     check(exp)
     prepare_models(exp, tmp_path)
-    with pytest.raises(ExperimentError, match=r"roles\.actor: dtype"):
+    with pytest.raises(ExperimentError, match=r"roles\.actor\.dtype: "):
         build_groups(exp, tmp_path)
     exp = parse(base(), ["roles.reward.function=roles.rules:nothing"])
     with pytest.raises(ExperimentError, match=r"roles\.reward"):
