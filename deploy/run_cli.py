@@ -4,8 +4,11 @@
 the run directory — ``config.yaml`` (resolved), ``models/``, ``metrics.jsonl``, ``tensorboard/``,
 ``checkpoints/``, ``logs/``, ``export/actor`` and ``summary.json`` — starts every role group as
 local processes, and runs the trainer with a live view. ``--resume`` continues the newest
-checkpoint of ``--run-dir`` with the config saved there. A role that dies ends the run within
-seconds with its role, rank and cause (exit 1); the last checkpoint resumes.
+checkpoint of ``--run-dir`` with the config saved there; that checkpoint is looked up (and the
+metrics file checked) before anything in the run directory is written, so a resume that cannot
+start changes nothing. A role that dies ends the run within seconds with its role, rank and cause
+(exit 1); Ctrl-C stops every process (exit 130). Either way the command that continues the run is
+printed, or, before its first checkpoint, that none exists yet.
 
 ``report`` draws PNG plots from a run's ``metrics.jsonl``: reward, KL, response length,
 validation score and where each step's time went.
@@ -18,10 +21,12 @@ argparse Namespace.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import functools
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -35,7 +40,14 @@ import yaml
 from rich.markup import escape
 
 from controller.algorithms import Roles
-from controller.metrics import JsonlSink, TensorBoardSink, WandbSink
+from controller.metrics import (
+    SAMPLES_FILE,
+    JsonlSink,
+    MetricsError,
+    TensorBoardSink,
+    WandbSink,
+    read_records,
+)
 from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.trainer import Sink, Trainer, checkpoints
@@ -62,6 +74,8 @@ from transport.settings import Timeouts
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by SIGINT
+NO_CHECKPOINT_YET = "a run writes one at each stage end and every trainer.save_every steps"
 Rows = list[dict[str, Any]]
 
 
@@ -112,13 +126,15 @@ class ClusterPlan:
 @dataclass(frozen=True)
 class Run:
     """A run that passed every check: the experiment, where it writes, its datasets, the groups
-    to start and (``--clusters``) where each starts."""
+    to start, (``--clusters``) where each starts and (``--resume``) the global step of the
+    checkpoint it continues."""
 
     exp: Experiment
     run_dir: Path
     data: dict[str, Rows]
     groups: list[GroupSpec]
     plan: ClusterPlan | None = None
+    resume_step: int | None = None
 
 
 def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -160,7 +176,7 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
         "--keys", type=Path, help="CURVE keys (hybridflow keys): needed on an address off this host"
     )
     report = subparsers.add_parser("report", help="PNG plots of a run's metrics")
-    report.add_argument("run_dir", type=Path)
+    report.add_argument("run_dir", type=Path, help="the run directory (plots go to RUN_DIR/plots)")
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
@@ -168,25 +184,30 @@ def run_experiment_command(args: argparse.Namespace) -> int:
 
 
 def run_experiment(opts: RunOptions) -> int:
-    """Validate (exit 2 naming the field), run (exit 1 naming the cause and how to resume)."""
+    """Validate (exit 2 naming the field), run (exit 1 naming the cause and how to resume; 130
+    on Ctrl-C, saying the same)."""
     try:
-        exp, run_dir, plan = _load(opts)
+        exp, run_dir, plan, resume_step = _load(opts)
         data, groups = _prepare(exp, run_dir)
     except (ExperimentError, ValueError, FileNotFoundError) as exc:
-        print(f"hybridflow run: {exc}", file=sys.stderr)
+        print(f"hybridflow {opts.command}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C before the event loop took SIGINT over
+        console.print("[yellow]interrupted before the run started[/]")
+        return EXIT_INTERRUPTED
     try:
-        summary = _run(Run(exp, run_dir, data, groups, plan), opts)
+        summary = _run(Run(exp, run_dir, data, groups, plan, resume_step), opts)
+    except (asyncio.CancelledError, KeyboardInterrupt):  # Ctrl-C: the session stopped them all
+        console.print("[yellow]interrupted; every process was stopped[/]")
+        _say_how_to_continue(opts, run_dir)
+        return EXIT_INTERRUPTED
     except Exception as exc:  # the run failed: say what, where the checkpoints are
         _say_failed(opts, run_dir, exc)
         return EXIT_FAILED
     if opts.json:
         print(json.dumps(summary))
     elif "stopped_at" in summary:
-        print(
-            f"stopped after step {summary['stopped_at']}; continue with: "
-            f"hybridflow run --resume --run-dir {run_dir}"
-        )
+        print(f"stopped after step {summary['stopped_at']}; continue with: {_again(opts, run_dir)}")
     else:
         print(_describe(summary, run_dir))
     return 0
@@ -197,17 +218,45 @@ def _say_failed(opts: RunOptions, run_dir: Path, exc: Exception) -> None:
     cause = escape(f"{type(exc).__name__}: {exc}")
     console.print(f"[red]hybridflow {opts.command} failed:[/] {cause}", soft_wrap=True)
     if checkpoints(run_dir / "checkpoints"):
-        resume = f"hybridflow {opts.command} --resume --run-dir {run_dir}"
-        if opts.clusters is not None:
-            resume += f" --clusters {opts.clusters}"
+        resume = _again(opts, run_dir)
         console.print(f"resume from the last checkpoint: {escape(resume)}", soft_wrap=True)
 
 
-def _load(opts: RunOptions) -> tuple[Experiment, Path, ClusterPlan | None]:
-    """The experiment (saved config on ``--resume``), its run dir and cluster plan, with the
-    options checked in the order a user meets them."""
+def _say_how_to_continue(opts: RunOptions, run_dir: Path) -> None:
+    """After Ctrl-C: the resume command, or that no checkpoint exists yet and how to start over."""
+    step = _resume_step(run_dir)
+    if step is not None:
+        again = _again(opts, run_dir)
+        console.print(f"continue from step {step} with: {escape(again)}", soft_wrap=True)
+    else:
+        again = _again(opts, run_dir, resume=False)
+        console.print(
+            f"no checkpoint exists yet ({NO_CHECKPOINT_YET}); start over with: {escape(again)}",
+            soft_wrap=True,
+        )
+
+
+def _again(opts: RunOptions, run_dir: Path, resume: bool = True) -> str:
+    """The command that continues the run in ``run_dir`` from its last checkpoint (``resume``),
+    or starts it over from its saved config; with the options that say where groups run."""
+    words = ["hybridflow", opts.command]
+    words += ["--resume"] if resume else [str(run_dir / "config.yaml")]
+    words += ["--run-dir", str(run_dir)]
+    if opts.clusters is not None:
+        words += ["--clusters", str(opts.clusters)]
+    if opts.bind is not None:
+        words += ["--bind", opts.bind]
+    if opts.keys is not None:
+        words += ["--keys", str(opts.keys)]
+    return shlex.join(words)
+
+
+def _load(opts: RunOptions) -> tuple[Experiment, Path, ClusterPlan | None, int | None]:
+    """The experiment (saved config on ``--resume``), its run dir, cluster plan and the step
+    it resumes at, with the options checked in the order a user meets them."""
+    resume_step = None
     if opts.resume:
-        exp, run_dir = _resumed(opts)
+        exp, run_dir, resume_step = _resumed(opts)
         _check_bind_option(opts)
     elif opts.experiment is None:
         raise ExperimentError("name an experiment file, e.g. examples/quickstart.yaml")
@@ -215,17 +264,40 @@ def _load(opts: RunOptions) -> tuple[Experiment, Path, ClusterPlan | None]:
         _check_bind_option(opts)
         exp, run_dir = _fresh(opts, opts.experiment)
     plan = _cluster_plan(opts.clusters, exp) if opts.clusters is not None else None
-    return exp, run_dir, plan
+    return exp, run_dir, plan, resume_step
 
 
-def _resumed(opts: RunOptions) -> tuple[Experiment, Path]:
-    """``--resume``: the config saved in ``--run-dir`` (``--set`` still applies)."""
+def _resumed(opts: RunOptions) -> tuple[Experiment, Path, int]:
+    """``--resume``: the config saved in ``--run-dir`` (``--set`` still applies) and the step of
+    its newest checkpoint, looked up before anything in the run dir is written."""
     if opts.run_dir is None:
         raise ExperimentError("--resume needs --run-dir (the run to continue)")
     saved = opts.run_dir / "config.yaml"
     if not saved.is_file():
         raise ExperimentError(f"--resume: {saved} does not exist; is this a run directory?")
-    return parse(yaml.safe_load(saved.read_text()), opts.overrides, False, str(saved)), opts.run_dir
+    step = _resume_point(opts, opts.run_dir)
+    exp = parse(yaml.safe_load(saved.read_text()), opts.overrides, False, str(saved))
+    return exp, opts.run_dir, step
+
+
+def _resume_point(opts: RunOptions, run_dir: Path) -> int:
+    """The newest checkpoint's step, and metrics and samples files that can be cut back to it."""
+    step = _resume_step(run_dir)
+    if step is None:
+        raise ExperimentError(
+            f"--resume: {run_dir} holds no checkpoint yet ({NO_CHECKPOINT_YET}), so there is "
+            f"nothing to continue and nothing was changed; start the run over with: "
+            f"{_again(opts, run_dir, resume=False)}"
+        )
+    for records in (run_dir / "metrics.jsonl", run_dir / SAMPLES_FILE):  # both are cut back
+        try:
+            if records.exists():
+                read_records(records)
+        except MetricsError as exc:
+            raise ExperimentError(
+                f"--resume: {exc}, then resume again with: {_again(opts, run_dir)}"
+            ) from None
+    return step
 
 
 def _fresh(opts: RunOptions, experiment: Path) -> tuple[Experiment, Path]:
@@ -309,7 +381,9 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
     """Start the groups, train with the live view and the metric sinks, write summary.json."""
     exp, run_dir = run.exp, run.run_dir
     live = LiveView(exp, console, enabled=exp.logging.live and not opts.json)
-    sinks: list[Sink] = [*_sinks(exp, run_dir, _resume_step(run_dir) if opts.resume else None)]
+    # on --resume the step was found before anything was written (None would empty the file)
+    assert run.resume_step is not None or not opts.resume
+    sinks: list[Sink] = [*_sinks(exp, run_dir, run.resume_step)]
     sinks.append(live)
     try:
         summary = run_async(lambda: _train(run, opts, sinks, live))
