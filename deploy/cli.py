@@ -1,7 +1,8 @@
 """The ``hybridflow`` command line.
 
-- ``hybridflow demo`` — the README's main job: a controller drives a 2-rank data-parallel group
-  that fits a linear model; prints the result (``--json`` for one JSON line).
+- ``hybridflow demo`` — the mesh's own linear-regression demo: a controller drives a 2-rank
+  data-parallel group that fits a linear model; prints the result (``--json`` for one JSON
+  line). Not the main job, which is ``make demo`` (``hybridflow run examples/quickstart.yaml``).
 - ``hybridflow role NAMES --connect ADDR --nproc N`` — start, by hand, a process group hosting the
   comma-separated roles and join a controller that was started separately (``deploy/role_cli.py``).
 - ``hybridflow model init|import-gguf|check`` — model folders (``deploy/model_cli.py``).
@@ -15,7 +16,8 @@
 - ``hybridflow reshard-plan --model llama2-70b --train 1-8-16 --gen 1-4`` — bytes, memory and
   groups of a training → generation weight reshard, planned on paper (``deploy/reshard_cli.py``).
 
-Each command module adds its parser and turns the parsed arguments into one typed options object
+Each command module adds its parser, with a help line for every option (plain text: ``--help``
+prints it as written), and turns the parsed arguments into one typed options object
 (``RunOptions``, ``TrainOptions``, ...) at its edge; nothing past that sees an argparse Namespace.
 The console and ``run_async`` every command shares live in ``deploy/terminal.py``.
 """
@@ -97,18 +99,29 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:
-    demo = sub.add_parser("demo", help="train a linear model with a 2-rank data-parallel group")
-    demo.add_argument("--steps", type=int, default=60)
-    demo.add_argument("--nproc", type=int, default=2)
+    what = (
+        "the mesh's linear-regression demo: a controller drives a data-parallel group that fits "
+        "a linear model (not the main job, which is: hybridflow run examples/quickstart.yaml)"
+    )
+    demo = sub.add_parser("demo", help=what, description=what)
+    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument("--nproc", type=int, default=2, help="ranks in the group (default 2)")
     demo.add_argument(
-        "--fanout", choices=("socket", "zmq", "rpc"), default="socket", help="rank 0 → ranks"
+        "--fanout",
+        choices=("socket", "zmq", "rpc"),
+        default="socket",
+        help="how rank 0 passes each call to the other ranks (default socket)",
     )
     demo.add_argument("--json", action="store_true", help="print the result as one JSON line")
     demo.set_defaults(fn=demo_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="hybridflow",
+        description="hybridflow: RL fine-tuning of language models. Start with "
+        "hybridflow run examples/quickstart.yaml; each command's --help lists its options.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo_command(sub)

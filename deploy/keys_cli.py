@@ -27,7 +27,7 @@ CONTROLLER = "controller"
 
 def add_keys_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("keys", help="make CURVE key pairs for TCP links between hosts")
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=Path, help="folder the key pairs are written to")
     p.add_argument(
         "--clients", default="", help="comma-separated client names (e.g. the group names)"
     )

@@ -70,9 +70,19 @@ def add_reshard_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="llama2-7b", help=f"{', '.join(PRESETS)} or a model PATH")
     p.add_argument("--train", default="1-4-2", help="training layout P-T-D (default 1-4-2)")
     p.add_argument("--gen", default="1-2", help="generation layout PG-TG (default 1-2)")
-    p.add_argument("--scheme", choices=(*SCHEMES, "all"), default="all")
+    p.add_argument(
+        "--scheme",
+        choices=(*SCHEMES, "all"),
+        default="all",
+        help="which weight-transfer scheme to plan (default all, side by side)",
+    )
     p.add_argument("--fsdp", action="store_true", help="training weights also sharded over dp")
-    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20)
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help=f"MiB sent per bucket (default {DEFAULT_BUCKET_BYTES >> 20})",
+    )
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per weight (default 2)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(fn=reshard_plan_command)

@@ -83,14 +83,18 @@ class SlurmOptions:
 
 def add_slurm_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("slurm", help="write (and --submit) an sbatch script")
-    p.add_argument("experiment", type=Path)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=0)
-    p.add_argument("--partition")
+    p.add_argument("experiment", type=Path, help="experiment YAML file")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=0, help="GPUs to ask for on each node (default 0)"
+    )
+    p.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
     p.add_argument("--time", help="job time limit, e.g. 01:00:00")
     p.add_argument("--run-dir", type=Path, help="default: runs/<name>-<time>")
     p.add_argument("--quick", action="store_true", help="the experiment's quick: overrides")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a field"
+    )
     p.add_argument("--port", type=int, help="controller port (default: from the job id)")
     p.add_argument(
         "--keys",

@@ -117,13 +117,28 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
     p.add_argument("--val", default=val, help=f"held-out rows (default {val})")
     p.add_argument("--out", required=True, type=Path, help="where the trained model is exported")
     p.add_argument("--run-dir", type=Path, help="metrics and logs (default runs/<job>-<time>)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=10, help="warm-up steps")
-    p.add_argument("--schedule", choices=("constant", "linear", "cosine"), default="cosine")
-    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--batch-size", type=int, default=32, help="rows per step (default 32)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        help="steps between held-out evaluations; 0: only before and after (default 50)",
+    )
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up steps (default 10)")
+    p.add_argument(
+        "--schedule",
+        choices=("constant", "linear", "cosine"),
+        default="cosine",
+        help="learning rate after the warm-up (default cosine)",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=16,
+        help="rows per forward/backward pass; gradients add up to the batch (default 16)",
+    )
     p.add_argument(
         "--dtype",
         choices=("auto", "fp32", "bf16"),
@@ -139,7 +154,7 @@ def _common(p: argparse.ArgumentParser, data: str, val: str) -> None:
         default="fsdp",
         help="replicate: whole weights per rank, one gradient all-reduce (faster for small models)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order (default 0)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
 
