@@ -4,6 +4,7 @@ memory carries the bytes, and a closed sender is reported."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import zmq
 
 from reshard.channels import ZmqInlet, ZmqOutlet, arena, context, header
 from reshard.peers import PathError, Peer, choose_path
+from tests.waiting import wait_for
 
 PARTS = [torch.arange(6, dtype=torch.float32), torch.arange(12.0).view(3, 4)[:, 1:3]]
 JOINED = torch.cat([PARTS[0], PARTS[1].reshape(-1)])
@@ -57,7 +59,9 @@ def test_a_plain_sender_gets_nothing_into_a_curve_inbox() -> None:
         inlet.close()
 
 
-def test_buckets_of_another_token_or_version_are_dropped(tmp_path: Path) -> None:
+def test_buckets_of_another_token_or_version_are_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     inlet = ZmqInlet(str(tmp_path), None, "secret", 3)
     assert inlet.ipc is not None
     wrong = [
@@ -65,18 +69,24 @@ def test_buckets_of_another_token_or_version_are_dropped(tmp_path: Path) -> None
         ZmqOutlet(inlet.ipc, None, "secret", 2, 0, None, 5.0, "r0"),
     ]
     right = ZmqOutlet(inlet.ipc, None, "secret", 3, 1, None, 5.0, "r0")
+    found: list[tuple[int, int, torch.Tensor]] = []
+
+    def both_dropped() -> bool:
+        found.extend(inlet.poll(20))
+        return sum("of another transfer" in r.getMessage() for r in caplog.records) == 2
+
     try:
-        for outlet in wrong:
-            outlet.send(0, PARTS)
-        time.sleep(0.2)
-        right.send(4, PARTS)
-        found = take(inlet)
-        found += take(inlet, 0.3)
+        with caplog.at_level(logging.WARNING, logger="hybridflow.reshard"):
+            for outlet in wrong:
+                outlet.send(0, PARTS)
+            wait_for(both_dropped, 5, "the inbox dropping the two buckets of another transfer")
+            right.send(4, PARTS)
+            found += take(inlet)
     finally:
         for outlet in [*wrong, right]:
             outlet.close()
         inlet.close()
-    assert [(s, i) for s, i, _ in found] == [(1, 4)]
+    assert [(s, i) for s, i, _ in found] == [(1, 4)]  # every bucket sent is accounted for
 
 
 def test_shared_memory_carries_the_bytes_and_a_closed_sender_is_reported(
@@ -91,11 +101,7 @@ def test_shared_memory_carries_the_bytes_and_a_closed_sender_is_reported(
         assert (src, index) == (2, 0)
         assert torch.equal(data.view(torch.float32), JOINED)
         outlet.finish()
-        deadline = time.monotonic() + 2.0
-        lost: set[int] = set()
-        while not lost and time.monotonic() < deadline:
-            time.sleep(0.02)
-            lost = inlet.lost()
+        lost = wait_for(inlet.lost, 2.0, "the inbox reporting its closed sender")
     finally:
         inlet.close()
     assert lost == {2}
