@@ -16,6 +16,7 @@ from deploy.cli import build_parser
 from deploy.experiment import load, placement
 from deploy.slurm_cli import SlurmOptions, job_state, render
 from tests.conftest import require_system
+from tests.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -147,7 +148,11 @@ def test_munge_down_and_an_oversized_job_are_refused_before_sbatch(
     assert not (tmp_path / "big").exists()  # nothing written, nothing submitted
     subprocess.run(["pkill", "-x", "munged"], check=True)
     try:
-        time.sleep(0.3)
+        wait_for(
+            lambda: subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 1,
+            10,
+            "munged gone after pkill",
+        )
         down = subprocess.run(
             [*argv, "--run-dir", str(tmp_path / "down")], capture_output=True, text=True, timeout=60
         )
