@@ -11,6 +11,22 @@ Two ways to run, picked by ``--launcher``:
 The controller's address is checked before any rank starts; the token may come on stdin
 (``--token -``) so that it never appears on a command line; ``--keys`` makes the ranks CURVE
 clients (``hybridflow keys``).
+
+What it says (stderr, one line each): where the rank logs are as it starts the ranks; when the
+group has joined, what it runs (roles, ranks, layout, device); and how it ended, with its exit
+status and the reason (the controller shut the group down, refused it or was lost, a rank
+died). Rank 0 reports the last two (``roles/runtime/status.py``): here through an abstract Unix
+datagram socket (no file), under torchrun or srun on rank 0's own stderr.
+
+Rank logs go to ``--run-dir``/logs/``<group>-<rank>.log``. Give the controller's run directory
+there to keep them beside the controller's (``hybridflow run`` puts its groups' logs in
+``RUN_DIR/logs`` too); the run directory must be readable at the same path on every host anyway,
+for checkpoints. Without it they go to ``runs/role/logs`` under the current directory; the path
+is printed either way.
+
+What it made it removes: rank 0's fan-out socket file (``{socket_dir}/{group}-{pid}.fan``, gone
+once every rank connected; removed here too when rank 0 died before), on a clean exit, a
+refusal, and when the controller is killed.
 """
 
 from __future__ import annotations
@@ -30,7 +46,9 @@ from controller.placement import GroupSpec, RoleSpec
 from deploy.keys_cli import client_files
 from deploy.local import LocalLauncher, group_rank_env
 from deploy.terminal import add_device_option, console, run_async
+from roles.runtime.coordinator import fanout_path
 from roles.runtime.env import RankPlace, RankVar, curve_env, inherited_threads
+from roles.runtime.status import ENDED, JOINED, STATUS_ENV, TO_STDERR, StatusInbox, describe
 from transport.channel import split_tcp
 from transport.device import DeviceKind
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
@@ -115,7 +133,12 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
     add_device_option(
         role, "where the ranks compute (cuda: the GPU of each rank's LOCAL_RANK, NCCL)"
     )
-    role.add_argument("--run-dir", default="runs/role", help="where rank logs go")
+    role.add_argument(
+        "--run-dir",
+        default="runs/role",
+        help="rank logs go to RUN_DIR/logs; give the controller's run directory to keep them "
+        "beside its own (default: runs/role)",
+    )
     _add_launcher_options(role)
     role.set_defaults(fn=role_command)
 
@@ -183,6 +206,7 @@ def run_as_rank(opts: RoleOptions) -> int:
     from roles.runtime import rank  # roles code: loaded only by a process that becomes a rank
 
     env = os.environ
+    env.setdefault(STATUS_ENV, TO_STDERR)  # rank 0 says when it joined and how it ended
     if RankVar.MASTER_PORT not in env and opts.master_port is None:
         if "SLURM_JOB_ID" not in env:
             raise SystemExit("hybridflow role: set MASTER_PORT or --master-port for the group")
@@ -224,7 +248,8 @@ def _group_spec(opts: RoleOptions) -> GroupSpec:
 
 
 async def _launch_here(opts: RoleOptions) -> int:
-    """Start the group's ranks on this host; wait until they end or one fails."""
+    """Start the group's ranks on this host; say what happens to them; wait until they end or
+    one fails. Exit status 0 when every rank exited 0, else 1."""
     failed: list[tuple[int, int]] = []
     done = asyncio.Event()
 
@@ -238,24 +263,72 @@ async def _launch_here(opts: RoleOptions) -> int:
     launcher = LocalLauncher(
         opts.connect, token, opts.run_dir, sock_dir, Timeouts.from_env(), on_exit
     )
-    launcher.start(_group_spec(opts))
+    inbox = StatusInbox(opts.group)
+    ended: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.add_reader(inbox.fileno(), _on_status, inbox, ended)
     try:
+        _say(
+            f"hybridflow role: starting group {opts.group} (roles {','.join(opts.roles)}), "
+            f"{opts.nproc} rank{'s' if opts.nproc != 1 else ''} here, joining {opts.connect}; "
+            f"rank logs: {(opts.run_dir / 'logs').resolve()}/{opts.group}-<rank>.log"
+        )
+        launcher.start(_group_spec(opts), env={STATUS_ENV: inbox.target})
         while launcher.alive() and not failed:
             done.clear()
             await done.wait()
     finally:
         await launcher.stop()
+        _on_status(inbox, ended)  # the last words of rank 0, sent just before it exited
+        loop.remove_reader(inbox.fileno())
+        inbox.close()
+        for proc in launcher.procs[:1]:  # rank 0 removes it unless killed while ranks joined
+            fanout_path(sock_dir, opts.group, proc.popen.pid).unlink(missing_ok=True)
+    code = 1 if failed else 0
+    _say_ended(opts.group, launcher, failed, ended[-1] if ended else None, code)
+    return code
+
+
+def _say(line: str) -> None:
+    console.print(escape(line), soft_wrap=True)
+
+
+def _on_status(inbox: StatusInbox, ended: list[dict[str, object]]) -> None:
+    """Print that the group joined; keep how it ended for the last line."""
+    for event in inbox.read():
+        if event.get("event") == JOINED:
+            _say(describe(event))
+        elif event.get("event") == ENDED:
+            ended.append(event)
+
+
+def _say_ended(
+    name: str,
+    launcher: LocalLauncher,
+    failed: list[tuple[int, int]],
+    ended: dict[str, object] | None,
+    code: int,
+) -> None:
+    """How the group ended: the reason rank 0 reported, this command's exit status and, when a
+    rank failed, which ones and where the logs are."""
+    reason = None if ended is None else str(ended.get("reason"))
     if failed:
-        _say_failed(opts.group, launcher, failed)
-    return 1 if failed else 0
+        _say_failed(name, launcher, failed, reason)
+    else:
+        _say(f"group {name} ended: {reason or 'every rank exited 0'} (exit {code})")
 
 
-def _say_failed(name: str, launcher: LocalLauncher, failed: list[tuple[int, int]]) -> None:
-    ranks = ", ".join(f"rank {rank} ({code})" for rank, code in failed)
-    # rank 0 talks to the controller, so its log holds the reason (e.g. a refusal); only this
-    # run's part of the log is read
-    console.print(f"[red]{name}: {ranks} exited: {escape(launcher.last_error(name, 0))}[/]")
-    console.print(f"logs: {launcher.run_dir / 'logs'}")
+def _say_failed(
+    name: str, launcher: LocalLauncher, failed: list[tuple[int, int]], reason: str | None = None
+) -> None:
+    """The failed ranks (exit code, or minus the signal) and why: rank 0 talks to the
+    controller, so the reason is the one it reported, else the last error in its log (this
+    run's part only)."""
+    ranks = ", ".join(f"rank {rank} ({code})" for rank, code in sorted(failed))
+    why = reason if reason is not None else launcher.last_error(name, 0)
+    line = f"group {name} ended: {ranks} exited: {why} (exit 1)"
+    console.print(f"[red]{escape(line)}[/]", soft_wrap=True)
+    _say(f"rank logs: {(launcher.run_dir / 'logs').resolve()}")
 
 
 def connect_problem(address: str) -> str | None:

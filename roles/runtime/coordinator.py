@@ -28,9 +28,16 @@ Threads and what each may touch:
   else.
 
 The process ends in one place, ``_end``: whoever decides the group is over (SHUTDOWN from the
-controller, the controller gone, a rank lost, an unexpected error) calls it while holding ``io``;
-it tells the other ranks, flushes the sockets and ``os._exit``s. A second caller (the other
-thread failing at the same moment) waits for the first to finish the job.
+controller, the controller gone, a rank lost, an unexpected error) calls it while holding ``io``,
+with the reason; it reports how the group ended to whoever started it (``status.py``), tells the
+other ranks, flushes the sockets and ``os._exit``s. A second caller (the other thread failing at
+the same moment) waits for the first to finish the job. Having joined, rank 0 reports that too.
+
+On one host the ranks reach rank 0 through a Unix socket file, ``{socket_dir}/{group}-{pid}.fan``
+(``fanout_path``). It is needed only until every rank has connected: it is removed then, or when
+the group never came together, so no exit (a clean one, a refusal, the controller killed) leaves
+it behind; only a ``kill -9`` of rank 0 while its ranks connect can, and ``hybridflow role``
+removes it after its ranks are gone.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -54,6 +62,7 @@ from roles.runtime.env import FANOUT_KEY, GroupEnv, hello_body
 from roles.runtime.fanout import RpcFanOut, init_rpc
 from roles.runtime.host import RoleHost
 from roles.runtime.links import fanout_links
+from roles.runtime.status import ENDED, JOINED, report
 from transport.channel import connect_dealer, host_id, readable, send_frames
 from transport.codec import decode, encode
 from transport.errors import RegistrationError
@@ -71,6 +80,11 @@ def _drain_pipe(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
+
+
+def fanout_path(socket_dir: Path | str, group: str, pid: int) -> Path:
+    """The Unix socket rank 0 (process ``pid``) of ``group`` listens on for its ranks (one host)."""
+    return Path(socket_dir) / f"{group}-{pid}.fan"
 
 
 @dataclass
@@ -108,18 +122,22 @@ class Coordinator:
         self.rpc: RpcFanOut | None = None
         self._open_fanout(store)
         self._register()
+        self._report_joined()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _open_fanout(self, store: dist.Store) -> None:
         """Open the links to the other ranks, publish their address, await every rank."""
         e = self.env
         local = e.master_addr in {"127.0.0.1", "localhost"}
-        base = (
-            f"unix:{e.socket_dir}/{e.group}-{os.getpid()}.fan" if local else f"tcp:{e.master_addr}"
-        )
+        path = fanout_path(e.socket_dir, e.group, os.getpid()) if local else None
+        base = f"unix:{path}" if path is not None else f"tcp:{e.master_addr}"
         self.links = fanout_links(e.link_kind, self.ctx, base, e.timeouts)
-        store.set(FANOUT_KEY, json.dumps({"address": self.links.address, "host": host_id()}))
-        hellos = self.links.wait_hellos(set(range(1, e.world_size)), e.timeouts, e.token)
+        try:
+            store.set(FANOUT_KEY, json.dumps({"address": self.links.address, "host": host_id()}))
+            hellos = self.links.wait_hellos(set(range(1, e.world_size)), e.timeouts, e.token)
+        finally:  # every rank connected, or none will: nobody needs the socket file any more
+            if path is not None:
+                path.unlink(missing_ok=True)
         self.same_host_workers = {r for r, h in hellos.items() if h["host"] == host_id()}
         if e.fanout == "rpc":
             init_rpc(0, e.world_size, e.master_addr, store, e.timeouts.call_s)
@@ -151,6 +169,19 @@ class Coordinator:
             raise RegistrationError(f"expected WELCOME from the controller, got {reply.type.name}")
         self.ctrl_same_host = bool(reply.body.get("host") == host_id())
 
+    def _report_joined(self) -> None:
+        e = self.env
+        report(
+            JOINED,
+            group=e.group,
+            roles=list(e.roles),
+            controller=e.controller,
+            world_size=e.world_size,
+            layout=vars(e.layout),
+            device=str(e.device),
+            fanout=e.fanout,
+        )
+
     # -- threads --------------------------------------------------------------------------------
     def serve(self) -> None:
         self.poller = zmq.Poller()
@@ -168,9 +199,9 @@ class Coordinator:
                     self._compute(self.tasks.popleft())
                 else:
                     self._service(None)
-        except Exception:
+        except Exception as exc:
             log.exception("coordinator failed")
-            self._end(2)
+            self._end(2, f"rank 0 failed: {type(exc).__name__}: {exc}")
 
     def _compute(self, task: _Task) -> None:
         """Run rank 0's share with the sockets handed to the watchdog meanwhile."""
@@ -199,9 +230,9 @@ class Coordinator:
             try:
                 while not self._service(self.wake_r):
                     pass
-            except Exception:
+            except Exception as exc:
                 log.exception("coordinator watchdog failed")
-                self._end(2)
+                self._end(2, f"rank 0 failed: {type(exc).__name__}: {exc}")
             finally:
                 self.io.release()
 
@@ -238,7 +269,7 @@ class Coordinator:
             self._drain_controller(defer=self.ctrl_monitor not in ready)
         if self.ctrl_monitor in ready:
             log.warning("lost the controller; shutting the group down")
-            self._end(1)
+            self._end(1, f"lost the controller at {self.env.controller} (it exited or was killed)")
         return stop_fd is not None and stop_fd in ready
 
     def _drain_controller(self, defer: bool = True) -> None:
@@ -258,7 +289,8 @@ class Coordinator:
             if msg.type == MsgType.CALL:
                 self._start_call(msg.call_id, msg.body)
             elif msg.type == MsgType.SHUTDOWN:
-                self._end(0)
+                why = msg.body.get("reason") if isinstance(msg.body, dict) else None
+                self._end(0, "the controller shut the group down" + (f" ({why})" if why else ""))
             else:
                 log.warning("unexpected %s from the controller; ignored", msg.type.name)
 
@@ -358,12 +390,13 @@ class Coordinator:
         self._send_ctrl(
             Message(MsgType.DEAD, 0, {"roles": self.env.roles, "rank": rank, "cause": cause})
         )
-        self._end(3)
+        self._end(3, f"rank {rank} {cause}")
 
-    def _end(self, code: int) -> None:
+    def _end(self, code: int, reason: str) -> None:
         """End the process (the only exit of a coordinator; see the module docstring)."""
         if not self.ending.acquire(blocking=False):
             threading.Event().wait()  # the other thread is ending the process already
+        report(ENDED, group=self.env.group, code=code, reason=reason)
         encoded = encode(Message(MsgType.SHUTDOWN, 0, {"reason": "coordinator exiting"}))
         self.links.shutdown(encoded.frames)
         self.arena.close()

@@ -23,6 +23,7 @@ from roles.runtime.coordinator import Coordinator
 from roles.runtime.device import RankDevice, rank_device
 from roles.runtime.env import GroupEnv, RankVar
 from roles.runtime.host import RoleHost
+from roles.runtime.status import ENDED, report
 from roles.runtime.worker import Worker
 
 log = logging.getLogger("hybridflow.rank")
@@ -78,6 +79,11 @@ def main() -> None:
     pg, store, device = init_group(env)
     host = RoleHost(env.group, env.rank, env.layout, pg, device)
     if env.rank == 0:
-        Coordinator(env, host, store).serve()
+        try:
+            coordinator = Coordinator(env, host, store)
+        except Exception as exc:  # never joined (refused, no answer, ranks missing): say why
+            report(ENDED, group=env.group, code=1, reason=f"{type(exc).__name__}: {exc}")
+            raise
+        coordinator.serve()
     else:
         Worker(env, host, store).serve()
