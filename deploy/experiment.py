@@ -37,7 +37,9 @@ import difflib
 import importlib.util
 import inspect
 import json
+import os
 import shutil
+import sys
 import types
 import warnings
 from collections.abc import Sequence
@@ -48,13 +50,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.data import (
-    BUILTIN,
     PROMPT_COLUMNS,
     SFT_COLUMNS,
     Column,
     DatasetError,
+    combine,
     read_rows,
     require,
+    source_file,
 )
 from controller.placement import GroupSpec, RoleSpec, check_placement
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig, checkpoints
@@ -151,6 +154,12 @@ class Experiment(BaseModel):
     quick: dict[str, Any] = Field(
         default_factory=dict, description="dotted-path overrides applied by --quick"
     )
+    import_root: str | None = Field(
+        None,
+        description="a folder importable by the controller and every rank started here, for "
+        "function: and cls: paths (myreward:exact beside the file); default: the experiment "
+        "file's folder",
+    )
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -159,7 +168,9 @@ class Experiment(BaseModel):
 def load(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> Experiment:
     """Read, override (``--quick``, then ``--set a.b=value``) and validate an experiment."""
     file = Path(path)
-    return parse(read_yaml(file, "experiment file"), overrides, quick, str(file))
+    raw = read_yaml(file, "experiment file")
+    raw.setdefault("import_root", str(file.resolve().parent))
+    return parse(raw, overrides, quick, str(file))
 
 
 def read_yaml(file: Path, what: str) -> dict[str, Any]:
@@ -191,9 +202,22 @@ def parse(
             raise ExperimentError(f"--set {item!r}: write KEY=VALUE, e.g. stages.0.steps=10")
         set_path(raw, key.strip(), yaml.safe_load(text))
     try:
-        return Experiment.model_validate(raw)
+        exp = Experiment.model_validate(raw)
     except ValidationError as exc:
         raise ExperimentError(f"{where}: {explain(exc, Experiment)}") from None
+    if exp.import_root is not None:
+        use_import_root(exp.import_root)
+    return exp
+
+
+def use_import_root(folder: str) -> None:
+    """``folder`` first on this process's import path and on PYTHONPATH, which the ranks this
+    process starts inherit (``deploy/local.py``), so they import ``function:`` paths alike."""
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
 
 
 def explain(exc: ValidationError, model: Any = None, prefix: str = "") -> str:
@@ -707,18 +731,24 @@ def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
     """Every dataset the stages name, read and checked row by row; an error names the field
     that names the dataset, then the file and line."""
     wanted: dict[str, tuple[str, tuple[Column, ...]]] = {}  # source -> (a field naming it, columns)
+
+    def use(source: str, field: str, columns: tuple[Column, ...]) -> None:
+        """Each use adds its columns: a file an SFT and an RL stage share is checked for both."""
+        first, known = wanted.get(source, (field, ()))
+        wanted[source] = (first, combine(known, columns))
+
     scored = scored_columns(exp)
     for i, stage in enumerate(exp.stages):
         if isinstance(stage, SFTStage):
-            wanted[stage.data] = (f"stages.{i}.data", SFT_COLUMNS)
+            use(stage.data, f"stages.{i}.data", SFT_COLUMNS)
             if stage.val_data:
-                wanted[stage.val_data] = (f"stages.{i}.val_data", SFT_COLUMNS)
+                use(stage.val_data, f"stages.{i}.val_data", SFT_COLUMNS)
         else:
-            wanted.setdefault(stage.data, (f"stages.{i}.data", scored))
+            use(stage.data, f"stages.{i}.data", scored)
             if stage.ptx_data:
-                wanted[stage.ptx_data] = (f"stages.{i}.ptx_data", SFT_COLUMNS)
+                use(stage.ptx_data, f"stages.{i}.ptx_data", SFT_COLUMNS)
     if exp.trainer.val_data:
-        wanted.setdefault(exp.trainer.val_data, ("trainer.val_data", scored))
+        use(exp.trainer.val_data, "trainer.val_data", scored)
     data = {source: _read(field, source, columns) for source, (field, columns) in wanted.items()}
     for stage in exp.stages:
         stage.resolve_epochs(len(data[stage.data]))
@@ -733,10 +763,11 @@ def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
 
 def _read(field: str, source: str, columns: tuple[Column, ...]) -> list[dict[str, Any]]:
     """``read_rows``; its DatasetError names the config field that named the dataset first."""
-    if not source.startswith(BUILTIN) and not Path(source).exists():
-        where = "" if Path(source).is_absolute() else f" (relative to {Path.cwd()}, where it ran)"
-        raise DatasetError(f"{field}: no such file {source!r}{where}")
     try:
+        file = source_file(source)  # FILE?prompt_key=...: the file alone
+        if file is not None and not file.exists():
+            where = "" if file.is_absolute() else f" (relative to {Path.cwd()}, where it ran)"
+            raise DatasetError(f"no such file {str(file)!r}{where}")
         return read_rows(source, columns)
     except DatasetError as exc:
         raise DatasetError(f"{field}: {exc}") from None
