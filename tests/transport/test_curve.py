@@ -12,6 +12,7 @@ from controller.server import Controller
 from deploy.local import LocalLauncher
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import EchoClient
+from tests.waiting import wait_until
 from transport.channel import bind_router
 from transport.errors import RegistrationError
 from transport.security import CurveServer, make_keypair
@@ -56,9 +57,7 @@ def test_curve_admits_listed_keys_and_refuses_others(
                 await controller.groups["good"].ready.wait()
             assert (await EchoClient(controller, "echo").where())["ranks"] == [0]
             # the stranger's coordinator gives up on its own: no WELCOME ever comes
-            async with asyncio.timeout(30):
-                while not exits:
-                    await asyncio.sleep(0.05)
+            await wait_until(lambda: exits, 30, "the stranger's coordinator exiting")
             assert exits[0][0] == "bad" and exits[0][2] != 0
             with pytest.raises(RegistrationError, match=r"groups \['bad'\] did not register"):
                 await controller.wait_ready(0.1)
@@ -105,9 +104,7 @@ def test_a_coordinator_does_not_join_a_controller_with_another_key(
         )
         launcher.start(placement[0])
         try:
-            async with asyncio.timeout(30):
-                while not exits:
-                    await asyncio.sleep(0.05)
+            await wait_until(lambda: exits, 30, "the coordinator giving up on the impostor")
             assert exits[0] != 0 and not controller.groups["main"].ready.is_set()
             assert controller.rejected == []  # no hello ever reached the impostor
             log = (tmp_path / "logs" / "main-0.log").read_text()
