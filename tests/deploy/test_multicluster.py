@@ -157,7 +157,7 @@ def test_sigterm_mid_run_leaves_no_job_and_no_process(slurm: None, tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_manual_cluster_prints_the_command_that_joins(tmp_path: Path) -> None:
-    from tests.deploy.test_controller_cli import wait_for
+    from tests.deploy.test_controller_cli import wait_for_line
 
     spec = tmp_path / "clusters.yaml"
     spec.write_text(
@@ -178,7 +178,8 @@ def test_a_manual_cluster_prints_the_command_that_joins(tmp_path: Path) -> None:
             text=True,
         )
     try:
-        found = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow (role rollout .+)\n", run, 60)
+        command = r"HYBRIDFLOW_TOKEN=(\w+) hybridflow (role rollout .+)\n"
+        found = wait_for_line(err, command, run, 60, "the run printing the rollout group's command")
         argv = [*found.group(2).split(), "--run-dir", str(tmp_path / "desk")]
         assert "--group gen" in found.group(2)
         role = subprocess.run(

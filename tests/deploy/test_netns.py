@@ -24,7 +24,7 @@ import yaml
 
 from tests.conftest import require_system
 from tests.deploy.sshd import sshd
-from tests.deploy.test_controller_cli import wait_for
+from tests.deploy.test_controller_cli import ANNOUNCED, wait_for_line
 from tests.deploy.test_multicluster import assert_fresh_weights
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -130,7 +130,7 @@ def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: 
             env=env_a,
         )
     try:
-        found = wait_for(err, r"HYBRIDFLOW_TOKEN=(\w+) hybridflow role (.+)\n", ctl, 60)
+        found = wait_for_line(err, ANNOUNCED, ctl, 60, "the controller printing the role command")
         args = [*found.group(2).split(), "--run-dir", str(tmp_path / "role")]
         assert args[2].startswith(f"tcp://{A}:")
         role = subprocess.run(
