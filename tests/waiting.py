@@ -13,7 +13,7 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ POLL_S = 0.05  # how often a predicate is asked: cheap ones (a file, /proc), so 
 
 
 def wait_for(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     timeout: float,
     what: str,
     *,
@@ -45,15 +45,13 @@ def wait_for(
         time.sleep(POLL_S)
 
 
-async def wait_until(predicate: Callable[[], T | Awaitable[T]], timeout: float, what: str) -> T:
-    """``wait_for`` for async tests: the event loop keeps running between the checks."""
+async def wait_until(predicate: Callable[[], T | None], timeout: float, what: str) -> T:
+    """``wait_for`` for async tests: the event loop runs between the checks."""
     deadline = time.monotonic() + timeout
     while True:
         found = predicate()
-        if asyncio.iscoroutine(found) or isinstance(found, asyncio.Future):
-            found = await found
         if found:
-            return found  # type: ignore[return-value]
+            return found
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:g} s")
         await asyncio.sleep(POLL_S)
