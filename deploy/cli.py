@@ -147,7 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
+        # not a terminal: one plain line per record, never wrapped (grep, SLURM logs, CI)
+        handlers=[
+            logging.StreamHandler(sys.stderr)
+            if not sys.stderr.isatty()
+            else RichHandler(console=console, show_path=False)
+        ],
     )
     try:
         sys.exit(args.fn(args))

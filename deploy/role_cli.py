@@ -113,9 +113,9 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
     role.add_argument(
         "--connect", required=True, help="controller address, e.g. ipc:///tmp/x or tcp://HOST:PORT"
     )
-    role.add_argument("--nproc", type=int, default=1)
-    role.add_argument("--tp", type=int, default=1)
-    role.add_argument("--pp", type=int, default=1)
+    role.add_argument("--nproc", type=int, default=1, help="ranks of this group on this host")
+    role.add_argument("--tp", type=int, default=1, help="tensor-parallel size (placement tp)")
+    role.add_argument("--pp", type=int, default=1, help="pipeline stages (placement pp)")
     role.add_argument(
         "--gen-tp", type=int, default=0, help="tensor-parallel size while generating (0: --tp)"
     )
@@ -129,7 +129,12 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
     role.add_argument(
         "--wait", type=float, help="seconds to wait for the controller to answer (default 120)"
     )
-    role.add_argument("--fanout", choices=("socket", "zmq", "rpc"), default="socket")
+    role.add_argument(
+        "--fanout",
+        choices=("socket", "zmq", "rpc"),
+        default="socket",
+        help="how rank 0 hands each call to the other ranks (placement fanout; default socket)",
+    )
     add_device_option(
         role, "where the ranks compute (cuda: the GPU of each rank's LOCAL_RANK, NCCL)"
     )

@@ -10,8 +10,10 @@ start changes nothing. A role that dies ends the run within seconds with its rol
 (exit 1); Ctrl-C stops every process (exit 130). Either way the command that continues the run is
 printed, or, before its first checkpoint, that none exists yet.
 
-``report`` draws PNG plots from a run's ``metrics.jsonl``: reward, KL, response length,
-validation score and where each step's time went.
+``report`` draws PNG plots from a run's ``metrics.jsonl`` (one panel per stage: reward, KL,
+response length, validation score, where each step's time went), prints a one-screen summary
+with the newest logged answers, and with ``--html`` writes them all on one page
+(``deploy/report.py``).
 
 The command line becomes one ``RunOptions`` at the edge (``run_experiment_command``); what
 ``_load`` and ``_prepare`` validate becomes one ``Run``; the steps below take those, never the
@@ -65,7 +67,7 @@ from deploy.experiment import (
 )
 from deploy.keys_cli import server_files
 from deploy.live import LiveView
-from deploy.report import write_report
+from deploy.report import run_report
 from deploy.session import cluster_session, local_session, remote_session
 from deploy.terminal import console, run_async
 from transport.channel import is_local_address, split_tcp
@@ -175,8 +177,15 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
     ctl.add_argument(
         "--keys", type=Path, help="CURVE keys (hybridflow keys): needed on an address off this host"
     )
-    report = subparsers.add_parser("report", help="PNG plots of a run's metrics")
+    report = subparsers.add_parser(
+        "report", help="plots, a one-screen summary and the logged answers of a run"
+    )
     report.add_argument("run_dir", type=Path, help="the run directory (plots go to RUN_DIR/plots)")
+    report.add_argument(
+        "--html",
+        action="store_true",
+        help="also write RUN_DIR/report.html: the summary, the plots and the samples on one page",
+    )
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
@@ -452,17 +461,21 @@ def _session(run: Run, opts: RunOptions) -> AbstractAsyncContextManager[Controll
     timeouts = Timeouts.from_env().model_copy(update={"connect_s": opts.wait})
     token = os.environ.get("HYBRIDFLOW_TOKEN") or None  # set by a launcher (SLURM script)
     curve = CurveServer(*server_files(opts.keys)) if opts.keys is not None else None
-    announce = functools.partial(_announce, run.groups, keys=opts.keys)
+    announce = functools.partial(_announce, run.groups, run.run_dir, keys=opts.keys)
     return remote_session(run.groups, opts.bind, timeouts, announce, token, curve)
 
 
-def _announce(groups: list[GroupSpec], address: str, token: str, keys: Path | None = None) -> None:
-    """How to start each group (stderr, so --json output stays one line)."""
+def _announce(
+    groups: list[GroupSpec], run_dir: Path, address: str, token: str, keys: Path | None = None
+) -> None:
+    """How to start each group (stderr, so --json output stays one line); each writes its rank
+    logs under the run folder (``--run-dir``), which a group on another host must share."""
     console.print(f"controller listening on {address}; start each group with:")
     for g in groups:
         console.print(
             f"  HYBRIDFLOW_TOKEN={token} hybridflow role {','.join(g.roles)} --connect {address} "
-            f"--group {g.name} --nproc {g.nproc} --tp {g.tp} --pp {g.pp} --device {g.device}"
+            f"--group {g.name} --nproc {g.nproc} --tp {g.tp} --pp {g.pp} --device {g.device} "
+            f"--run-dir {run_dir}"
             + (f" --gen-tp {g.gen_tp}" if g.gen_tp else "")
             + (f" --gen-pp {g.gen_pp}" if g.gen_pp else "")
             + (f" --keys {keys} --client {g.name}" if keys else ""),
@@ -488,16 +501,4 @@ def _describe(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    return write_plots(args.run_dir)
-
-
-def write_plots(run_dir: Path) -> int:
-    """``hybridflow report RUN_DIR``: print each plot written; 2 when there is nothing to plot."""
-    try:
-        written = write_report(run_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"hybridflow report: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    for path in written:
-        print(path)
-    return 0
+    return run_report(args.run_dir, html=args.html)

@@ -365,20 +365,7 @@ COMMANDS = sorted(
 )
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        pytest.param(
-            c,
-            marks=pytest.mark.xfail(
-                strict=True, reason="deploy/role_cli.py: --nproc, --tp, --pp, --fanout lack help"
-            ),
-        )
-        if c == "role"
-        else c
-        for c in COMMANDS
-    ],
-)
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_option_of_every_command_has_a_plain_help_line(command: str) -> None:
     top = build_parser()
     found = [(n, p) for n, p in parsers(top, "hybridflow") if n.split()[1:2] == [command]]
