@@ -72,6 +72,10 @@ from transport.shm import ShmArena, ShmReader
 log = logging.getLogger("hybridflow.coordinator")
 
 HANDOVER_S = 0.05  # a computation longer than this hands the sockets to the watchdog
+#: rank 0's share of a call failed while other ranks' are out: how long to look for one of them
+#: exiting first. A rank that died mid-collective makes rank 0's collective fail ("connection
+#: closed by peer") at about the time its link closes; the death is the cause to report.
+LOST_RANK_GRACE_S = 1.0
 
 
 def _drain_pipe(fd: int) -> None:
@@ -349,6 +353,10 @@ class Coordinator:
         if pending is None:
             return  # the call already failed on another rank
         if msg.type == MsgType.ERROR:
+            if rank == 0 and pending.waiting - {0}:
+                self._look_for_lost_rank(msg.call_id)  # ends the process when one is lost
+                if msg.call_id not in self.calls:
+                    return  # another rank's error answered the call meanwhile
             self._done(msg.call_id)
             self._send_ctrl(msg)
             return
@@ -358,6 +366,24 @@ class Coordinator:
             self.held.add(msg.call_id)
         if not pending.waiting:
             self._finish(msg.call_id)
+
+    def _look_for_lost_rank(self, call_id: int) -> None:
+        """Read the ranks' links for up to ``LOST_RANK_GRACE_S`` while call ``call_id`` still
+        waits on them; a lost rank is reported as dead (``_rank_lost``) instead of rank 0's
+        error, which is then only its consequence."""
+        poller = zmq.Poller()
+        for sock in self.links.pollables():
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + LOST_RANK_GRACE_S
+        while (pending := self.calls.get(call_id)) is not None and pending.waiting - {0}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            for rank, frames in self.links.receive(ready):
+                self._from_rank(rank, frames)
+            for rank in self.links.lost():
+                self._rank_lost(rank)
 
     def _done(self, call_id: int) -> PendingCall:
         self.held.discard(call_id)

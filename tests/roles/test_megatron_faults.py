@@ -24,7 +24,7 @@ from tests.fixtures.clients import EchoClient, SlowActorClient
 from tests.roles.test_mesh import ECHO, pid_alive
 from tests.roles.test_training import token_batch
 from tests.waiting import Blocked, wait_for, wait_until
-from transport.errors import RemoteError, RoleDeadError
+from transport.errors import RoleDeadError
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +32,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
 
 
-# Killing rank 1 races in the coordinator: rank 0's share fails with gloo's "Connection closed
-# by peer" and its ERROR can reach the controller before the DEAD notice, because the watchdog
-# may be woken by the main thread before it sees rank 1's link close. It failed in about a
-# quarter of runs, with the old fixed 3 s wait too; the fix belongs in roles/runtime/coordinator.py.
-RANK_1_RACE = pytest.mark.xfail(
-    reason="coordinator race: rank 0's gloo error can be replied before rank 1's death",
-    raises=RemoteError,
-    strict=False,
-)
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=[pytest.mark.extended, RANK_1_RACE])])
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.extended)])
 def test_kill_9_of_a_pipeline_rank_mid_step_raises_role_dead_within_5s(
     tiny: Path, victim: int, tmp_path: Path
 ) -> None:
