@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 from controller.tasks import arithmetic
 from deploy.cli import build_parser
 from roles.rules import arithmetic_reward
+from tests.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TIMING = ("time/", "perf/", "mem/")  # what differs between runs of the same work
@@ -48,6 +49,12 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 def summary(run_dir: Path) -> dict[str, Any]:
     found: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     return found
+
+
+def logged(run_dir: Path, step: int) -> bool:
+    """Whether ``metrics.jsonl`` has a record of ``step`` (or later) yet."""
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(r.get("step", 0) >= step for r in records(run_dir))
 
 
 def without_timing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -285,13 +292,7 @@ def test_killed_role_ends_the_run_with_a_clear_error_and_resume_finishes(tmp_pat
     cmd += [x for o in sets for x in ("--set", o)] + ["--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            path = run_dir / "metrics.jsonl"
-            if path.exists() and any(r.get("step", 0) >= 7 for r in records(run_dir)):
-                break
-            assert proc.poll() is None, proc.communicate()[0]
-            time.sleep(0.2)
+        wait_for(lambda: logged(run_dir, 7), 120, "step 7 in metrics.jsonl", proc=proc)
         victims = rank_pids(proc.pid)
         assert len(victims) >= 2  # the group's two ranks (and any helpers)
         killed_at = time.monotonic()
@@ -335,13 +336,8 @@ def test_async_run_killed_mid_step_resumes_without_losing_or_repeating_a_sample(
     cmd = [sys.executable, "-m", "deploy.cli", *quick_argv("quickstart.yaml", run_dir, sets)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:  # step 5 logged: checkpoint 4 holds a pending batch
-            path = run_dir / "metrics.jsonl"
-            if path.exists() and any(r.get("step", 0) >= 5 for r in records(run_dir)):
-                break
-            assert proc.poll() is None, proc.communicate()[0]
-            time.sleep(0.1)
+        # step 5 logged: checkpoint 4 holds a pending batch
+        wait_for(lambda: logged(run_dir, 5), 180, "step 5 in metrics.jsonl", proc=proc)
         victims = rank_pids(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         for pid in victims:
