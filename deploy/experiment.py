@@ -62,6 +62,7 @@ from controller.data import (
 from controller.placement import GroupSpec, RoleSpec, check_placement
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig, checkpoints
 from transport.device import DeviceKind
+from transport.protocol import Layout
 from transport.training import OptimConfig
 
 if TYPE_CHECKING:  # roles code is loaded only when a run's groups are built
@@ -608,33 +609,88 @@ def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
 def _role_spec(
     exp: Experiment, role: str, gname: str, group: GroupConfig, run_dir: Path
 ) -> RoleSpec:
-    """The role's class and settings; its model folder checked (and against the group's tp and
-    pp) and resolved to an absolute path."""
+    """The role's class and settings; its model folder checked (and against the group's layout)
+    and resolved to an absolute path."""
     # roles code (transformers): loaded only when a run's groups are built
-    from roles.engines.training.common import check_tp
     from roles.modeling.models import check_model_dir
 
     cfg = exp.roles[role]
     cls = role_class(role, cfg)
     settings = cfg.settings()
+    model_config = None
     try:
-        model_config = None
         if cfg.model is not None:
             path = model_path(exp, cfg.model, run_dir)
             model_config, _ = check_model_dir(path)
-            check_tp(model_config, group.tp)
             settings["model"] = str(path.resolve())
-        engine = _check_role_settings(role, cls, settings)
-    except ExperimentError:
-        raise
     except (ValueError, ValidationError) as exc:
         raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
-    if engine is not None:
-        _check_pipeline(role, gname, group, engine, model_config)
-        generates = cls == ROLE_CLASSES["actor"] and "rollout" not in exp.roles
-        if generates and engine.generator != "vllm":
-            _check_generation_stage(gname, group)
+    engine = check_role_settings(role, cls, settings)
+    check_role_in_group(exp, role, cls, gname, group, engine, model_config)
     return RoleSpec(cls=cls, config=settings)
+
+
+def check_role_in_group(
+    exp: Experiment,
+    role: str,
+    cls: str,
+    gname: str,
+    group: GroupConfig,
+    engine: EngineConfig | None,
+    model_config: Any,
+) -> None:
+    """What ``hybridflow run`` (and the planner, ``deploy/plan/rules.py``) checks of a role at its
+    group's layout: tp divides the model's heads and widths, pp needs the megatron backend and
+    layers that split evenly, an actor generating in its group does so on one pipeline stage and
+    with a generator that runs at the group's generation layout. ``model_config``: the role's
+    model's config (None: not known, not checked)."""
+    from roles.engines.training.common import check_tp  # roles code (transformers)
+
+    if model_config is not None:
+        try:
+            check_tp(model_config, group.tp)
+        except ValueError as exc:
+            raise ExperimentError(f"roles.{role}: {exc}") from None
+    if engine is None:
+        return
+    _check_pipeline(role, gname, group, engine, model_config)
+    if cls == ROLE_CLASSES["actor"]:
+        if "rollout" not in exp.roles and engine.generator != "vllm":
+            _check_generation_stage(gname, group)
+        _check_generator(role, gname, group, engine)
+
+
+def _check_generator(role: str, gname: str, group: GroupConfig, engine: EngineConfig) -> None:
+    """What an actor's ranks check of its generation layout when they build it: the generator
+    (``roles/actor.py``) and the hybrid engine's reshard (``roles/engines/hybrid.py``)."""
+    try:
+        layout = Layout.for_world(group.nproc, group.tp, group.pp, group.gen_tp, group.gen_pp)
+    except ValueError:
+        return  # sizes that do not fit: the group's own check names them (GroupSpec)
+    where = f"roles.{role}.generator"
+    if engine.generator == "vllm":
+        from roles.actor import _check_vllm_layout  # roles code: only for a vllm generator
+
+        if engine.backend != "fsdp":
+            raise ExperimentError(
+                f"{where}: 'vllm' takes the weights of a Hugging Face module; backend "
+                f"{engine.backend!r} generates through reshard with 'native'"
+            )
+        try:
+            _check_vllm_layout(layout.resharded, layout.generation_tp, layout.pp)
+        except ValueError as exc:
+            raise ExperimentError(f"{where} in placement.{gname}: {exc}") from None
+    elif (layout.resharded or engine.backend != "fsdp") and engine.generator != "native":
+        raise ExperimentError(
+            f"{where}: placement.{gname} generates through reshard (gen_tp="
+            f"{layout.generation_tp}, backend {engine.backend}), which runs the native generator"
+        )
+    if layout.resharded and layout.dp > 1 and engine.backend == "fsdp" and engine.dp_mode == "fsdp":
+        raise ExperimentError(
+            f"roles.{role}.dp_mode: placement.{gname}.gen_tp={layout.generation_tp} with dp="
+            f"{layout.dp} needs the weights whole over dp; set roles.{role}.dp_mode: replicate "
+            f"or gen_tp equal to tp={layout.tp}"
+        )
 
 
 def _check_generation_stage(gname: str, group: GroupConfig) -> None:
@@ -676,17 +732,20 @@ def _check_pipeline(
         )
 
 
-def _check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> EngineConfig | None:
+def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> EngineConfig | None:
     """Validate ``settings`` with the config class of the role's class (a scoring-only role
-    gets ``optim: None``); raises ExperimentError naming ``roles.ROLE.FIELD``, or ValueError.
-    Returns the engine settings of an engine role (None for other roles)."""
+    gets ``optim: None``); raises ExperimentError naming ``roles.ROLE`` (and the field). Returns
+    the engine settings of an engine role (None for other roles)."""
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
     from roles.reward import load_function
     from roles.rollout import RolloutConfig
 
     if cls == RULE_CLASS:
-        load_function(str(settings.get("function")))
+        try:
+            load_function(str(settings.get("function")))
+        except ValueError as exc:
+            raise ExperimentError(f"roles.{role}: {exc}") from None
         return None
     try:
         if cls == ROLE_CLASSES["rollout"]:

@@ -35,13 +35,11 @@ from pydantic import ValidationError
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.experiment import (
-    ROLE_CLASSES,
     Experiment,
     ExperimentError,
     GroupConfig,
-    _check_generation_stage,
-    _check_pipeline,
-    _check_role_settings,
+    check_role_in_group,
+    check_role_settings,
     explain,
     placement,
     role_class,
@@ -49,7 +47,6 @@ from deploy.experiment import (
 from deploy.plan.cost import Strategy
 from deploy.plan.written import group_entry, group_name
 from reshard.shapes import LlamaDims
-from transport.protocol import Layout
 
 if TYPE_CHECKING:
     from roles.engines.training.config import EngineConfig
@@ -90,12 +87,7 @@ class RunRules:
             settings = cfg.settings()
             if cfg.model is not None:
                 settings["model"] = cfg.model  # _role_spec sets the resolved folder
-            try:
-                engine = _check_role_settings(role, self.classes[role], settings)
-            except ExperimentError:
-                raise
-            except (ValueError, ValidationError) as exc:
-                raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
+            engine = check_role_settings(role, self.classes[role], settings)
             if engine is not None:
                 self.engines[role] = engine
         self.rejected: Counter[str] = Counter()  # candidates left out, by the field to change
@@ -127,23 +119,16 @@ class RunRules:
     def check(self, gname: str, group: GroupConfig) -> None:
         """Raise the ``ExperimentError`` that ``hybridflow run`` (or a rank) would raise for this
         group, the model folders aside."""
-        from roles.engines.training.common import check_tp  # roles code, as in _role_spec
-
         for role in group.roles:
-            config = self.configs.get(role)
-            if config is not None:
-                try:
-                    check_tp(config, group.tp)
-                except ValueError as exc:
-                    raise ExperimentError(f"roles.{role}: {exc}") from None
-            engine = self.engines.get(role)
-            if engine is None:
-                continue
-            _check_pipeline(role, gname, group, engine, config)
-            if self.classes[role] == ROLE_CLASSES["actor"]:
-                if "rollout" not in self.exp.roles and engine.generator != "vllm":
-                    _check_generation_stage(gname, group)
-                check_generator(role, gname, group, engine)
+            check_role_in_group(
+                self.exp,
+                role,
+                self.classes[role],
+                gname,
+                group,
+                self.engines.get(role),
+                self.configs.get(role),
+            )
         try:
             GroupSpec(
                 name=gname,
@@ -169,36 +154,6 @@ class RunRules:
         ruled out the most."""
         fields = sorted(self.rejected, key=lambda f: (-self.rejected[f], f))
         return [self.example[f] for f in fields[:most]]
-
-
-def check_generator(role: str, gname: str, group: GroupConfig, engine: EngineConfig) -> None:
-    """What an actor's ranks check of its generation layout when they build it: the generator
-    (``roles/actor.py``) and the hybrid engine's reshard (``roles/engines/hybrid.py``)."""
-    layout = Layout.for_world(group.nproc, group.tp, group.pp, group.gen_tp, group.gen_pp)
-    where = f"roles.{role}.generator"
-    if engine.generator == "vllm":
-        from roles.actor import _check_vllm_layout  # roles code: only for a vllm generator
-
-        if engine.backend != "fsdp":
-            raise ExperimentError(
-                f"{where}: 'vllm' takes the weights of a Hugging Face module; backend "
-                f"{engine.backend!r} generates through reshard with 'native'"
-            )
-        try:
-            _check_vllm_layout(layout.resharded, layout.generation_tp, layout.pp)
-        except ValueError as exc:
-            raise ExperimentError(f"{where} in placement.{gname}: {exc}") from None
-    elif (layout.resharded or engine.backend != "fsdp") and engine.generator != "native":
-        raise ExperimentError(
-            f"{where}: placement.{gname} generates through reshard (gen_tp="
-            f"{layout.generation_tp}, backend {engine.backend}), which runs the native generator"
-        )
-    if layout.resharded and layout.dp > 1 and engine.backend == "fsdp" and engine.dp_mode == "fsdp":
-        raise ExperimentError(
-            f"roles.{role}.dp_mode: placement.{gname}.gen_tp={layout.generation_tp} with dp="
-            f"{layout.dp} needs the weights whole over dp; set roles.{role}.dp_mode: replicate "
-            f"or gen_tp equal to tp={layout.tp}"
-        )
 
 
 def _short(exc: Exception) -> str:

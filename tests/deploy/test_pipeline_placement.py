@@ -217,3 +217,30 @@ def test_the_megatron_example_places_tp2_pp2_on_4_ranks(run_dir: Path) -> None:
         "reference": "megatron",
         "reward": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (  # FSDP-sharded weights cannot be resharded to another tp over dp > 1
+            [
+                "placement.main={roles: [actor, reward], nproc: 4, tp: 2, gen_tp: 1}",
+                "roles.actor.dp_mode=fsdp",
+            ],
+            "roles.actor.dp_mode: placement.main.gen_tp=1 with dp=2 needs the weights whole",
+        ),
+        (  # resharded generation runs the native generator only
+            [
+                "placement.main={roles: [actor, reward], nproc: 2, tp: 2, gen_tp: 1}",
+                "roles.actor.generator=hf",
+            ],
+            "roles.actor.generator: placement.main generates through reshard",
+        ),
+    ],
+)
+def test_a_generation_layout_the_actor_cannot_run_fails_before_any_rank_starts(
+    run_dir: Path, overrides: list[str], message: str
+) -> None:
+    """What the actor's ranks would refuse when they build it is refused when the groups are
+    built, naming the field to change."""
+    assert message in error_of(run_dir, *overrides)
