@@ -1,7 +1,8 @@
 """The live view of a run: one table, redrawn on every record, on a terminal.
 
-Shows the stage and step, reward, KL, response length, tokens/s, where the last step's time went
-and the last validation score. When stderr is not a terminal (CI, a log file) it prints a plain
+Shows the run folder, the stage and step, the time left in the stage (its remaining steps at the
+mean step time of the last ``WINDOW`` steps), reward, KL, response length, tokens/s, where the
+last step's time went and the last validation score. When stderr is not a terminal (CI, a log file) it prints a plain
 line every few steps instead, one record per line however long (never wrapped), so logs stay
 readable and greppable. While the table is drawn, library progress bars are off
 (``deploy/terminal.py``): a bar's carriage returns would tear the table.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -87,8 +89,15 @@ def pipeline(
 
 
 class LiveView:
-    def __init__(self, exp: Any, console: Console, enabled: bool = True, every: int = 10) -> None:
-        self.console, self.every = console, every
+    def __init__(
+        self,
+        exp: Any,
+        console: Console,
+        enabled: bool = True,
+        every: int = 10,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.console, self.every, self.run_dir = console, every, run_dir
         self.totals = {s.name or f"stage{i}": s.steps for i, s in enumerate(exp.stages)}
         self.last: dict[str, Any] = {}
         self.val: dict[str, Any] = {}
@@ -101,6 +110,8 @@ class LiveView:
         self.recent: deque[dict[str, Any]] = deque(maxlen=WINDOW)
 
     def __enter__(self) -> LiveView:
+        if self.enabled and not self.tty and self.run_dir is not None:
+            self.console.print(f"run folder {self.run_dir}", soft_wrap=True, markup=False)
         if self.tty:
             quiet_library_progress()
             self.live = Live(self._table(), console=self.console, refresh_per_second=4)
@@ -148,16 +159,35 @@ class LiveView:
         idle = {g: row["idle"] for g, row in pipeline(self.recent, self.group_of).items()}
         if "stage_step" in r and len(self.recent) > 1 and None not in idle.values():
             parts.append("idle " + " ".join(f"{g} {v:.0%}" for g, v in idle.items()))
+        left = self.stage_left_s(r)
+        if left is not None:
+            parts.append(f"stage eta {duration(left)}")
         return "  ".join(parts)
+
+    def stage_left_s(self, r: Mapping[str, Any]) -> float | None:
+        """Seconds the stage of record ``r`` still needs: its remaining steps at the mean step
+        time of the last steps seen (None before a step, or at the stage's end)."""
+        if "stage_step" not in r:
+            return None
+        left = self.totals.get(r["stage"], 0) - int(r["stage_step"])
+        times = [x["time/step_s"] for x in self.recent if "time/step_s" in x]
+        if left <= 0 or not times:
+            return None
+        return left * sum(times) / len(times)
 
     def _table(self) -> Table:
         r = self.last
         table = Table(title="hybridflow", show_header=False, expand=False)
         table.add_column("what", style="bold")
         table.add_column("value")
+        if self.run_dir is not None:
+            table.add_row("run folder", str(self.run_dir))
         if r:
             stage = r.get("stage", "")
             table.add_row("stage", f"{stage}  {r['stage_step']}/{self.totals.get(stage, '?')}")
+            left = self.stage_left_s(r)
+            if left is not None:
+                table.add_row("stage eta", duration(left))
             table.add_row("global step", str(r["step"]))
         for key, label in (
             ("train/reward/mean", "reward"),
@@ -192,3 +222,13 @@ class LiveView:
                 f"mean {r['train/staleness']:.2f}  max {r.get('train/staleness_max', 0):.0f}",
             )
         return table
+
+
+def duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -389,7 +389,7 @@ def _prepare(exp: Experiment, run_dir: Path) -> tuple[dict[str, Rows], list[Grou
 def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
     """Start the groups, train with the live view and the metric sinks, write summary.json."""
     exp, run_dir = run.exp, run.run_dir
-    live = LiveView(exp, console, enabled=exp.logging.live and not opts.json)
+    live = LiveView(exp, console, enabled=exp.logging.live and not opts.json, run_dir=run_dir)
     # on --resume the step was found before anything was written (None would empty the file)
     assert run.resume_step is not None or not opts.resume
     sinks: list[Sink] = [*_sinks(exp, run_dir, run.resume_step)]

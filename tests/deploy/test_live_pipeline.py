@@ -9,13 +9,14 @@ batch ahead. Worked by hand: the window is [10, 14] s. The actor's spans cover 0
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from rich.console import Console
 
-from deploy.live import LiveView, pipeline, spans
+from deploy.live import LiveView, duration, pipeline, spans
 
 GROUPS = {"actor": "train", "reward": "train", "rollout": "gen"}
 
@@ -91,3 +92,22 @@ def test_the_panel_names_each_group_with_its_idle_share() -> None:
     assert "group gen" in text and "generate  idle 50% (last 2 steps)" in text
     assert "mean 0.50  max 1" in text
     assert "timeline" not in text  # the spans are not repeated in the time split row
+
+
+def test_the_view_names_the_run_folder_and_the_time_left_in_the_stage(tmp_path: Path) -> None:
+    exp = SimpleNamespace(
+        stages=[SimpleNamespace(name="grpo", steps=10)],
+        placement={"train": SimpleNamespace(roles=["actor", "reward"])},
+    )
+    console = Console(record=True, width=300, force_terminal=False)
+    with LiveView(exp, console, every=1, run_dir=tmp_path / "run") as view:
+        for k, seconds in ((1, 2.0), (2, 4.0)):  # mean 3 s a step, 8 steps left: 24 s
+            view({"step": k, "stage": "grpo", "stage_step": k, "time/step_s": seconds})
+        assert view.stage_left_s({"stage": "grpo", "stage_step": 10}) is None  # stage done
+    lines = console.export_text().splitlines()
+    assert lines[0] == f"run folder {tmp_path / 'run'}"
+    assert lines[-1].endswith("stage eta 24s")
+    console.print(view._table())
+    text = console.export_text()
+    assert "run folder" in text and "stage eta" in text and "24s" in text
+    assert [duration(s) for s in (42.4, 185, 3720)] == ["42s", "3m05s", "1h02m"]

@@ -15,7 +15,7 @@ from deploy.terminal import PROGRESS_BARS_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # what a line of `hybridflow run` starts with: a progress record, the summary, the run folder
-RECORD = re.compile(r"^(step \d+  \S+|quickstart: validation score|run: )")
+RECORD = re.compile(r"^(step \d+  \S+|quickstart: validation score|run: |run folder )")
 
 
 @pytest.mark.slow
