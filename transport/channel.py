@@ -6,6 +6,13 @@ id names them. Liveness needs no application pings: a process that dies closes i
 silent remote host is dropped by ZeroMQ's own heartbeats; either way the ROUTER's monitor socket
 reports ``DISCONNECTED`` with the file descriptor, and ``PeerWatch`` maps that descriptor back to
 the peer it learnt from the peer's first message (``zmq.SRCFD``).
+
+The controller's ROUTER is ``exposed``: anyone who reaches it can send before proving anything,
+so its queues are bounded per peer (``timeouts.controller_queue`` messages each way: a peer that
+sends faster than the controller reads waits, and a reply to one that never reads is refused with
+EAGAIN rather than queued) and ZeroMQ disconnects a peer whose frame is over
+``timeouts.controller_frame_bytes`` before buffering it. ``PeerWatch`` also remembers each
+stranger's connection, so the controller can ``cut`` one that keeps sending without registering.
 """
 
 from __future__ import annotations
@@ -101,19 +108,28 @@ def _heartbeats(sock: zmq.Socket[Any], timeouts: Timeouts) -> None:
 
 
 def bind_router(
-    ctx: zmq.Context[Any], address: str, timeouts: Timeouts, curve: CurveServer | None = None
+    ctx: zmq.Context[Any],
+    address: str,
+    timeouts: Timeouts,
+    curve: CurveServer | None = None,
+    exposed: bool = False,
 ) -> tuple[zmq.Socket[Any], str]:
     """A ROUTER bound at ``address`` (``tcp://HOST:0`` picks a free port); returns the socket
-    and the address peers should connect to. TCP that leaves the host requires ``curve``."""
+    and the address peers should connect to. TCP that leaves the host requires ``curve``.
+    ``exposed`` (the controller's): bounded queues and frame size, from ``timeouts``; otherwise
+    (a group's own links, between its ranks) unbounded."""
     if address.startswith("tcp://") and not is_local_address(address) and curve is None:
         raise ValueError(
             f"{address} leaves this host: it needs CURVE keys (make them with `hybridflow keys`)"
         )
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full peer raises, not drops
+    queue = timeouts.controller_queue if exposed else 0
+    sock.setsockopt(zmq.SNDHWM, queue)
+    sock.setsockopt(zmq.RCVHWM, queue)
+    if exposed:
+        sock.setsockopt(zmq.MAXMSGSIZE, timeouts.controller_frame_bytes)
     _heartbeats(sock, timeouts)
     if curve is not None:
         curve.apply(sock)
@@ -149,16 +165,57 @@ def connect_dealer(
 
 
 def send_frames(
-    sock: zmq.Socket[Any], encoded: Encoded, identity: bytes | None = None
+    sock: zmq.Socket[Any], encoded: Encoded, identity: bytes | None = None, block: bool = True
 ) -> zmq.MessageTracker | None:
     """Send one message. Big frames go zero-copy and tracked: the caller must not let anyone
-    mutate the tensors until the returned tracker is done (``None``: nothing to wait for)."""
+    mutate the tensors until the returned tracker is done (``None``: nothing to wait for).
+    ``block=False``: ``zmq.Again`` when the peer's queue is full, and nothing was sent."""
     frames = encoded.frames if identity is None else [identity, *encoded.frames]
+    flags = 0 if block else zmq.NOBLOCK
     if encoded.big:
-        tracker: zmq.MessageTracker | None = sock.send_multipart(frames, copy=False, track=True)
+        tracker: zmq.MessageTracker | None = sock.send_multipart(
+            frames, flags, copy=False, track=True
+        )
         return tracker
-    sock.send_multipart(frames, copy=True)
+    sock.send_multipart(frames, flags, copy=True)
     return None
+
+
+def _shut(fd: int) -> None:
+    """End the connection on ``fd``, which ZeroMQ owns: a duplicate is shut down (that ends the
+    connection for every descriptor of it) and closed, and ZeroMQ's I/O thread, reading end of
+    file, closes its own as if the peer had left."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            conn.shutdown(socket.SHUT_RDWR)
+    except OSError as exc:  # gone meanwhile (ENOTCONN) or not a socket: nothing to end
+        log.debug("could not shut connection fd %d: %s", fd, exc)
+
+
+def _sockname(endpoint: str) -> str | None:
+    """What an accepted connection of a socket bound at ``endpoint`` reports as its own
+    address: the path for ipc, the port for TCP (bound to a wildcard host, its connections
+    name the host they came in on)."""
+    if endpoint.startswith("ipc://"):
+        return endpoint[len("ipc://") :]
+    if endpoint.startswith("tcp://"):
+        return endpoint.rsplit(":", 1)[1]
+    return None
+
+
+def _is_connection_of(fd: int, address: str) -> bool:
+    """``fd`` is a connection accepted by the socket whose ``_sockname`` is ``address`` (not
+    its listener, not any other file a reused fd number may now be)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            name = conn.getsockname()
+    except OSError:
+        return False
+    if isinstance(name, tuple):
+        return str(name[1]) == address
+    return isinstance(name, str) and name == address
 
 
 @dataclass
@@ -167,38 +224,116 @@ class PeerWatch:
 
     File descriptors are reused: a refused stranger's connection may close, and the next peer
     may get the same number before we read that DISCONNECTED event. So ``learn`` first consumes
-    every pending event (all of them predate the message being learnt from), then maps the fd."""
+    every pending event (all of them predate the message being learnt from), then maps the fd.
+
+    ``silent`` (the controller's socket) also counts connections that closed before a whole
+    message came from them: ZeroMQ disconnects a peer whose frame is over the socket's
+    MAXMSGSIZE without a word to the application, and this is the trace it leaves."""
 
     monitor: zmq.Socket[Any]
     handshakes: HandshakeWatch | None = None  # a CURVE server's refused handshakes, logged
+    silent: bool = False
 
     def __post_init__(self) -> None:
         self._by_fd: dict[int, bytes] = {}
         self._lost: list[bytes] = []
+        # strangers (peers that have not registered) whose connection is open, both ways
+        self._stranger_by_fd: dict[int, bytes] = {}
+        self._stranger_fd: dict[bytes, int] = {}
+        self._dirty: set[int] = set()  # a connection on it closed since a stranger last met there
+        self._address: str | None = None  # the socket's own, as its connections see it
+        self._unheard: set[int] = set()  # accepted, no message read from it yet
+        self._silent_closes = 0
+        self.cuts = 0  # connections cut
 
     @classmethod
-    def on(cls, sock: zmq.Socket[Any], handshakes: HandshakeWatch | None = None) -> PeerWatch:
+    def on(
+        cls, sock: zmq.Socket[Any], handshakes: HandshakeWatch | None = None, silent: bool = False
+    ) -> PeerWatch:
         events = HANDSHAKE_EVENTS if handshakes is not None else zmq.EVENT_DISCONNECTED
-        watch = cls(sock.get_monitor_socket(events), handshakes)
+        events |= zmq.EVENT_ACCEPTED if silent else 0
+        watch = cls(sock.get_monitor_socket(events), handshakes, silent)
         # ZeroMQ's FD signals only changes seen after ZMQ_EVENTS was read: read it once, so a
         # reader on the FD hears the first event (a refused handshake may come before any hello)
         watch._pump()
+        watch._address = _sockname(str(sock.getsockopt_string(zmq.LAST_ENDPOINT)))
         return watch
 
     def _pump(self) -> None:
         while readable(self.monitor):
             event = parse_monitor_message(self.monitor.recv_multipart())
+            kind, fd = int(event["event"]), int(event["value"])
+            refused = self.handshakes is not None and self.handshakes.failing
             if self.handshakes is not None:
-                self.handshakes.event(int(event["event"]), int(event["value"]))
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                ident = self._by_fd.pop(int(event["value"]), None)
-                if ident is not None:
-                    self._lost.append(ident)
+                self.handshakes.event(kind, fd)
+            if kind == zmq.EVENT_ACCEPTED and self.silent:
+                self._unheard.add(fd)
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._closed(fd, refused)
+
+    def _closed(self, fd: int, refused: bool) -> None:
+        self._dirty.add(fd)
+        if fd in self._unheard:
+            self._unheard.discard(fd)
+            self._silent_closes += not refused  # a refused handshake is logged as such
+        ident = self._by_fd.pop(fd, None)
+        if ident is not None:
+            self._lost.append(ident)
+        stranger = self._stranger_by_fd.pop(fd, None)
+        if stranger is not None:
+            del self._stranger_fd[stranger]
 
     def learn(self, identity: bytes, first_frame: zmq.Frame) -> None:
         """Remember the connection a peer's message came from (call on its hello)."""
         self._pump()
-        self._by_fd[first_frame.get(zmq.SRCFD)] = identity
+        fd = first_frame.get(zmq.SRCFD)
+        self._by_fd[fd] = identity
+        self._unheard.discard(fd)
+        self._stranger_by_fd.pop(self._stranger_fd.pop(identity, -1), None)
+
+    def meet(self, identity: bytes, frame: zmq.Frame) -> bool:
+        """Remember the connection a stranger's message came from, so that it can be ``cut``.
+
+        A message read now may have come from a connection that has closed since, and its fd
+        may be another connection's by now; ZeroMQ reports the close (DISCONNECTED) before
+        the fd can be reused. So a fd on which a connection closed since the last stranger met
+        there is not trusted — that meeting only clears the doubt, the next one on it counts.
+        False when the connection was not remembered."""
+        self._pump()
+        fd = frame.get(zmq.SRCFD)
+        self._unheard.discard(fd)
+        if fd in self._dirty:
+            self._dirty.discard(fd)
+            return False
+        if fd in self._by_fd or fd in self._stranger_by_fd:
+            return False
+        self._stranger_by_fd[fd] = identity
+        self._stranger_fd[identity] = fd
+        return True
+
+    def cut(self, identity: bytes) -> bool:
+        """Close a stranger's connection: ZeroMQ drops what is queued for it, and the peer must
+        connect again (a new connection; ZeroMQ gives it a new identity unless it names
+        itself). False when its connection is not known to be open, or its fd is not one of
+        this socket's connections (then it is left alone)."""
+        self._pump()
+        fd = self._stranger_fd.pop(identity, None)
+        if fd is None:
+            return False
+        del self._stranger_by_fd[fd]
+        if self._address is None or not _is_connection_of(fd, self._address):
+            return False
+        _shut(fd)
+        self.cuts += 1
+        return True
+
+    def silent_closes(self) -> int:
+        """Connections that closed before a whole message was read from them, since the last
+        call (``silent`` only). A peer that sent and left at once may be counted too: its
+        close can be seen before its message is read."""
+        self._pump()
+        count, self._silent_closes = self._silent_closes, 0
+        return count
 
     def lost(self) -> list[bytes]:
         """The identities whose connection closed since the last call."""

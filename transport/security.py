@@ -10,7 +10,8 @@ Local links (ipc, loopback) rely on file permissions plus a random per-run token
 compared in constant time.
 
 Refused handshakes are logged (``HandshakeLog``: a warning per refusal with the peer's address,
-at most ``burst`` per ``window_s``, the rest counted into one line). Two places see them:
+at most ``burst`` per ``window_s``, the rest counted into one line when the window ends, on the
+next refusal or the controller's timer, ``flush``). Two places see them:
 
 - the ZAP handler, for a CURVE client whose key is not listed: ZeroMQ hands it the peer's address
   and key, so that line is exact;
@@ -115,16 +116,25 @@ class HandshakeLog:
         with self._lock:
             self.total += 1
             self.recent.append(line)
-            now = self.clock()
-            if now - self._window_start >= self.window_s:
-                if self._held:
-                    self.log.warning("... and %d more refused handshakes", self._held)
-                self._window_start, self._logged, self._held = now, 0, 0
+            self._close_window()
             if self._logged < self.burst:
                 self._logged += 1
                 self.log.warning("%s", line)
             else:
                 self._held += 1
+
+    def flush(self) -> None:
+        """Log the count of the refusals held back, once their window has ended (the
+        controller's timer calls this: the line must not wait for the next refusal)."""
+        with self._lock:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        now = self.clock()
+        if now - self._window_start >= self.window_s:
+            if self._held:
+                self.log.warning("... and %d more refused handshakes", self._held)
+            self._window_start, self._logged, self._held = now, 0, 0
 
 
 class HandshakeWatch:
@@ -138,6 +148,11 @@ class HandshakeWatch:
         self.handshakes, self.endpoint = handshakes, endpoint
         self._peers: dict[int, str] = {}
         self._failed: str | None = None
+
+    @property
+    def failing(self) -> bool:
+        """A handshake failure was seen, to be reported on its connection's DISCONNECTED."""
+        return self._failed is not None
 
     def event(self, kind: int, value: int) -> None:
         if kind == zmq.EVENT_ACCEPTED:

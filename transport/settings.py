@@ -1,11 +1,12 @@
 """Timeouts and limits shared by every process of a run.
 
 Each wait in hybridflow has a timeout, and each timeout error names the field here that raises it,
-so a user who hits one knows the knob (``timeouts.call_s`` and so on). Two limits that are not
-timeouts live here too because every process must agree on them: the largest frame accepted and
-how long rank 0 busy-polls for its ranks' answers. The settings travel to role
-processes as JSON in one environment variable, so a group started by hand or by SLURM agrees with
-its controller.
+so a user who hits one knows the knob (``timeouts.call_s`` and so on). Limits that are not
+timeouts live here too because every process must agree on them: the largest frame accepted, how
+long rank 0 busy-polls for its ranks' answers, and what the controller's socket takes from a peer
+(``controller_*``, ``stranger_messages``: see docs/mesh.md, "Limits on the controller's socket").
+The settings travel to role processes as JSON in one environment variable, so a group started by
+hand or by SLURM agrees with its controller.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ ENV_VAR = "HYBRIDFLOW_TIMEOUTS"
 
 
 class Timeouts(BaseModel):
-    """Every wait's limit, in seconds (and two limits every process must agree on)."""
+    """Every wait's limit, in seconds (and the limits every process must agree on)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,6 +41,27 @@ class Timeouts(BaseModel):
         ge=0,
         description="rank 0 polls this long for the other ranks' answers before it sleeps: a "
         "wake-up costs 45-75 us on a small VM, an answer to a short call comes sooner",
+    )
+    controller_frame_bytes: int = Field(
+        256 << 20,
+        gt=0,
+        description="largest frame the controller's socket takes (ZeroMQ MAXMSGSIZE): a peer "
+        "that sends a bigger one is disconnected before it is buffered. Batches travel as one "
+        "frame per tensor from groups on another host (same-host groups use shared memory); "
+        "256 MiB holds e.g. an int64 [8192, 4096] column. Weights never pass the controller",
+    )
+    controller_queue: int = Field(
+        1000,
+        gt=0,
+        description="messages the controller's socket queues per peer, each way (ZeroMQ "
+        "SNDHWM/RCVHWM): a peer that sends faster waits; replies a stranger never reads are "
+        "dropped; calls to a group beyond it wait in the controller in order",
+    )
+    stranger_messages: int = Field(
+        4,
+        gt=0,
+        description="messages a peer may send the controller before it has registered (a "
+        "coordinator sends one hello); the next one closes its connection",
     )
 
     def to_env(self) -> str:
