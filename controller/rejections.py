@@ -4,9 +4,11 @@ Anyone who reaches the controller's socket can make it refuse messages as fast a
 them, and choose what the refusal would quote. So a reason quotes a peer's values through
 ``short`` (a few dozen characters, however long the value), is cut to ``REASON_CHARS``, only the
 newest ``KEEP`` reasons are kept, and at most ``LOG_BURST`` warnings are logged per
-``LOG_WINDOW_S``; the others are counted and summed up in one line when the window ends. Before
+``LOG_WINDOW_S``; the others are counted and summed up in one line when the window ends (the
+controller's timer calls ``flush``, so the line comes even when no later refusal does). Before
 this, a 60 MB ``version`` string became a 60 MB log line that blocked the event loop for a minute,
-and a fuzz run left 19,995 reasons in memory.
+and a fuzz run left 19,995 reasons in memory. Messages dropped unread (from a stranger whose
+connection was cut) are only counted (``dropped``): a flood costs a counter, not a reason each.
 """
 
 from __future__ import annotations
@@ -74,12 +76,27 @@ class Rejections:
         """Record one refusal; returns the reason as kept (clipped). ``exc``: an unexpected
         error behind it, logged with its traceback (within the same rate limit)."""
         reason = clip(reason, REASON_CHARS)
-        self.total += 1
         self.reasons.append(reason)
         if len(self.reasons) > self.keep:
             del self.reasons[: len(self.reasons) - self.keep]
         self._log(reason, exc)
+        self.total += 1
         return reason
+
+    def dropped(self, count: int = 1) -> None:
+        """Count messages dropped unread: in ``total`` and in the window's summary line."""
+        self.total += count
+        self._unlogged += count
+
+    def due(self) -> float:
+        """Seconds until the current window ends (when ``flush`` has something to say)."""
+        return max(0.0, self._window_start + self.window_s - self.clock())
+
+    def flush(self) -> None:
+        """Close the window if it has ended: log the summary of what was counted in it."""
+        now = self.clock()
+        if now - self._window_start >= self.window_s:
+            self._close_window(now)
 
     def _log(self, reason: str, exc: BaseException | None) -> None:
         now = self.clock()
@@ -105,6 +122,6 @@ class Rejections:
                 "rejected %d more messages in the last %.0f s (%d in all since start)",
                 self._unlogged,
                 now - self._window_start,
-                self.total - 1,
+                self.total,
             )
         self._window_start, self._logged, self._unlogged = now, 0, 0

@@ -15,6 +15,13 @@ hold ``UNREGISTERED_MAX_BYTES`` in all, under small ``HeaderLimits`` and no tens
 read field by field (``controller.hello``), a refusal to a peer that already left is dropped, and
 whatever still goes wrong in handling one message is recorded as a rejection (bounded and
 rate-limited, ``controller.rejections``) while the drain goes on to the next.
+
+Nor can anyone make it hoard: the ROUTER's queues are bounded per peer and its frames capped
+(``transport.channel``, ``timeouts.controller_*``); a peer that has not registered may send
+``timeouts.stranger_messages`` messages, then its connection is cut and the rest it had queued is
+dropped unread (``controller.hello.Strangers``); a reply to a peer that does not read is dropped
+when its queue is full; a call to a group whose queue is full waits in the group's backlog, in
+order, and never blocks the loop. The summary of rate-limited refusals is logged on a timer.
 """
 
 from __future__ import annotations
@@ -23,17 +30,18 @@ import asyncio
 import itertools
 import logging
 import signal
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from controller.hello import Hello, read_hello
+from controller.hello import Hello, Strangers, Verdict, read_hello
 from controller.placement import GroupSpec, check_placement
 from controller.rejections import Rejections, short
 from transport.channel import PeerWatch, bind_router, host_id, readable, send_frames
-from transport.codec import HeaderLimits, decode, encode, frame_buffer
+from transport.codec import Encoded, HeaderLimits, decode, encode, frame_buffer
 from transport.errors import CallTimeoutError, RegistrationError, RemoteError, RoleDeadError
 from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.security import CurveServer, HandshakeLog, HandshakeWatch, new_token, token_ok
@@ -54,6 +62,7 @@ UNREGISTERED_LIMITS = HeaderLimits(
     header_bytes=UNREGISTERED_MAX_BYTES, entries=256, str_bytes=4096, ext_bytes=0
 )
 DRAIN_BUDGET = 256  # messages per reader callback: a flood must not starve timers and calls
+BACKLOG_RETRY_S = 0.002  # how soon a group's backlog is offered to ZeroMQ again
 
 
 @dataclass
@@ -99,6 +108,7 @@ class Group:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     dead: tuple[int | None, str] | None = None  # (rank, cause)
     dead_precise: bool = False
+    backlog: deque[Encoded] = field(default_factory=deque)  # no room in ZeroMQ's queue yet
 
     def error(self, role: str) -> RoleDeadError:
         assert self.dead is not None
@@ -133,6 +143,11 @@ class Controller:
         self.by_identity: dict[bytes, Group] = {}
         self.local_groups: set[str] = set()
         self.rejections = Rejections(log)
+        # a cut connection's queue holds at most ~controller_queue messages; twice that from a
+        # cut-off identity means it is sending on another connection
+        self.strangers = Strangers(
+            self.timeouts.stranger_messages, 2 * self.timeouts.controller_queue
+        )
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.traffic = Traffic()
         # one arena per prefix per process
@@ -146,6 +161,8 @@ class Controller:
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_pending = False
+        self._backlog_timer: asyncio.TimerHandle | None = None
+        self._summary: asyncio.Future[None] | None = None
 
     @property
     def rejected(self) -> list[str]:
@@ -159,30 +176,80 @@ class Controller:
         self._loop = asyncio.get_running_loop()
         if curve is not None and self._auth is None:  # ZAP must answer before the first peer
             self._auth = curve.start_authenticator(self.ctx, self.handshakes)
-        sock, address = bind_router(self.ctx, address, self.timeouts, curve)
+        sock, address = bind_router(self.ctx, address, self.timeouts, curve, exposed=True)
         # a CURVE socket's refused handshakes are logged, rate-limited, with the peer's address
         seen = HandshakeWatch(self.handshakes, address) if curve is not None else None
-        watch = PeerWatch.on(sock, seen)
+        watch = PeerWatch.on(sock, seen, silent=True)
         self._sockets.append((sock, watch))
         self._loop.add_reader(_fd(sock), self._drain, sock, watch)
         self._loop.add_reader(_fd(watch.monitor), self._drain_monitor, watch)
         self.addresses.append(address)
+        if self._summary is None:
+            self._summary = asyncio.ensure_future(self._summarise())
         return address
 
+    async def _summarise(self) -> None:
+        """Log each window's summary of rate-limited refusals when the window ends, not when
+        (if ever) the next refusal comes."""
+        while True:
+            await asyncio.sleep(max(self.rejections.due(), 0.05))
+            self.rejections.flush()
+            self.handshakes.flush()
+
     def _send(self, sock: zmq.Socket[Any], identity: bytes, msg: Message, arena: bool) -> None:
+        """Send to a group without blocking: what ZeroMQ has no room for waits in the group's
+        backlog, and so does all that follows it. To anyone else, ``zmq.Again`` when its queue
+        is full (``_send_to_peer`` drops it)."""
         encoded = encode(msg, self.arena if arena else None)
         self.traffic.sent += encoded.nbytes
-        send_frames(sock, encoded, identity)
+        group = self.by_identity.get(identity)
+        if group is not None and group.backlog:
+            group.backlog.append(encoded)
+        else:
+            try:
+                send_frames(sock, encoded, identity, block=False)
+            except zmq.Again:
+                if group is None:
+                    raise
+                group.backlog.append(encoded)
+                self._offer_backlogs_soon()
         assert self._loop is not None
         if not self._drain_pending:  # a send can swallow the FD's edge
             self._drain_pending = True
             self._loop.call_soon(self._drain_all)
 
+    def _offer_backlogs_soon(self) -> None:
+        if self._backlog_timer is None and self._loop is not None:
+            self._backlog_timer = self._loop.call_later(BACKLOG_RETRY_S, self._offer_backlogs)
+
+    def _offer_backlogs(self) -> None:
+        """Hand each group's backlog to ZeroMQ as far as its queue has room; look again soon
+        while any is left."""
+        self._backlog_timer = None
+        for group in self.groups.values():
+            while group.backlog and group.sock is not None and group.dead is None:
+                try:
+                    send_frames(group.sock, group.backlog[0], group.identity, block=False)
+                except zmq.Again:
+                    self._offer_backlogs_soon()
+                    break
+                except zmq.ZMQError as exc:  # it left: its death is reported on its own
+                    log.debug("backlog of group %r dropped: %s", group.spec.name, exc)
+                    group.backlog.clear()
+                    break
+                group.backlog.popleft()
+            if group.dead is not None or group.sock is None:
+                group.backlog.clear()
+
     def _send_to_peer(self, sock: zmq.Socket[Any], identity: bytes, msg: Message) -> bool:
         """Answer a peer that may have left already (ROUTER_MANDATORY then raises "Host
-        unreachable"); False, and nothing else happens, when it has."""
+        unreachable") or does not read what it is sent (its queue is full); False, and nothing
+        else happens, when so."""
         try:
             self._send(sock, identity, msg, False)
+        except zmq.Again:
+            log.debug("%s to %s dropped: its queue is full", msg.type.name, short(identity))
+            return False
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -204,10 +271,43 @@ class Controller:
                 identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.traffic.received += sum(frame_buffer(f).nbytes for f in frames)
-            self._handle_one(sock, watch, identity, frames)
+            size = sum(frame_buffer(f).nbytes for f in frames)
+            self.traffic.received += size
+            if identity.bytes in self.by_identity or self._admit(watch, identity, size):
+                self._handle_one(sock, watch, identity, frames)
         assert self._loop is not None  # more may be queued, and the FD's edge is spent
         self._loop.call_soon(self._drain, sock, watch)
+
+    def _admit(self, watch: PeerWatch, ident: zmq.Frame, size: int) -> bool:
+        """Whether a message from a peer that has not registered is read. One over its
+        allowance (``timeouts.stranger_messages``, or bigger than a hello can be) closes its
+        connection; the rest it had queued is counted and dropped unread."""
+        identity = ident.bytes
+        verdict = self.strangers.judge(identity, size > UNREGISTERED_MAX_BYTES)
+        if verdict == Verdict.READ:
+            if self.strangers.first(identity):
+                watch.meet(identity, ident)
+            return True
+        if verdict == Verdict.DROP:
+            self.rejections.dropped()
+            return False
+        cut = watch.cut(identity) or (watch.meet(identity, ident) and watch.cut(identity))
+        if verdict == Verdict.RECUT:
+            self.rejections.dropped()
+            return False
+        if not cut:
+            self.strangers.retry(identity)
+        what = (
+            f"a message of {size} bytes, over the {UNREGISTERED_MAX_BYTES} a hello may have"
+            if size > UNREGISTERED_MAX_BYTES
+            else f"more than {self.strangers.allowance} messages"
+        )
+        self._reject(
+            f"{short(identity)} sent {what} without registering: "
+            + ("its connection is cut" if cut else "its connection is not known to be open")
+            + " and what else it sends is dropped unread (timeouts.stranger_messages)"
+        )
+        return False
 
     def _handle_one(
         self, sock: zmq.Socket[Any], watch: PeerWatch, ident: zmq.Frame, frames: list[Any]
@@ -223,15 +323,27 @@ class Controller:
     def _drain_monitor(self, watch: PeerWatch) -> None:
         if watch.monitor.closed:
             return
+        silent = watch.silent_closes()
+        if silent:
+            self._reject(
+                f"{silent} connection(s) closed before sending a whole message: the peer hung "
+                "up, or sent a frame over timeouts.controller_frame_bytes="
+                f"{self.timeouts.controller_frame_bytes}, which ZeroMQ drops unread"
+            )
+            self.rejections.dropped(silent - 1)
         for identity in watch.lost():
             group = self.by_identity.get(identity)
             if group is not None:
-                self.declare_dead(
-                    group.spec.name,
-                    0,
-                    "(the coordinator) lost its connection: it exited, or ZeroMQ heartbeats timed out",
-                    False,
+                cause = (
+                    "(the coordinator) lost its connection: it exited, or ZeroMQ heartbeats "
+                    "timed out"
                 )
+                if not group.same_host:  # its tensors come as frames, not in shared memory
+                    cause += (
+                        ", or it sent a frame over timeouts.controller_frame_bytes="
+                        f"{self.timeouts.controller_frame_bytes} (raise it for larger batches)"
+                    )
+                self.declare_dead(group.spec.name, 0, cause, False)
 
     # -- messages -------------------------------------------------------------------------------
     def _handle(
@@ -301,6 +413,7 @@ class Controller:
         group.identity, group.sock = ident.bytes, sock
         group.same_host = hello.host == host_id()
         self.by_identity[ident.bytes] = group
+        self.strangers.forget(ident.bytes)
         watch.learn(ident.bytes, ident)
         self._tasks.add(task := asyncio.ensure_future(self._build(group)))
         task.add_done_callback(self._tasks.discard)
@@ -493,7 +606,12 @@ class Controller:
                     )
                 except zmq.ZMQError:
                     pass  # it went away meanwhile
+        self._offer_backlogs()  # what still fits; the launcher ends what does not hear it
         await asyncio.sleep(0)
+        if self._summary is not None:
+            self._summary.cancel()
+        if self._backlog_timer is not None:
+            self._backlog_timer.cancel()
         for sock, watch in self._sockets:
             if self._loop is not None:
                 self._loop.remove_reader(_fd(sock))
