@@ -159,11 +159,7 @@ class Coordinator:
         self.ctrl_monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         send_frames(self.ctrl, encode(Message(MsgType.HELLO, 0, hello_body(self.env))))
         if not self.ctrl.poll(int(self.env.timeouts.connect_s * 1000)):
-            raise RegistrationError(
-                f"no answer from the controller at {self.env.controller} within "
-                f"{self.env.timeouts.connect_s:.0f} s (is it running there and reachable? wait "
-                "longer with hybridflow role --wait SECONDS, i.e. timeouts.connect_s)"
-            )
+            raise RegistrationError(self._no_answer())
         reply = decode(self.ctrl.recv_multipart(copy=False))
         if reply.type == MsgType.REFUSE:
             raise RegistrationError(
@@ -184,6 +180,26 @@ class Coordinator:
             layout=vars(e.layout),
             device=str(e.device),
             fanout=e.fanout,
+        )
+
+    def _no_answer(self) -> str:
+        """Why no WELCOME or REFUSE came. A CURVE controller answers nothing to a group without
+        keys (ZeroMQ refuses the handshake before any message): say so, it looks the same."""
+        text = (
+            f"no answer from the controller at {self.env.controller} within "
+            f"{self.env.timeouts.connect_s:.0f} s (is it running there and reachable? wait "
+            "longer with hybridflow role --wait SECONDS, i.e. timeouts.connect_s)"
+        )
+        if not self.env.controller.startswith("tcp://"):
+            return text
+        if self.env.curve is None:
+            return text + (
+                "; the controller may require CURVE keys, and this group has none: start it "
+                "with hybridflow role ... --keys DIR --client NAME (keys from hybridflow keys)"
+            )
+        return text + (
+            "; or the controller refused this group's CURVE key (is its public key in the "
+            "controller's allowed keys?), or it is not the controller whose key the group pins"
         )
 
     # -- threads --------------------------------------------------------------------------------
