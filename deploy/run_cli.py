@@ -57,7 +57,6 @@ from deploy.clusters import ClusterSpec, check_spec, load_spec
 from deploy.experiment import (
     Experiment,
     ExperimentError,
-    build_groups,
     check,
     checkpointed_roles,
     load,
@@ -65,6 +64,7 @@ from deploy.experiment import (
     prepare_models,
     read_data,
 )
+from deploy.groups import build_groups
 from deploy.keys_cli import server_files
 from deploy.live import LiveView
 from deploy.report import run_report

@@ -8,7 +8,7 @@ rather than restated:
 - ``controller.placement.GroupSpec``: tp x pp divides nproc, gen_tp divides tp and gen_pp pp;
 - ``roles.engines.training.common.check_tp``: tp divides each model's heads, kv heads and MLP
   width;
-- ``deploy.experiment``'s role settings and pipeline checks: pp > 1 only when every engine
+- ``deploy.groups``' role settings and layout checks: pp > 1 only when every engine
   role of the group has ``backend: megatron``; pp x vpp divides the layers; an actor that
   generates in its group does so on one pipeline stage (``gen_pp: 1``);
 - what the actor's ranks check when they build it (``roles/actor.py``,
@@ -33,17 +33,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from controller.placement import GroupSpec, RoleSpec
+from controller.placement import RoleSpec
 from deploy.experiment import (
     Experiment,
     ExperimentError,
     GroupConfig,
-    check_role_in_group,
-    check_role_settings,
     explain,
     placement,
     role_class,
 )
+from deploy.groups import check_role_in_group, check_role_settings, group_spec
 from deploy.plan.cost import Strategy
 from deploy.plan.written import group_entry, group_name
 from reshard.shapes import LlamaDims
@@ -129,20 +128,7 @@ class RunRules:
                 self.engines.get(role),
                 self.configs.get(role),
             )
-        try:
-            GroupSpec(
-                name=gname,
-                roles={role: RoleSpec(cls=self.classes[role]) for role in group.roles},
-                nproc=group.nproc,
-                tp=group.tp,
-                pp=group.pp,
-                gen_tp=group.gen_tp,
-                gen_pp=group.gen_pp,
-                fanout=group.fanout,
-                device=group.device,
-            )
-        except ValidationError as exc:
-            raise ExperimentError(f"placement.{gname}: {explain(exc)}") from None
+        group_spec(gname, group, {role: RoleSpec(cls=self.classes[role]) for role in group.roles})
 
     def check_placement(self, exp: Experiment) -> None:
         """``check`` on every group of ``exp`` (the written experiment)."""

@@ -12,7 +12,8 @@ import yaml
 
 from controller.trainer import checkpoints, epoch_batches, request_seed
 from deploy.cli import build_parser
-from deploy.experiment import ExperimentError, build_groups, check, load, parse, set_path
+from deploy.experiment import ExperimentError, check, load, parse, set_path
+from deploy.groups import build_groups
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -19,7 +19,8 @@ import yaml
 
 from deploy.cli import build_parser
 from deploy.cluster_launch import role_argv
-from deploy.experiment import ExperimentError, build_groups, check, parse, prepare_models
+from deploy.experiment import ExperimentError, check, parse, prepare_models
+from deploy.groups import build_groups
 from deploy.local import LocalLauncher
 from deploy.role_cli import RoleOptions, _group_spec
 from deploy.slurm import group_steps

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.experiment import Experiment, build_groups, check, parse, prepare_models
+from deploy.experiment import Experiment, check, parse, prepare_models
+from deploy.groups import build_groups
 from deploy.plan.cost import Strategy
 from deploy.plan.rules import RunRules
 from deploy.plan_cli import PlanOptions, run_plan

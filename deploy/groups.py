@@ -1,0 +1,216 @@
+"""An experiment's placement as the role groups a launcher starts: ``build_groups`` turns each
+placement entry into a ``GroupSpec`` (its roles' classes and settings, model folders resolved),
+after the checks of each role at its group's layout that would otherwise fail on the ranks, after
+the processes started: tp against the model's heads and widths, pipeline stages against the
+backend and the layers, and the actor's generation layout against its generator
+(``check_role_in_group``, which the planner's ``deploy/plan/rules.py`` calls on its candidates).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from controller.placement import GroupSpec, RoleSpec, check_placement
+from deploy.experiment import (
+    ROLE_CLASSES,
+    RULE_CLASS,
+    Experiment,
+    ExperimentError,
+    GroupConfig,
+    _short,
+    explain,
+    model_path,
+    placement,
+    role_class,
+)
+from transport.protocol import Layout
+
+if TYPE_CHECKING:
+    from roles.engines.training.config import EngineConfig
+
+
+def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
+    """Placement → the GroupSpecs the launcher starts; role settings checked with the roles'
+    own config classes, so a typo fails here, not in a rank."""
+    groups = []
+    for gname, group in placement(exp).items():
+        specs = {role: _role_spec(exp, role, gname, group, run_dir) for role in group.roles}
+        groups.append(group_spec(gname, group, specs))
+    check_placement(groups)
+    return groups
+
+
+def group_spec(gname: str, group: GroupConfig, roles: dict[str, RoleSpec]) -> GroupSpec:
+    """The ``GroupSpec`` of placement entry ``gname`` hosting ``roles``; sizes that do not fit
+    (tp x pp against nproc, gen_tp against tp) raise ExperimentError naming the entry."""
+    try:
+        return GroupSpec(
+            name=gname,
+            roles=roles,
+            nproc=group.nproc,
+            tp=group.tp,
+            pp=group.pp,
+            gen_tp=group.gen_tp,
+            gen_pp=group.gen_pp,
+            fanout=group.fanout,
+            device=group.device,
+        )
+    except ValidationError as exc:
+        raise ExperimentError(f"placement.{gname}: {_short(exc)}") from None
+
+
+def _role_spec(
+    exp: Experiment, role: str, gname: str, group: GroupConfig, run_dir: Path
+) -> RoleSpec:
+    """The role's class and settings; its model folder checked (and against the group's layout)
+    and resolved to an absolute path."""
+    # roles code (transformers): loaded only when a run's groups are built
+    from roles.modeling.models import check_model_dir
+
+    cfg = exp.roles[role]
+    cls = role_class(role, cfg)
+    settings = cfg.settings()
+    model_config = None
+    try:
+        if cfg.model is not None:
+            path = model_path(exp, cfg.model, run_dir)
+            model_config, _ = check_model_dir(path)
+            settings["model"] = str(path.resolve())
+    except (ValueError, ValidationError) as exc:
+        raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
+    engine = check_role_settings(role, cls, settings)
+    check_role_in_group(exp, role, cls, gname, group, engine, model_config)
+    return RoleSpec(cls=cls, config=settings)
+
+
+def check_role_in_group(
+    exp: Experiment,
+    role: str,
+    cls: str,
+    gname: str,
+    group: GroupConfig,
+    engine: EngineConfig | None,
+    model_config: Any,
+) -> None:
+    """What ``hybridflow run`` (and the planner, ``deploy/plan/rules.py``) checks of a role at its
+    group's layout: tp divides the model's heads and widths, pp needs the megatron backend and
+    layers that split evenly, an actor generating in its group does so on one pipeline stage and
+    with a generator that runs at the group's generation layout. ``model_config``: the role's
+    model's config (None: not known, not checked)."""
+    from roles.engines.training.common import check_tp  # roles code (transformers)
+
+    if model_config is not None:
+        try:
+            check_tp(model_config, group.tp)
+        except ValueError as exc:
+            raise ExperimentError(f"roles.{role}: {exc}") from None
+    if engine is None:
+        return
+    _check_pipeline(role, gname, group, engine, model_config)
+    if cls == ROLE_CLASSES["actor"]:
+        if "rollout" not in exp.roles and engine.generator != "vllm":
+            _check_generation_stage(gname, group)
+        _check_generator(role, gname, group, engine)
+
+
+def _check_generator(role: str, gname: str, group: GroupConfig, engine: EngineConfig) -> None:
+    """What an actor's ranks check of its generation layout when they build it: the generator
+    (``roles/actor.py``) and the hybrid engine's reshard (``roles/engines/hybrid.py``)."""
+    try:
+        layout = Layout.for_world(group.nproc, group.tp, group.pp, group.gen_tp, group.gen_pp)
+    except ValueError:
+        return  # sizes that do not fit: the group's own check names them (GroupSpec)
+    where = f"roles.{role}.generator"
+    if engine.generator == "vllm":
+        from roles.actor import _check_vllm_layout  # roles code: only for a vllm generator
+
+        if engine.backend != "fsdp":
+            raise ExperimentError(
+                f"{where}: 'vllm' takes the weights of a Hugging Face module; backend "
+                f"{engine.backend!r} generates through reshard with 'native'"
+            )
+        try:
+            _check_vllm_layout(layout.resharded, layout.generation_tp, layout.pp)
+        except ValueError as exc:
+            raise ExperimentError(f"{where} in placement.{gname}: {exc}") from None
+    elif (layout.resharded or engine.backend != "fsdp") and engine.generator != "native":
+        raise ExperimentError(
+            f"{where}: placement.{gname} generates through reshard (gen_tp="
+            f"{layout.generation_tp}, backend {engine.backend}), which runs the native generator"
+        )
+    if layout.resharded and layout.dp > 1 and engine.backend == "fsdp" and engine.dp_mode == "fsdp":
+        raise ExperimentError(
+            f"roles.{role}.dp_mode: placement.{gname}.gen_tp={layout.generation_tp} with dp="
+            f"{layout.dp} needs the weights whole over dp; set roles.{role}.dp_mode: replicate "
+            f"or gen_tp equal to tp={layout.tp}"
+        )
+
+
+def _check_generation_stage(gname: str, group: GroupConfig) -> None:
+    """A colocated actor generates on one pipeline stage (``roles/engines/hybrid.py``): with
+    ``pp`` > 1 the placement must say so, or the first generate fails after the SFT stages."""
+    if group.pp > 1 and group.gen_pp != 1:
+        raise ExperimentError(
+            f"placement.{gname}.gen_pp: the actor generates on one pipeline stage, its weights "
+            f"resharded from pp={group.pp}; set placement.{gname}.gen_pp: 1"
+        )
+
+
+def _check_pipeline(
+    role: str, gname: str, group: GroupConfig, engine: EngineConfig, model_config: Any
+) -> None:
+    """An engine role in a group with ``pp`` stages: the megatron backend, and layers that
+    split evenly over the stages (``vpp`` model chunks per stage with the interleaved
+    schedule)."""
+    stages = group.pp * engine.vpp
+    if group.pp > 1 and engine.backend != "megatron":
+        raise ExperimentError(
+            f"roles.{role}.backend: placement.{gname}.pp={group.pp} needs pipeline parallel, "
+            f"which the {engine.backend} engine does not have; set roles.{role}.backend: megatron "
+            f"or placement.{gname}.pp: 1"
+        )
+    if engine.vpp > 1 and group.pp == 1:
+        raise ExperimentError(
+            f"roles.{role}.vpp={engine.vpp}: virtual pipeline stages need placement.{gname}.pp "
+            "> 1; set vpp: 1 or a pp of 2 or more"
+        )
+    layers = getattr(model_config, "num_hidden_layers", None)
+    if layers is not None and stages > 1 and layers % stages:
+        what = f"placement.{gname}.pp={group.pp}"
+        if engine.vpp > 1:
+            what += f" x roles.{role}.vpp={engine.vpp} = {stages} model chunks"
+        raise ExperimentError(
+            f"roles.{role}: {what} does not divide the model's num_hidden_layers={layers}; "
+            f"pick sizes whose product divides {layers}"
+        )
+
+
+def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> EngineConfig | None:
+    """Validate ``settings`` with the config class of the role's class (a scoring-only role
+    gets ``optim: None``); raises ExperimentError naming ``roles.ROLE`` (and the field). Returns
+    the engine settings of an engine role (None for other roles)."""
+    # roles code (transformers): loaded only when a run's groups are built
+    from roles.engines.training.config import EngineConfig
+    from roles.reward import load_function
+    from roles.rollout import RolloutConfig
+
+    if cls == RULE_CLASS:
+        try:
+            load_function(str(settings.get("function")))
+        except ValueError as exc:
+            raise ExperimentError(f"roles.{role}: {exc}") from None
+        return None
+    try:
+        if cls == ROLE_CLASSES["rollout"]:
+            RolloutConfig.model_validate(settings)
+        elif cls in ROLE_CLASSES.values():
+            if role in ("reference", "reward", "cost"):
+                settings.setdefault("optim", None)  # scoring only
+            return EngineConfig.model_validate(settings)
+    except ValidationError as exc:
+        config = RolloutConfig if cls == ROLE_CLASSES["rollout"] else EngineConfig
+        raise ExperimentError(explain(exc, config, f"roles.{role}")) from None
+    return None
