@@ -297,16 +297,20 @@ class Controller:
             return False
         if not cut:
             self.strangers.retry(identity)
-        what = (
-            f"a message of {size} bytes, over the {UNREGISTERED_MAX_BYTES} a hello may have"
-            if size > UNREGISTERED_MAX_BYTES
-            else f"more than {self.strangers.allowance} messages"
-        )
-        self._reject(
-            f"{short(identity)} sent {what} without registering: "
-            + ("its connection is cut" if cut else "its connection is not known to be open")
-            + " and what else it sends is dropped unread (timeouts.stranger_messages)"
-        )
+        then = (
+            "its connection is cut" if cut else "its connection is not known to be open"
+        ) + " and what else it sends is dropped unread"
+        if size > UNREGISTERED_MAX_BYTES:
+            self._reject(
+                f"message of {size} bytes from {short(identity)}, which has not registered: "
+                f"over the limit of {UNREGISTERED_MAX_BYTES} bytes before registration (dropped "
+                f"undecoded); {then}"
+            )
+        else:
+            self._reject(
+                f"{short(identity)} sent more than {self.strangers.allowance} messages without "
+                f"registering (timeouts.stranger_messages): {then}"
+            )
         return False
 
     def _handle_one(
