@@ -16,6 +16,7 @@ from controller.server import Controller
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import EchoClient
+from tests.waiting import wait_until
 from transport.codec import encode
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType
 
@@ -38,17 +39,21 @@ def test_garbage_wrong_version_unknown_type_and_oversized_are_rejected(
         async with local_session([group("g", 2, echo=ECHO)], timeouts) as c:
             echo = EchoClient(c, "echo")
             ctx = zmq.Context.instance()
-            intruder = ctx.socket(zmq.DEALER)
-            intruder.connect(c.addresses[0])
-            for frames in bad_messages:
+            intruders = []
+            for frames in bad_messages:  # each from a peer of its own: an oversized message
+                intruder = ctx.socket(zmq.DEALER)  # cuts its sender's connection, and the
+                intruder.connect(c.addresses[0])  # controller's allowance counts per peer
                 intruder.send_multipart(frames)
+                intruders.append(intruder)
                 # the real group keeps working between every bad message
                 assert (await echo.where())["ranks"] == [0, 1]
-            for _ in range(100):
-                if len(c.rejected) >= len(bad_messages):
-                    break
-                await asyncio.sleep(0.02)
-            intruder.close(linger=0)
+                await wait_until(
+                    lambda: len(c.rejected) >= len(intruders),
+                    10,
+                    f"the controller's refusal of bad message {len(intruders)}",
+                )
+            for intruder in intruders:
+                intruder.close(linger=0)
             return c
 
     with caplog.at_level(logging.WARNING, logger="hybridflow.controller"):
