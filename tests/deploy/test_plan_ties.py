@@ -80,6 +80,7 @@ def test_the_ppo_example_picks_one_winner_whatever_top(
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the ranking's tie-break is tested in-process above
 @pytest.mark.timeout(240)
 def test_two_runs_under_other_hash_seeds_print_the_same(tmp_path: Path) -> None:
     outputs = []

@@ -15,6 +15,7 @@ from tests.deploy.test_run import job, quick_argv, summary
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # tests/controller/test_resume_precision.py checks the refusal itself
 @pytest.mark.timeout(300)
 def test_a_resume_in_another_precision_is_refused_until_the_dtype_is_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
