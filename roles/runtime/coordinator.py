@@ -120,6 +120,7 @@ class Coordinator:
         self.rpc_r, self.rpc_w = os.pipe2(os.O_NONBLOCK)  # "an rpc result is queued"
         self.calls: dict[int, PendingCall] = {}
         self.held: set[int] = set()  # calls holding rank 0's unsent result
+        self.failing: set[int] = set()  # calls whose reply is rank 0's error, once ranks are seen
         self.trackers: list[zmq.MessageTracker] = []
         self.computing_since: float | None = None  # set while rank 0 computes
         self.same_host_workers: set[int] = set()
@@ -368,11 +369,16 @@ class Coordinator:
         pending = self.calls.get(msg.call_id)
         if pending is None:
             return  # the call already failed on another rank
+        if msg.call_id in self.failing:  # rank 0's error will answer: others only end their wait
+            pending.waiting.discard(rank)
+            return
         if msg.type == MsgType.ERROR:
             if rank == 0 and pending.waiting - {0}:
-                self._look_for_lost_rank(msg.call_id)  # ends the process when one is lost
-                if msg.call_id not in self.calls:
-                    return  # another rank's error answered the call meanwhile
+                self.failing.add(msg.call_id)
+                try:
+                    self._look_for_lost_rank(msg.call_id)  # ends the process when one is lost
+                finally:
+                    self.failing.discard(msg.call_id)
             self._done(msg.call_id)
             self._send_ctrl(msg)
             return
@@ -391,7 +397,7 @@ class Coordinator:
         for sock in self.links.pollables():
             poller.register(sock, zmq.POLLIN)
         deadline = time.monotonic() + LOST_RANK_GRACE_S
-        while (pending := self.calls.get(call_id)) is not None and pending.waiting - {0}:
+        while self.calls[call_id].waiting - {0}:
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,11 @@ def main() -> None:
             coordinator = Coordinator(env, host, store)
         except Exception as exc:  # never joined (refused, no answer, ranks missing): say why
             report(ENDED, group=env.group, code=1, reason=f"{type(exc).__name__}: {exc}")
-            raise
+            # then exit at once, as the coordinator's own ending does: an interpreter shutdown
+            # would tear down the half-built sockets and process group in an undefined order
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         coordinator.serve()
     else:
         Worker(env, host, store).serve()
