@@ -16,26 +16,11 @@ from __future__ import annotations
 import sys
 import time
 
-import msgpack
 import zmq
 
-from transport.protocol import PROTOCOL_VERSION, MsgType
+from tests.controller.hostile_peer import hello
 
 SEND_POLL_MS = 100  # how long one send may wait for room before the deadline is looked at
-
-
-def wrong_hello() -> bytes:
-    body = {
-        "roles": ["linear"],
-        "world_size": 1,
-        "layout": {"dp": 1, "tp": 1, "pp": 1},
-        "version": PROTOCOL_VERSION,
-        "token": "not-the-token",
-        "host": "elsewhere",
-        "pid": 1,
-        "group": "g",
-    }
-    return bytes(msgpack.packb([PROTOCOL_VERSION, int(MsgType.HELLO), 0, body]))
 
 
 def flood(address: str, attack: str, seconds: float, size: int = 0, peers: int = 1) -> int:
@@ -52,9 +37,9 @@ def flood(address: str, attack: str, seconds: float, size: int = 0, peers: int =
         sock.connect(address)
         socks.append(sock)
     if attack in ("hellos", "named-hellos"):
-        frames: list[bytes | memoryview] = [wrong_hello()]
+        frames: list[bytes | memoryview] = [hello(roles=["linear"])]
     elif attack == "frames":
-        frames = [wrong_hello(), memoryview(bytes(size))]  # zero pages, sent zero-copy
+        frames = [hello(roles=["linear"]), memoryview(bytes(size))]  # zero pages, sent zero-copy
     else:
         raise SystemExit(f"unknown attack {attack!r}")
     for sock in socks:
