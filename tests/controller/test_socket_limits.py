@@ -18,7 +18,7 @@ from deploy.local import LocalLauncher
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.controller.flood_measure import start_stranger
-from tests.controller.flood_peer import wrong_hello
+from tests.controller.hostile_peer import hello
 from tests.fixtures.clients import EchoClient
 from tests.waiting import wait_until
 from transport.codec import decode
@@ -72,7 +72,7 @@ def test_a_stranger_that_keeps_sending_hears_its_allowance_of_refusals_then_is_c
         stranger.connect(address)
         try:
             for _ in range(50):
-                stranger.send(wrong_hello())
+                stranger.send(hello(roles=["linear"]))
             await wait_until(lambda: monitor.poll(0), 10, "the controller cuts the stranger")
             heard = []
             while stranger.poll(0):
@@ -171,7 +171,7 @@ def test_the_refusal_summary_comes_when_its_window_ends(
         sock, watch = controller._sockets[0]
         try:
             for i in range(controller.rejections.burst + 7):  # 7 over the burst: counted
-                controller._handle(sock, watch, zmq.Frame(b"\x00%d" % i), [wrong_hello()])
+                controller._handle(sock, watch, zmq.Frame(b"\x00%d" % i), [hello(roles=["linear"])])
             # no later refusal comes: the controller's timer must say what was counted
             await wait_until(
                 lambda: any("rejected 7 more" in r.getMessage() for r in caplog.records),
