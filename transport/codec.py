@@ -37,6 +37,7 @@ import msgpack
 import numpy as np
 import torch
 
+from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
 from transport.device import in_host_memory
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError, check_body
@@ -68,6 +69,10 @@ STRUCTS: dict[str, type] = {
     "weight_target": Target,
     "weights_sent": WeightsSent,
     "weights_received": WeightsReceived,
+    "env_spec": EnvSpec,
+    "env_open": EnvOpen,
+    "env_action": EnvAction,
+    "env_result": EnvResult,
 }
 _TAGS = {cls: tag for tag, cls in STRUCTS.items()}
 
