@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from controller.agent import TRAJECTORY_COLUMNS, AgentConfig, AgentRollout, run_trajectories
 from controller.algorithms import AlgorithmConfig, Roles, Timer, with_columns
 from controller.scoring import scores
 from controller.streaming import Generator, WeightGate, stream
@@ -91,9 +92,12 @@ class RolloutPipeline:
     policy version (``version``; ``trained`` counts one step), validation's calls
     (``generate``). Use ``async with pipeline.stage(...)`` around an RL stage's loop."""
 
-    def __init__(self, roles: Roles, weights: WeightSync) -> None:
+    def __init__(self, roles: Roles, weights: WeightSync, agent: AgentConfig | None = None) -> None:
         self.roles = roles
         self.weights = weights
+        self.agent = agent  # multi-turn rollouts through an env role (controller/agent.py)
+        self._agent_setup: AgentRollout | None = None
+        self._sessions = 0  # env sessions opened so far: each trajectory gets a new one
         self.gate = WeightGate()  # weight pushes to the rollout group vs. its generation calls
         self.version = 0  # policy version of the actor's weights (see the module docstring)
         self.synced = 0  # policy version a separate rollout group holds
@@ -121,8 +125,31 @@ class RolloutPipeline:
         self.version += 1
 
     async def generate(self, prompts: TensorBatch, sampling: SamplingConfig) -> TensorBatch:
-        """One generation call on the generator's current weights (validation's)."""
+        """One generation call on the generator's current weights (validation's); with an agent
+        configured, one trajectory per prompt and sample."""
+        if self.agent is not None:
+            seeded = TensorBatch(dict(prompts.tensors), dict(prompts.non_tensors), prompts.meta)
+            seeded.non_tensors.setdefault("seed", list(range(len(prompts))))
+            return await self._trajectories(seeded, sampling, self.held)
         return await self.generator.generate(prompts, sampling, self.held)
+
+    async def _trajectories(
+        self, prompts: TensorBatch, sampling: SamplingConfig, version: int
+    ) -> TensorBatch:
+        """Multi-turn rollouts of ``prompts`` (``controller/agent.py``)."""
+        assert self.agent is not None
+        env = self.roles.env
+        if env is None:
+            raise RuntimeError("trainer.agent needs a role named 'env'; none is placed")
+        if self._agent_setup is None:
+            spec = await env.spec()
+            self._agent_setup = AgentRollout(self.generator, env, self.agent, spec, self.gate)
+        first = self._sessions
+        self._sessions += len(prompts) * sampling.n
+        setup = AgentRollout(
+            self.generator, env, self.agent, self._agent_setup.spec, self.gate, first
+        )
+        return await run_trajectories(setup, prompts, sampling, version)
 
     async def sync(self) -> None:
         """The actor's weights to a separate rollout group when it holds older ones, after the
@@ -197,15 +224,20 @@ class RolloutPipeline:
             await self.sync()
         version = self.held
         began = time.perf_counter()
-        batch = await stream(
-            self.roles,
-            prompts,
-            cfg.sampling(request_seed(plan.seed, k, -1)),
-            sub_batches=cfg.stream_chunks,
-            partial=cfg.partial_rollout,
-            min_version=version,
-            gate=self.gate,
-        )
+        if self.agent is not None:
+            batch = await self._trajectories(
+                prompts, cfg.sampling(request_seed(plan.seed, k, -1)), version
+            )
+        else:
+            batch = await stream(
+                self.roles,
+                prompts,
+                cfg.sampling(request_seed(plan.seed, k, -1)),
+                sub_batches=cfg.stream_chunks,
+                partial=cfg.partial_rollout,
+                min_version=version,
+                gate=self.gate,
+            )
         if cfg.greedy_baseline:
             baseline = await self._greedy_baseline(batch, cfg, k, version)
             batch = with_columns(batch, remax_baseline=baseline)
@@ -218,7 +250,11 @@ class RolloutPipeline:
         """Per row, the reward of its prompt's greedy response on the weights that sampled
         ``batch`` (ReMax's baseline)."""
         prompts = first_of_each(batch)
-        greedy = await self.generator.generate(prompts, cfg.sampling(k, greedy=True), version)
+        sampling = cfg.sampling(k, greedy=True)
+        if self.agent is not None:
+            greedy = await self._trajectories(prompts, sampling, version)
+        else:
+            greedy = await self.generator.generate(prompts, sampling, version)
         base, _ = await scores(self.roles.reward, greedy)
         return base[index_of(batch, greedy)]
 
@@ -231,7 +267,8 @@ def _done(batch: TensorBatch) -> asyncio.Future[TensorBatch]:
 
 def first_of_each(batch: TensorBatch) -> TensorBatch:
     """One row per prompt (by ``uid``), text columns only: the prompts a batch was drawn from."""
-    keep = [k for k in batch.non_tensors if k not in ("response", "finish", "request")]
+    made = ("response", "finish", "request", *TRAJECTORY_COLUMNS)
+    keep = [k for k in batch.non_tensors if k not in made]
     seen: dict[Any, int] = {}
     for i, uid in enumerate(batch.non_tensors["uid"]):
         seen.setdefault(uid, i)

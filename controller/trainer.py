@@ -39,6 +39,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controller.agent import AgentConfig
 from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, first_rows
 from controller.clients import EngineClient
 from controller.metrics import Sample, sample_sinks
@@ -188,6 +189,11 @@ class TrainerConfig(BaseModel):
         "as fields, e.g. a chat turn around {prompt}; the model's own bos comes first",
     )
     save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
+    agent: AgentConfig | None = Field(
+        None,
+        description="multi-turn rollouts: every RL batch and validation is generated turn by "
+        "turn with the 'env' role's tools or environment (docs/agentic.md)",
+    )
     keep_last: int = Field(2, ge=1)
     log_samples: LogSamples = Field(
         default_factory=LogSamples,
@@ -250,7 +256,7 @@ class Trainer:
         self.resumed_state: dict[str, Any] | None = None  # the stage's State, from a checkpoint
         self.t0 = time.perf_counter()
         self.weights = WeightSync(roles.actor, cfg.weight_sync)
-        self.pipeline = RolloutPipeline(roles, self.weights)
+        self.pipeline = RolloutPipeline(roles, self.weights, cfg.agent)
         self.saved_step = -1
         self.precision: dict[str, dict[str, str]] = {}
         self.state = State.initial(AlgorithmConfig())  # each RL stage starts its own
@@ -420,6 +426,7 @@ class Trainer:
         if "reshard_s" in rollout.batch.meta:  # the actor generated at its gen_tp (reshard/)
             record["time/reshard_s"] = float(rollout.batch.meta["reshard_s"])
         record.update(memory)
+        record.update(rollout.batch.meta.get("agent", {}))
         return record
 
     def _timeline(
@@ -558,7 +565,8 @@ class Trainer:
             sample["prompt"] = text["prompt"][row]
             sample["response"] = text["response"][row]
             sample["reward"] = float(value)
-            sample.update({c: text[c][row] for c in ("answer", "finish") if c in text})
+            kept = ("answer", "finish", "turns", "tool_calls", "env_reward", "segments")
+            sample.update({c: text[c][row] for c in kept if c in text})
             found.append(sample)
         for sink in self.sample_sinks:
             sink.samples(found)

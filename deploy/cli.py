@@ -47,6 +47,7 @@ from deploy.session import local_session
 from deploy.slurm_cli import add_slurm_command
 from deploy.terminal import console, run_async
 from deploy.train_cli import add_train_commands, run_train_command
+from deploy.trajectories_cli import add_trajectories_command
 
 __all__ = ["build_parser", "console", "main", "run_async"]
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_command(sub)
     add_reshard_command(sub)
     add_plan_command(sub)
+    add_trajectories_command(sub)
     return parser
 
 

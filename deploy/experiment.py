@@ -71,6 +71,7 @@ ROLE_CLASSES = {
     "rollout": "roles.rollout:Rollout",
     "reward": "roles.reward:ModelReward",
     "cost": "roles.reward:ModelReward",
+    "env": "roles.env:EnvRole",
 }
 RULE_CLASS = "roles.reward:RuleReward"
 CHECKPOINTED = ("actor", "reference", "critic", "cost_critic")  # the reference may be re-based
@@ -357,6 +358,7 @@ def check(exp: Experiment) -> None:
     if "actor" not in exp.roles:
         raise ExperimentError("roles: every experiment needs an 'actor'")
     _check_stages(exp)
+    _check_agent(exp)
     _check_settings(exp)
     _check_rule_settings(exp)
     _check_sglang(exp)
@@ -480,6 +482,38 @@ def _check_stages(exp: Experiment) -> None:
             raise ExperimentError(
                 f"stages.{i} ({stage.algorithm.name}): needs role(s) {sorted(missing)}; "
                 "define them under roles" + _kl_hint(stage, missing)
+            )
+
+
+def _check_agent(exp: Experiment) -> None:
+    """Multi-turn rollouts (``trainer.agent``) and the ``env`` role come together, and generate
+    whole trajectories: not in streamed sub-batches or partial chunks."""
+    agent = exp.trainer.agent
+    if agent is None and "env" in exp.roles:
+        raise ExperimentError(
+            "roles.env: an env role serves multi-turn rollouts; add trainer.agent (e.g. "
+            "trainer: {agent: {max_turns: 4}}) or remove the role"
+        )
+    if agent is None:
+        return
+    if "env" not in exp.roles:
+        raise ExperimentError(
+            "trainer.agent: multi-turn rollouts need a role named 'env' hosting the tools "
+            "(env: {tools: [roles.tools.calculator:calculator]}) or an environment"
+        )
+    for i, stage in enumerate(exp.stages):
+        if not isinstance(stage, RLStage):
+            continue
+        if stage.algorithm.stream_chunks > 1:
+            raise ExperimentError(
+                f"stages.{i}.algorithm.stream_chunks: trajectories are served as they come "
+                "(trainer.agent); streaming sub-batches does not apply, set it to 1"
+            )
+        if stage.algorithm.partial_rollout is not None:
+            raise ExperimentError(
+                f"stages.{i}.algorithm.partial_rollout: not supported with trainer.agent; "
+                "a weight push waits for the generation call in flight and later turns of a "
+                "trajectory use the newer weights (token_versions records which)"
             )
 
 

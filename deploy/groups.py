@@ -79,6 +79,11 @@ def _role_spec(
             path = model_path(exp, cfg.model, run_dir)
             model_config, _ = check_model_dir(path)
             settings["model"] = str(path.resolve())
+        if cls == ROLE_CLASSES["env"] and "tokenizer" not in settings:
+            # the env tokenizes observations as the generator does: with the actor's tokenizer
+            actor = exp.roles["actor"].model
+            if actor is not None:
+                settings["tokenizer"] = str(model_path(exp, actor, run_dir).resolve())
     except (ValueError, ValidationError) as exc:
         raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
     engine = check_role_settings(role, cls, settings)

@@ -1,0 +1,502 @@
+"""Multi-turn rollouts: trajectories in which the model calls tools or acts in an environment.
+
+The rollout is a controller program, one coroutine per trajectory (``Trajectories.run``):
+
+1. the env group opens a session for the trajectory and gives its first context: the prompt's
+   tokens as the generator tokenizes them, then an environment's first observation;
+2. generate a turn on the generator (the colocated actor or a rollout group) until a stop: the
+   model's end of sequence, the last token of the tool-call close tag, or the turn's token limit;
+3. the turn's text goes to the env group (``roles/env.py``), which parses the call, runs the
+   tool under its limits and returns the observation as token ids; they are appended;
+4. repeat until the model answers without a call (tools), the environment says done, or a limit
+   (``max_turns``, ``max_total_tokens``) is reached.
+
+**Token in, token out.** A trajectory is the exact ids the engine sampled plus the observation ids
+the env returned, in order; nothing is ever re-tokenised. Its training row is those ids with
+``response_mask`` 1 on the sampled tokens only, their ``log_probs`` from the engine and each
+token's ``token_versions``; observation and prompt tokens have mask 0, so advantages, the loss and
+the KL term touch only what the model chose.
+
+**Continuous serving.** The trajectories do not take turns in lock step. A ``TurnServer`` sends the
+generator, whenever it is free, every turn waiting at that moment as one batch; a trajectory whose
+tool is slow only holds itself back. Tool actions go to the env group as they come
+(``submit``) and come back as they finish (``collect``), so one slow tool never holds back another.
+``serving: lockstep`` is the naive baseline on the same code: each generation call waits until
+every live trajectory has asked for its next turn.
+
+**Determinism.** Each turn is sampled with its own seed, from the step's seed, the trajectory's
+index and the turn's index, and the native engine draws each sample's random numbers from its own
+stream: a trajectory's tokens do not depend on which other turns shared its call. Continuous and
+lock-step serving give the same trajectories when the tools are deterministic.
+
+What reaches the reward role: ``response`` is the text of the final turn (the answer),
+``transcript`` all text after the prompt (``segments``: the same as ``[kind, text]`` pieces,
+kind ``sampled`` or ``observation``, after a ``start`` piece for an environment's first
+observation), ``env_reward`` the sum of the environment's rewards,
+``turns``, ``tool_calls`` and ``seconds`` (its wall time) per trajectory, and the data row's
+columns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from controller.streaming import NO_VERSION, Generator, WeightGate, fill_replicas, replicas
+from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
+from transport.batch import TensorBatch
+from transport.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from controller.clients.env import EnvClient
+
+#: text columns of a prompt batch that trajectories do not echo
+NOT_ECHOED = ("prompt_ids",)
+#: the text columns a trajectory adds to its row (besides ``response``, ``finish``, ``request``)
+TRAJECTORY_COLUMNS = ("transcript", "segments", "env_reward", "turns", "tool_calls", "seconds")
+
+
+class AgentConfig(BaseModel):
+    """Multi-turn rollouts with an ``env`` role (tools or an environment)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(4, ge=1, description="generation turns per trajectory")
+    max_total_tokens: int = Field(
+        256, ge=2, description="a trajectory's tokens in all: prompt, turns, observations"
+    )
+    serving: Literal["continuous", "lockstep"] = Field(
+        "continuous",
+        description="continuous: the generator serves whatever turns are waiting whenever it "
+        "is free; lockstep: each call waits for every live trajectory (the naive baseline)",
+    )
+    collect_wait_s: float = Field(
+        0.02, gt=0, description="how long one collect call waits on the env group for a result"
+    )
+    action_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="the longest a trajectory waits for one action's result (the env group's "
+        "own per-call limit, call_timeout_s, should be well under it)",
+    )
+
+
+class AgentError(RuntimeError):
+    """A multi-turn rollout that cannot go on (an action past ``action_timeout_s``)."""
+
+
+@dataclass
+class Trajectory:
+    request: int  # the prompt it answers, within the batch
+    sample: int  # which of the prompt's n
+    seed: int  # its request's seed
+    session: int
+    start: list[int] = field(default_factory=list)  # prompt tokens (+ first observation)
+    ids: list[int] = field(default_factory=list)  # everything after the start
+    sampled: list[int] = field(default_factory=list)  # 1 per id the model sampled
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    texts: list[str] = field(default_factory=list)  # the turns' texts, in order
+    #: ("sampled" | "observation", text) in order after the prompt; an environment's first
+    #: observation (part of the start) comes first
+    segments: list[tuple[str, str]] = field(default_factory=list)
+    env_reward: float = 0.0
+    tool_calls: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    finish: str = ""
+    began: float = 0.0
+    seconds: float = 0.0  # from its session's opening to its end
+
+    def extend(self, ids: list[int], log_probs: list[float] | None, version: int) -> None:
+        self.ids += ids
+        sampled = log_probs is not None
+        self.sampled += [int(sampled)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        self.versions += [version if sampled else NO_VERSION] * len(ids)
+
+    @property
+    def length(self) -> int:
+        return len(self.start) + len(self.ids)
+
+
+@dataclass
+class Turn:
+    """One turn's request to the generator, and what came back."""
+
+    ids: list[int]
+    seed: int
+    max_new: int
+    done: asyncio.Future[tuple[list[int], list[float], str, str, int]]
+
+
+class TurnServer:
+    """Serves the trajectories' turn requests on one generator: whenever no call is in flight,
+    every request waiting then goes out as one batch (continuous), or, in lock step, only once
+    every live trajectory has asked. Records when the generator was busy."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        sampling: SamplingConfig,
+        stops: list[int],
+        min_version: int,
+        gate: WeightGate | None,
+        lockstep: bool,
+    ) -> None:
+        self.generator = generator
+        self.sampling = sampling
+        self.stops = stops
+        self.min_version = min_version
+        self.gate = gate
+        self.lockstep = lockstep
+        self.waiting: list[Turn] = []
+        self.live = 0  # trajectories that may still ask for a turn
+        self.busy_s = 0.0  # time a generation call was in flight
+        self.calls = 0
+        self.pad_id: int | None = None
+        self._wake = asyncio.Event()
+
+    async def turn(
+        self, ids: list[int], seed: int, max_new: int
+    ) -> tuple[list[int], list[float], str, str, int]:
+        """(tokens, log-probs, text, finish, weight version) of one turn from ``ids``."""
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting.append(Turn(ids, seed, max_new, done))
+        self._wake.set()
+        return await done
+
+    def leave(self) -> None:
+        """A trajectory is finished: lock step no longer waits for it."""
+        self.live -= 1
+        self._wake.set()
+
+    async def serve(self) -> None:
+        """Until cancelled: send the waiting turns whenever there are any (and, in lock step,
+        every live trajectory is among them)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.waiting or (self.lockstep and len(self.waiting) < self.live):
+                continue
+            batch, self.waiting = self.waiting, []
+            try:
+                await self._call(batch)
+            except BaseException as exc:
+                for t in batch:
+                    if not t.done.done():
+                        t.done.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            if self.waiting:
+                self._wake.set()
+
+    async def _call(self, batch: list[Turn]) -> None:
+        prompts = TensorBatch.from_dict(
+            non_tensors={"prompt_ids": [t.ids for t in batch], "seed": [t.seed for t in batch]}
+        )
+        longest = max(t.max_new for t in batch)
+        sampling = self.sampling.model_copy(
+            update={"n": 1, "max_new_tokens": longest, "stop_token_ids": self.stops}
+        )
+        padded = fill_replicas(prompts, replicas(self.generator))
+        began = time.perf_counter()
+        async with self.gate.generating() if self.gate else _nothing():
+            reply = await self.generator.generate(padded, sampling, self.min_version)
+        self.busy_s += time.perf_counter() - began
+        self.calls += 1
+        self.pad_id = int(reply.meta.get("pad_values", {}).get("input_ids", 0))
+        version = int(reply.meta["weight_version"])
+        ids, mask = reply.tensors["input_ids"], reply.tensors["response_mask"].bool()
+        log_probs = reply.tensors["log_probs"]
+        for row, t in enumerate(batch):
+            tokens = ids[row][mask[row]].tolist()
+            lps = log_probs[row][mask[row]].tolist()
+            finish = str(reply.non_tensors["finish"][row])
+            text = str(reply.non_tensors["response"][row])
+            if len(tokens) > t.max_new:  # the call ran longer than this turn may
+                tokens, lps, finish = tokens[: t.max_new], lps[: t.max_new], "length"
+                text = ""  # not decoded here: a cut turn is never parsed
+            t.done.set_result((tokens, lps, text, finish, version))
+
+
+class _nothing:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+class ActionDesk:
+    """Sends the trajectories' actions to the env group as they come and hands each result to
+    its trajectory as it finishes: one loop owns the env client (its calls queue on the group),
+    alternating ``submit`` (everything that came in) and ``collect`` (whatever finished)."""
+
+    def __init__(self, env: EnvClient, wait_s: float, timeout_s: float) -> None:
+        self.env = env
+        self.wait_s = wait_s
+        self.timeout_s = timeout_s
+        self.pending: list[EnvAction] = []
+        self.out: dict[int, asyncio.Future[EnvResult]] = {}
+        self.waited_s = 0.0  # time the loop waited on results
+        self._wake = asyncio.Event()
+
+    async def act(self, action: EnvAction) -> EnvResult:
+        done: asyncio.Future[EnvResult] = asyncio.get_running_loop().create_future()
+        self.out[action.session] = done
+        self.pending.append(action)
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self.timeout_s)
+        except TimeoutError:
+            raise AgentError(
+                f"session {action.session}: no result from role {self.env.role!r} within "
+                f"{self.timeout_s:g} s (agent.action_timeout_s; the env's own per-call limit "
+                "is its call_timeout_s)"
+            ) from None
+
+    async def serve(self) -> None:
+        while True:
+            if not self.out:
+                await self._wake.wait()
+            self._wake.clear()
+            if self.pending:
+                sent, self.pending = self.pending, []
+                await self.env.submit(sent)
+            if not self.out:
+                continue
+            began = time.perf_counter()
+            results = await self.env.collect(self.wait_s)
+            self.waited_s += time.perf_counter() - began
+            for result in results:
+                found = self.out.pop(result.session, None)
+                if found is not None and not found.done():
+                    found.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        for found in self.out.values():
+            if not found.done():
+                found.set_exception(exc)
+
+
+@dataclass
+class AgentRollout:
+    """What one batch of trajectories needs: who generates, who acts, how."""
+
+    generator: Generator
+    env: EnvClient
+    cfg: AgentConfig
+    spec: EnvSpec
+    gate: WeightGate | None = None
+    first_session: int = 0
+
+
+def turn_seed(seed: int, sample: int, turn: int, part: int) -> int:
+    """The sampling seed of one turn (``part``: a turn continued after a stop token that did not
+    close a call) of sample ``sample`` of a request whose seed is ``seed``."""
+    digest = hashlib.blake2b(f"{seed}/{sample}/{turn}/{part}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+async def run_trajectories(
+    setup: AgentRollout, prompts: TensorBatch, sampling: SamplingConfig, min_version: int
+) -> TensorBatch:
+    """``sampling.n`` trajectories per prompt of ``prompts`` (which needs a ``seed`` column), as
+    training rows, request-major like a generation call's reply."""
+    spec, cfg = setup.spec, setup.cfg
+    seeds = [int(s) for s in prompts.non_tensors["seed"]]
+    n = sampling.n
+    trajectories = [
+        Trajectory(request=r, sample=j, seed=seeds[r], session=setup.first_session + r * n + j)
+        for r in range(len(prompts))
+        for j in range(n)
+    ]
+    rows = _rows(prompts)
+    stops = sorted({spec.eos_token_id, *spec.call_stop_token_ids})
+    server = TurnServer(
+        setup.generator, sampling, stops, min_version, setup.gate, cfg.serving == "lockstep"
+    )
+    desk = ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
+    began = time.perf_counter()
+    opened = await setup.env.open(
+        [EnvOpen(session=t.session, row=rows[t.request]) for t in trajectories]
+    )
+    by_session = {o.session: o for o in opened}
+    for t in trajectories:
+        first = by_session[t.session]
+        t.start = list(first.observation_ids)
+        if first.observation:
+            t.segments.append(("start", first.observation))
+    server.live = len(trajectories)
+    loops = [asyncio.ensure_future(server.serve()), asyncio.ensure_future(desk.serve())]
+    runs = [asyncio.ensure_future(_one(t, server, desk, spec, cfg, sampling)) for t in trajectories]
+    try:
+        waiting: set[asyncio.Future[None]] = {*runs, *loops}
+        while not all(run.done() for run in runs):
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:  # a trajectory or a loop that failed fails the rollout
+                failed = task.exception()
+                if failed is not None:
+                    raise failed
+    finally:
+        for task in [*loops, *runs]:
+            task.cancel()
+        desk.fail(AgentError("the multi-turn rollout ended before this action's result"))
+    elapsed = time.perf_counter() - began
+    await setup.env.close([t.session for t in trajectories])
+    batch = _batch(trajectories, prompts, server.pad_id or 0)
+    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server, desk)
+    return batch
+
+
+async def _one(
+    t: Trajectory,
+    server: TurnServer,
+    desk: ActionDesk,
+    spec: EnvSpec,
+    cfg: AgentConfig,
+    sampling: SamplingConfig,
+) -> None:
+    t.began = time.perf_counter()
+    try:
+        part = 0
+        text = ""  # the turn so far (a turn goes on after a stop token that closes no call)
+        while True:
+            budget = min(sampling.max_new_tokens, cfg.max_total_tokens - t.length)
+            if budget <= 0:
+                t.finish = "length"
+                return
+            tokens, lps, got, finish, version = await server.turn(
+                t.start + t.ids, turn_seed(t.seed, t.sample, t.turns, part), budget
+            )
+            t.extend(tokens, lps, version)
+            text += got
+            last = tokens[-1] if tokens else None
+            if finish == "stop" and last in spec.call_stop_token_ids and not spec.stateful:
+                if not text.endswith(spec.call_close) and last != spec.eos_token_id:
+                    part += 1  # e.g. a '>' that closes no call: the same turn goes on
+                    continue
+            t.turns += 1
+            t.texts.append(text)
+            t.segments.append(("sampled", text))
+            # tools: an answer without a call (or cut at the turn's limit) ends it; an
+            # environment judges every turn's text and says when it is done
+            ended = not spec.stateful and (finish == "length" or last == spec.eos_token_id)
+            if ended:
+                t.finish = finish
+                return
+            result = await desk.act(
+                EnvAction(session=t.session, text=text, finish=finish, turn=t.turns - 1)  # type: ignore[arg-type]
+            )
+            t.extend(list(result.observation_ids), None, NO_VERSION)
+            t.segments.append(("observation", result.observation))
+            t.latencies.append(result.latency_s)
+            if result.called is not None:
+                t.tool_calls += 1
+            if result.error is not None:
+                t.errors[result.error] += 1
+            if result.reward is not None:
+                t.env_reward += float(result.reward)
+            if result.done:
+                t.finish = "done"
+                return
+            if t.turns >= cfg.max_turns:
+                t.finish = "turns"
+                return
+            text, part = "", 0
+    finally:
+        t.seconds = time.perf_counter() - t.began
+        server.leave()
+
+
+def _rows(prompts: TensorBatch) -> list[dict[str, Any]]:
+    names = [c for c in prompts.non_tensors if c not in NOT_ECHOED]
+    return [{c: prompts.non_tensors[c][i] for c in names} for i in range(len(prompts))]
+
+
+def _batch(trajectories: list[Trajectory], prompts: TensorBatch, pad_id: int) -> TensorBatch:
+    """Training rows: start then everything after it, right-padded; ``response_mask`` on the
+    sampled tokens only."""
+    width = max(t.length for t in trajectories)
+    rows = len(trajectories)
+    ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    response = torch.zeros((rows, width), dtype=torch.long)
+    log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.full((rows, width), NO_VERSION, dtype=torch.long)
+    for i, t in enumerate(trajectories):
+        s, e = len(t.start), t.length
+        ids[i, :e] = torch.tensor(t.start + t.ids, dtype=torch.long)
+        attention[i, :e] = 1
+        response[i, s:e] = torch.tensor(t.sampled, dtype=torch.long)
+        log_probs[i, s:e] = torch.tensor(t.log_probs, dtype=torch.float32)
+        versions[i, s:e] = torch.tensor(t.versions, dtype=torch.long)
+    columns = [c for c in prompts.non_tensors if c not in NOT_ECHOED]
+    non_tensors: dict[str, list[Any]] = {
+        c: [prompts.non_tensors[c][t.request] for t in trajectories] for c in columns
+    }
+    non_tensors.update(
+        response=[t.texts[-1] if t.texts else "" for t in trajectories],
+        transcript=["".join(x for k, x in t.segments if k != "start") for t in trajectories],
+        segments=[[list(x) for x in t.segments] for t in trajectories],
+        finish=[t.finish for t in trajectories],
+        request=[t.request for t in trajectories],
+        env_reward=[t.env_reward for t in trajectories],
+        turns=[t.turns for t in trajectories],
+        tool_calls=[t.tool_calls for t in trajectories],
+        seconds=[t.seconds for t in trajectories],
+    )
+    sampled = [v for t in trajectories for v, m in zip(t.versions, t.sampled, strict=True) if m]
+    batch = TensorBatch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "response_mask": response,
+            "log_probs": log_probs,
+            "token_versions": versions,
+        },
+        non_tensors,
+        {"pad_values": {"input_ids": pad_id}},
+    )
+    batch.meta["weight_version"] = min(sampled) if sampled else 0
+    batch.meta["last_weight_version"] = max(sampled) if sampled else 0
+    return batch
+
+
+def agent_metrics(
+    trajectories: list[Trajectory], elapsed: float, server: TurnServer, desk: ActionDesk
+) -> dict[str, float]:
+    """Per batch: turns and tool calls per trajectory, tool errors by kind, tool latency
+    p50/p99, the generator's idle share, and trajectories per second."""
+    count = max(len(trajectories), 1)
+    latencies = torch.tensor([x for t in trajectories for x in t.latencies], dtype=torch.float64)
+    errors: Counter[str] = Counter()
+    for t in trajectories:
+        errors.update(t.errors)
+    found = {
+        "agent/turns": sum(t.turns for t in trajectories) / count,
+        "agent/tool_calls": sum(t.tool_calls for t in trajectories) / count,
+        "agent/tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / count,
+        "agent/tool_errors": float(sum(errors.values())),
+        "agent/generator_idle_share": max(0.0, 1.0 - server.busy_s / max(elapsed, 1e-9)),
+        "agent/generate_calls": float(server.calls),
+        "agent/traj_per_s": len(trajectories) / max(elapsed, 1e-9),
+        "agent/seconds": elapsed,
+    }
+    for kind, n in sorted(errors.items()):
+        found[f"agent/tool_errors/{kind}"] = float(n)
+    if latencies.numel():
+        found["agent/tool_latency_p50_s"] = float(latencies.quantile(0.5))
+        found["agent/tool_latency_p99_s"] = float(latencies.quantile(0.99))
+    for finish, n in sorted(Counter(t.finish for t in trajectories).items()):
+        found[f"agent/finish/{finish}"] = n / count
+    return found
