@@ -247,3 +247,29 @@ BAD: list[tuple[str, Callable[[], object]]] = [
 def test_bad_arguments_name_themselves(name: str, call: Callable[[], object]) -> None:
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         call()
+
+
+# -- multi-turn rows: observation tokens (mask 0) between sampled turns -------------------------
+
+#: prompt (2), turn 1 (2 sampled), observation (2), turn 2 (1 sampled), padding (1)
+TURNS_MASK = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 1, 0, 0, 1, 1, 0]])
+
+
+def test_grpo_over_trajectories_touches_only_the_sampled_tokens() -> None:
+    # group of two: scores 1 and 0 -> mean 0.5, unbiased std sqrt(0.5) -> +-0.5/0.70711 = +-0.70711
+    found = grpo(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), TURNS_MASK)
+    a = 0.5 / math.sqrt(0.5)
+    expected = torch.tensor([[0, 0, a, a, 0, 0, a, 0], [0, 0, -a, 0, 0, -a, -a, 0]])
+    torch.testing.assert_close(found, expected, atol=1e-5, rtol=0)
+
+
+def test_the_score_lands_on_the_last_sampled_token_and_gae_skips_observations() -> None:
+    rewards = token_rewards(torch.tensor([2.0, 3.0]), TURNS_MASK)
+    assert rewards[0].tolist() == [0, 0, 0, 0, 0, 0, 2, 0]
+    assert rewards[1].tolist() == [0, 0, 0, 0, 0, 0, 3, 0]
+    # values on the sampled tokens of row 0: 0.5, 1.0, 1.5 (observations hold 9, never read)
+    values = torch.tensor([[9, 9, 0.5, 1.0, 9, 9, 1.5, 9], [0.0] * 8])
+    adv, returns = gae(rewards, values, TURNS_MASK, gamma=1.0, lam=1.0, whiten=False)
+    # gamma = lam = 1: A_t = (sum of rewards from t) - V_t over the row's sampled tokens
+    assert adv[0].tolist() == [0, 0, 1.5, 1.0, 0, 0, 0.5, 0]
+    assert returns[0].tolist() == [0, 0, 2.0, 2.0, 0, 0, 2.0, 0]
