@@ -57,6 +57,8 @@ def write_report(run_dir: Path) -> list[Path]:
         _lines(plt, rows, out / "sft.png", "SFT loss", SFT),
         _lines(plt, rows, out / "safety.png", "Safe-RLHF: cost and lambda", SAFETY),
         _lines(plt, rows, out / "critic.png", "critic loss", CRITIC),
+        _lines(plt, rows, out / "agent.png", "multi-turn: per trajectory", AGENT),
+        _lines(plt, rows, out / "tools.png", "tools: latency (s) and generator idle share", TOOLS),
         _time_split(plt, rows, out / "time.png"),
         _timeline(plt, rows, out / "timeline.png"),
     ]
@@ -92,6 +94,9 @@ LAST = [
     ("train/cost", "cost"),
     ("train/lambda", "lambda"),
     ("train/critic/loss", "critic loss"),
+    ("agent/turns", "turns"),
+    ("agent/tool_calls", "tool calls"),
+    ("agent/tool_errors", "tool errors"),
 ]
 SHOWN_SAMPLES = 3  # per kind (validation, rollout): the newest
 
@@ -176,6 +181,17 @@ LENGTH = [("train/response/length", "train")]
 SFT = [("train/loss", "train"), ("val/loss", "held-out")]
 SAFETY = [("train/cost", "episode cost"), ("train/lambda", "lambda")]
 CRITIC = [("train/critic/loss", "critic"), ("train/cost_critic/loss", "cost critic")]
+AGENT = [
+    ("agent/turns", "turns"),
+    ("agent/tool_calls", "tool calls"),
+    ("agent/tool_call_rate", "share calling a tool"),
+    ("agent/tool_errors", "tool errors (batch)"),
+]
+TOOLS = [
+    ("agent/tool_latency_p50_s", "latency p50"),
+    ("agent/tool_latency_p99_s", "latency p99"),
+    ("agent/generator_idle_share", "generator idle share"),
+]
 TIME_PARTS = ("gen", "prepare", "update", "sync")
 
 

@@ -170,3 +170,20 @@ def test_html_report_is_one_page_with_the_plots_and_the_samples(
     assert len(rows) == len(SAMPLES)
     assert rows[0][:5] == ["70", "final", "validation", "3+3=", "6\nok"]  # newest first
     assert rows[1][3] == "<b>2+2=</b>"  # text, not markup
+
+
+def test_multi_turn_metrics_get_their_plots_and_summary_line(tmp_path: Path) -> None:
+    rows = [
+        {"step": k, "stage": "grpo", "stage_step": k, "train/reward/mean": 0.1 * k,
+         "agent/turns": 1.0 + 0.1 * k, "agent/tool_calls": 0.5, "agent/tool_errors": 2.0,
+         "agent/tool_latency_p50_s": 0.05, "agent/tool_latency_p99_s": 0.9,
+         "agent/generator_idle_share": 0.2}
+        for k in range(1, 6)
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = [p.name for p in write_report(tmp_path)]
+    assert "agent.png" in names and "tools.png" in names
+    assert "turns 1.5" in summary(tmp_path) and "tool errors 2" in summary(tmp_path)
+    single = {k: v for k, v in rows[0].items() if not k.startswith("agent/")}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(single) + "\n")
+    assert "agent.png" not in [p.name for p in write_report(tmp_path)]  # a single-turn run
