@@ -5,6 +5,12 @@ every row on the way in, so a bad file fails at load time with the file, the lin
 not mid-run. Columns beyond the named ones are kept: they are the row's metadata (a reward
 function sees them). Tokenization happens in the roles, never here.
 
+An SFT row is a (``prompt``, ``response``) pair or a conversation: ``messages``, a list of
+``{"role": "system" | "user" | "assistant" | "tool", "content": str}`` ending with an assistant
+message (the chat format of OpenAI, TRL and verl data; other keys of a message are ignored, and a
+tool call is written in the assistant's content, in the model's call format, not as
+``tool_calls``). Only the assistant's turns are trained on (``roles/modeling/text.py``).
+
 Sources:
 - ``data.jsonl`` / ``data.json``: one JSON object per non-empty line; errors say ``FILE:LINE: ``
   with 1-based line numbers.
@@ -48,6 +54,10 @@ class Column:
     required: bool = True
     why: str = ""  # who needs it, said when it is missing (e.g. "the reward function f reads it")
     blank: bool = True  # False: an empty (or all-space) string is refused like a missing value
+    #: required only when the row lacks this other column (which then stands in for it)
+    unless: str = ""
+    #: a further check of a present value, given the row too: what is wrong, or None
+    check: Callable[[Any, Mapping[str, Any]], str | None] | None = None
 
     @property
     def kinds(self) -> tuple[type, ...]:
@@ -64,7 +74,47 @@ class Column:
         return isinstance(value, self.kinds)
 
 
-SFT_COLUMNS = (Column("prompt", str), Column("response", str))
+MESSAGES = "messages"  # an SFT row's conversation, in place of prompt and response
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+
+
+def conversation_problem(messages: Any, row: Mapping[str, Any]) -> str | None:
+    """What is wrong with an SFT row's ``messages`` (None when nothing is): each message a map
+    with a known ``role`` and a string ``content``, an assistant message last, no ``tool_calls``
+    (the call goes in the content), and no ``response`` beside them (which to train on?)."""
+    if not messages:
+        return "an empty list; give the messages, the last one the assistant's"
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            return f"messages[{i}] is {type(message).__name__} ({_preview(message)}), not a map"
+        role, content = message.get("role"), message.get("content")
+        if role not in MESSAGE_ROLES:
+            return f"messages[{i}] has role {role!r}; use one of {', '.join(MESSAGE_ROLES)}"
+        if message.get("tool_calls"):
+            return (
+                f"messages[{i}] ({role}) has tool_calls, which are not read; write the call in "
+                "the assistant's content, in the model's call format"
+            )
+        if not isinstance(content, str):
+            state = "is missing" if content is None else f"is {type(content).__name__}"
+            return f"messages[{i}] ({role}): content {state}; every message needs text content"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant message, so nothing to train on"
+    if messages[-1]["role"] != "assistant":
+        return (
+            f"the last message is a {messages[-1]['role']} message; a conversation to train on "
+            "ends with the assistant's"
+        )
+    if row.get("response") is not None:
+        return "given with a response column too; an SFT row has one or the other"
+    return None
+
+
+SFT_COLUMNS = (
+    Column("prompt", str, unless=MESSAGES),
+    Column("response", str, unless=MESSAGES),
+    Column(MESSAGES, list, required=False, check=conversation_problem),
+)
 PREFERENCE_COLUMNS = (Column("prompt", str), Column("chosen", str), Column("rejected", str))
 PROMPT_COLUMNS = (
     Column("prompt", str, blank=False),
@@ -199,7 +249,7 @@ def check_row(row: Mapping[str, Any], columns: Sequence[Column], where: str) -> 
     for column in columns:
         value = row.get(column.name)
         if value is None:
-            if column.required:
+            if column.required and (not column.unless or row.get(column.unless) is None):
                 state = "is null" if column.name in row else "is missing"
                 why = f" ({column.why})" if column.why else ""
                 raise DatasetError(
@@ -217,6 +267,8 @@ def check_row(row: Mapping[str, Any], columns: Sequence[Column], where: str) -> 
                 f"{where}: column {column.name!r} is an empty string{why}; give it a value "
                 "or leave the row out"
             )
+        elif column.check is not None and (problem := column.check(value, row)) is not None:
+            raise DatasetError(f"{where}: column {column.name!r}: {problem}")
 
 
 def _rename_hint(column: Column, row: Mapping[str, Any]) -> str:
@@ -330,7 +382,16 @@ def _task_arguments(source: str, name: str, task: Callable[..., Any], query: str
 
 
 def _needs(columns: Sequence[Column]) -> str:
-    return ", ".join(c.describe() for c in columns if c.required) or "any columns"
+    """The required columns; those another column can stand in for are given with it as the
+    alternative ("prompt (str) and response (str), or messages (list)")."""
+    needed = [c for c in columns if c.required and not c.unless]
+    text = [c.describe() for c in needed]
+    for other in dict.fromkeys(c.unless for c in columns if c.required and c.unless):
+        these = [c for c in columns if c.required and c.unless == other]
+        instead = next((c for c in columns if c.name == other), Column(other, object))
+        group = " and ".join(c.describe() for c in these if c.name not in {n.name for n in needed})
+        text.append(f"{group}, or {replace(instead, required=True).describe()}")
+    return ", ".join(text) or "any columns"
 
 
 def _preview(value: object, limit: int = 40) -> str:

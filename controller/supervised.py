@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from controller.clients import ActorClient, RewardModelClient
+from controller.data import MESSAGES
 from transport.batch import TensorBatch
 
 Log = Callable[[dict[str, Any]], None]
@@ -45,7 +46,23 @@ def batches(rows: Sequence[dict[str, Any]], cfg: LoopConfig) -> Iterator[list[di
 
 
 def text_batch(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> TensorBatch:
-    return TensorBatch.from_dict(non_tensors={c: [row[c] for row in rows] for c in columns})
+    """The named text columns of each row, as the roles' text endpoints take them.
+
+    An SFT row may be a conversation instead of a (prompt, response) pair: when any row has
+    ``messages``, they travel in a ``messages`` column (``role`` and ``content`` of each message;
+    None for the other rows), and a named column such a row lacks travels as None.
+    """
+    conversations = [None if row.get(MESSAGES) is None else _turns(row[MESSAGES]) for row in rows]
+    pairs = list(zip(rows, conversations, strict=True))
+    texts = {c: [row[c] if talk is None else row.get(c) for row, talk in pairs] for c in columns}
+    if any(talk is not None for talk in conversations):
+        texts[MESSAGES] = conversations
+    return TensorBatch.from_dict(non_tensors=texts)
+
+
+def _turns(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """A conversation with only what the roles read of each message."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 async def supervised(
@@ -80,7 +97,8 @@ async def sft(
     response_only: bool = True,
     pack: bool = False,
 ) -> dict[str, Any]:
-    """Next-token training of the actor on (prompt, response) rows; reports held-out loss.
+    """Next-token training of the actor on (prompt, response) rows, or conversations (rows with
+    ``messages``: trained on the assistant's turns only); reports held-out loss.
     ``pack`` packs training rows into context-long rows (the loss is the same, padding goes)."""
     columns = ("prompt", "response")
     held_out = text_batch(val, columns)

@@ -10,7 +10,10 @@ for every setting, so test numbers are really held out. For commutative operator
 operand order, so ``45+37`` is never trained on while ``37+45`` is tested. Subtraction problems
 have ``a >= b``, so no answer is negative. Sampling within a split is deterministic given the seed.
 
-The rule reward that scores these answers lives with the reward role: ``roles/rules.py``.
+``builtin:tool_arithmetic`` is the demo of tool use: products too hard for a small model to
+compute, which it can answer exactly by calling a calculator tool (``examples/tool_use.yaml``).
+
+The rule rewards that score these answers live with the reward role: ``roles/rules.py``.
 """
 
 from __future__ import annotations
@@ -178,9 +181,79 @@ def _reject(p: Problem, kind: str, rng: random.Random) -> str:
     return str(right - k if rng.random() < 0.5 and right >= k else right + k)
 
 
+#: How the demo model calls the calculator (the env role's ``bracket`` format): the tool's name, a
+#: space, the expression, a closing bracket (the turn's stop token).
+CALL = "[calculator {expression}]"
+#: The env role's observation template in examples/tool_use.yaml, ``{text}`` the tool's result:
+#: what follows a call in the trajectory, before the final answer ("123*45=[calculator 123*45] =
+#: 5535\n5535"). An SFT tool message holds it rendered, so SFT and RL see the same bytes.
+OBSERVATION = " = {text}\n"
+# The operands of tool_arithmetic: mostly 3-digit by 2-digit products, past what the 1M-parameter
+# model learns to compute (it learns 2-digit sums, not long multiplication).
+_TOOL_A = range(10, 1000)
+_TOOL_B = range(2, 100)
+
+
+@functools.cache
+def tool_problems(split: str) -> tuple[Problem, ...]:
+    """Every tool_arithmetic problem (a*b, a in 10..999, b in 2..99) of one split, in order.
+    The split is the problem's own (``Problem.split``), as for ``arithmetic``."""
+    _check_options(split, 0, "*")
+    return tuple(
+        problem for a in _TOOL_A for b in _TOOL_B if (problem := Problem(a, "*", b)).split == split
+    )
+
+
+def tool_arithmetic(
+    n: int, split: str, seed: int = 0, tool_share: float = 0.3
+) -> list[dict[str, Any]]:
+    """n multiplication problems the model can solve exactly only by calling a calculator tool.
+
+    The ``train`` and ``test`` splits give prompt rows {prompt, answer, data_source} (an RL
+    stage's, a validation's). The ``sft`` split gives conversations {messages, answer,
+    data_source}: ``round(n * tool_share)`` of them (seeded) demonstrate the tool — the user's
+    prompt, the assistant's call ``[calculator 123*45]``, the tool's observation (``OBSERVATION``
+    rendered: `` = 5535\n``), the assistant's ``5535`` — and the rest answer at once with the
+    right number, which the model cannot learn to compute, so it learns to guess. RL then finds
+    that calling pays. Rows are drawn as in ``arithmetic``.
+    """
+    if not 0.0 <= tool_share <= 1.0:
+        raise ValueError(f"tool_share={tool_share} must be a fraction in [0, 1]")
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    rng = random.Random(seed)
+    pool = tool_problems(split)
+    picked = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
+    calls = set(random.Random(f"tool/{seed}").sample(range(n), round(n * tool_share)))
+    rows = []
+    for i, p in enumerate(picked):
+        row: dict[str, Any] = {"answer": p.answer, "data_source": "tool_arithmetic"}
+        if split == "sft":
+            row = {"messages": _demonstration(p, i in calls), **row}
+        else:
+            row = {"prompt": p.prompt, **row}
+        rows.append(row)
+    return rows
+
+
+def _demonstration(p: Problem, call: bool) -> list[dict[str, str]]:
+    user = {"role": "user", "content": p.prompt}
+    answer = {"role": "assistant", "content": p.answer}
+    if not call:
+        return [user, answer]
+    expression = p.prompt.removesuffix("=")
+    return [
+        user,
+        {"role": "assistant", "content": CALL.format(expression=expression)},
+        {"role": "tool", "content": OBSERVATION.format(text=p.answer)},
+        answer,
+    ]
+
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": arithmetic,
     "preference": preference,
+    "tool_arithmetic": tool_arithmetic,
 }
 
 #: What each parameter of a task means, for the reference in docs/experiments.md
@@ -188,13 +261,14 @@ TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
 PARAMETERS = {
     "n": "rows to draw (without replacement while the split has that many problems)",
     "split": "train, sft or test: disjoint sets of problems (a stable hash of each problem)",
-    "seed": "which rows are drawn, and the noise coin",
+    "seed": "which rows are drawn, and the seeded choices per row (noise, tool calls)",
     "max_operand": "operands range over 0..max_operand",
     "ops": "operators to draw from, written together: any of + - * (e.g. ops=+-)",
     "noise": "fraction of rows whose response is written '<answer>!', a format the exact-answer "
     "reward rejects",
     "style": "short (the number) or explain (the number, then a restatement: ~20 tokens)",
     "kinds": "how the rejected answer is wrong, comma-separated: operand, format, near",
+    "tool_share": "fraction of sft rows that call the calculator (the rest answer directly)",
 }
 
 

@@ -23,7 +23,7 @@ from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
-from roles.modeling.text import encode_rows
+from roles.modeling.text import MESSAGES, encode_rows
 from roles.runtime.device import peak_memory_bytes, reset_peak_memory
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, MICRO_DP, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
@@ -225,8 +225,11 @@ class Actor(Reference):
         self, batch: TensorBatch, response_only: bool, pack: bool
     ) -> tuple[TensorBatch, int]:
         prompts, responses = batch.non_tensor(PROMPT), batch.non_tensor(RESPONSE)
+        conversations = batch.non_tensors.get(MESSAGES)
         limit = int(self.engine.model_config.max_position_embeddings)
-        return encode_rows(self.tokenizer, prompts, responses, limit, response_only, pack)
+        return encode_rows(
+            self.tokenizer, prompts, responses, limit, response_only, pack, conversations
+        )
 
     @endpoint(DP_REDUCED)
     def sft_step(
@@ -237,9 +240,10 @@ class Actor(Reference):
         scale: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step of token-mean next-token loss on text rows (``prompt``,
-        ``response``); with ``response_only`` the prompt tokens are not trained on; ``pack``
-        packs each rank's rows into as few context-long rows as fit. ``scale`` multiplies the
-        loss (a pretraining term's coefficient, e.g. Safe-RLHF's ptx)."""
+        ``response``, or per row a conversation in a ``messages`` column: then only assistant
+        tokens count, ``roles/modeling/text.py``); with ``response_only`` the prompt tokens are
+        not trained on; ``pack`` packs each rank's rows into as few context-long rows as fit.
+        ``scale`` multiplies the loss (a pretraining term's coefficient, e.g. Safe-RLHF's ptx)."""
         tokens_batch, cut = self._sft_batch(batch, response_only, pack)
 
         def loss_fn(

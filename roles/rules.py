@@ -2,7 +2,8 @@
 
 A rule reward is ``fn(prompt, response, metadata) -> float | dict`` (see ``roles/reward.py``).
 ``roles.rules:arithmetic_reward`` scores the built-in arithmetic task (``controller/tasks.py``),
-whose rows carry the exact answer as ``metadata["answer"]``.
+whose rows carry the exact answer as ``metadata["answer"]``; ``tool_arithmetic_reward`` scores the
+final answer of a multi-turn rollout on the tool-use demo task.
 
 A rule reward that reads a data column declares it with ``@needs("answer")``: the experiment
 loader (``deploy/experiment.py``) then checks, before anything starts, that every row of the
@@ -46,10 +47,26 @@ def arithmetic_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -
     Text after that token is ignored (" 82 because 37+45=82" scores 1.0). Special tokens are the
     caller's to strip: "82</s>" scores 0.0. `prompt` is unused; rule rewards share one signature.
     """
+    return _first_word_is_answer("arithmetic_reward", response, metadata)
+
+
+@needs("answer")
+def tool_arithmetic_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the final answer's first whitespace-separated word equals metadata["answer"].
+
+    For ``builtin:tool_arithmetic`` (``examples/tool_use.yaml``): in a multi-turn rollout
+    ``response`` is the final turn, after any tool call and its observation, so a right answer
+    scores the same whether the calculator computed it or the model did. A trajectory that ends
+    on a call ("[calculator 123*45]", out of turns) has no answer and scores 0.0.
+    """
+    return _first_word_is_answer("tool_arithmetic_reward", response, metadata)
+
+
+def _first_word_is_answer(name: str, response: str, metadata: Mapping[str, Any]) -> float:
     if "answer" not in metadata:
-        raise ValueError("arithmetic_reward needs metadata['answer']; add an 'answer' column")
-    tokens = response.split(maxsplit=1)
-    return 1.0 if tokens and tokens[0] == _answer_text(metadata["answer"]) else 0.0
+        raise ValueError(f"{name} needs metadata['answer']; add an 'answer' column")
+    words = response.split(maxsplit=1)
+    return 1.0 if words and words[0] == _answer_text(metadata["answer"]) else 0.0
 
 
 def _answer_text(answer: object) -> str:

@@ -96,7 +96,8 @@ def test_parquet_round_trip_keeps_extra_columns(tmp_path: Path) -> None:
         ('"just text"', "a JSON str, not an object"),
         (
             '{"response": "r"}',
-            "column 'prompt' is missing; every row needs prompt \\(str\\), response \\(str\\)",
+            "column 'prompt' is missing; every row needs prompt \\(str\\) and response "
+            "\\(str\\), or messages \\(list\\)",
         ),
         ('{"prompt": null, "response": "r"}', "column 'prompt' is null"),
         ('{"prompt": 42, "response": "r"}', "column 'prompt' is int \\(42\\); expected prompt"),
@@ -219,7 +220,10 @@ def test_builtin_options_keep_plus_signs() -> None:
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        ("builtin:nope?n=1", "unknown task 'nope'; known tasks: arithmetic, preference"),
+        (
+            "builtin:nope?n=1",
+            "unknown task 'nope'; known tasks: arithmetic, preference, tool_arithmetic",
+        ),
         ("builtin:arithmetic?n=1&split=test&size=3", "unknown parameter 'size'; arithmetic takes"),
         ("builtin:arithmetic?n=1&n=2&split=test", "repeated parameter 'n'"),
         ("builtin:arithmetic?n&split=test", "valueless parameter 'n'"),
@@ -238,3 +242,88 @@ def test_builtin_rows_are_checked_against_the_columns() -> None:
     source = "builtin:arithmetic?n=2&split=test"
     with pytest.raises(DatasetError, match="row 1: column 'chosen' is missing"):
         read_rows(source, PREFERENCE_COLUMNS)
+
+
+CALL = [
+    {"role": "system", "content": "Use the calculator."},
+    {"role": "user", "content": "12*34="},
+    {"role": "assistant", "content": "[calculator 12*34]"},
+    {"role": "tool", "content": " = 408\n"},
+    {"role": "assistant", "content": "408"},
+]
+
+
+def test_sft_rows_may_be_conversations(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "chat.jsonl",
+        json.dumps({"messages": CALL, "answer": "408"}),
+        good_line(),
+        json.dumps({"messages": CALL[1:], "prompt": "12*34="}),  # a prompt may ride along
+    )
+    rows = read_rows(path, SFT_COLUMNS)
+    assert rows[0] == {"messages": CALL, "answer": "408"} and rows[1]["response"] == "r"
+    parquet = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": CALL}]), parquet)
+    assert read_rows(parquet, SFT_COLUMNS) == [{"messages": CALL}]
+
+
+def message(**fields: Any) -> dict[str, Any]:
+    return {"role": "user", "content": "hi", **fields}
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ({"messages": []}, "column 'messages': an empty list"),
+        ({"messages": "hi"}, re.escape("column 'messages' is str ('hi'); expected messages (list")),
+        ({"messages": [message(), "hi"]}, re.escape("messages[1] is str ('hi'), not a map")),
+        (
+            {"messages": [message(role="bot"), message(role="assistant")]},
+            re.escape("messages[0] has role 'bot'; use one of system, user, assistant, tool"),
+        ),
+        (
+            {"messages": [message(), {"role": "assistant"}]},
+            re.escape("messages[1] (assistant): content is missing"),
+        ),
+        (
+            {"messages": [message(), message(role="assistant", content=7)]},
+            re.escape("messages[1] (assistant): content is int"),
+        ),
+        (
+            {"messages": [message(), message(role="assistant", tool_calls=[{"id": 1}])]},
+            re.escape("messages[1] (assistant) has tool_calls, which are not read"),
+        ),
+        ({"messages": [message()]}, "no assistant message, so nothing to train on"),
+        (
+            {"messages": [*CALL[1:3], CALL[3]]},
+            "the last message is a tool message; a conversation to train on ends with the "
+            "assistant's",
+        ),
+        (
+            {"messages": CALL, "response": "408"},
+            "given with a response column too; an SFT row has one or the other",
+        ),
+        (
+            {"answer": "408"},
+            re.escape(
+                "column 'prompt' is missing; every row needs prompt (str) and response (str), "
+                "or messages (list)"
+            ),
+        ),
+    ],
+)
+def test_bad_conversation_names_file_line_and_message(
+    tmp_path: Path, row: dict[str, Any], problem: str
+) -> None:
+    path = write_lines(tmp_path / "chat.jsonl", good_line(), json.dumps(row))
+    with pytest.raises(DatasetError, match=f"^{at(path)}:2: .*{problem}"):
+        read_rows(path, SFT_COLUMNS)
+
+
+def test_builtin_tool_arithmetic_through_read_rows() -> None:
+    rows = read_rows("builtin:tool_arithmetic?n=20&split=sft&tool_share=0.25&seed=3", SFT_COLUMNS)
+    assert sum(len(r["messages"]) == 4 for r in rows) == 5
+    prompts = read_rows("builtin:tool_arithmetic?n=5&split=test", PROMPT_COLUMNS)
+    assert all("*" in r["prompt"] and r["answer"].isdigit() for r in prompts)
+    with pytest.raises(DatasetError, match="tool_share='lots' is not float"):
+        read_rows("builtin:tool_arithmetic?n=5&split=sft&tool_share=lots", SFT_COLUMNS)

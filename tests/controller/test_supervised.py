@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from controller.supervised import LoopConfig, batches, reward_model, sft
+from controller.supervised import LoopConfig, batches, reward_model, sft, text_batch
 from tests.conftest import run
 from transport.batch import TensorBatch
 
@@ -65,3 +65,37 @@ def test_reward_model_reports_accuracy_and_margin_per_kind() -> None:
     after = result["after"]
     assert after["accuracy"] == 0.5 and after["accuracy/a"] == 0.0 and after["accuracy/b"] == 1.0
     assert after["margin"] == (0.0 - 1.0 + 1.0 + 2.0) / 4
+
+
+def test_text_batch_sends_conversations_beside_pairs() -> None:
+    chat = [
+        {"role": "user", "content": "12*34=", "name": "u"},  # keys beyond role, content stay home
+        {"role": "assistant", "content": "408", "tool_calls": None},
+    ]
+    rows = [{"prompt": "1+1=", "response": "2"}, {"messages": chat, "answer": "408"}]
+    batch = text_batch(rows, ("prompt", "response"))
+    assert batch.non_tensors == {
+        "prompt": ["1+1=", None],
+        "response": ["2", None],
+        "messages": [
+            None,
+            [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": "408"}],
+        ],
+    }
+    plain = text_batch(rows[:1], ("prompt", "response"))
+    assert plain.non_tensors == {"prompt": ["1+1="], "response": ["2"]}  # no messages column
+
+
+def test_sft_sends_conversation_rows_to_the_actor() -> None:
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    rows = [{"messages": chat}] * 4
+    sent: list[TensorBatch] = []
+
+    class Recording(FakeRole):
+        async def sft_step(self, batch: TensorBatch, **kwargs: Any) -> dict[str, float]:
+            sent.append(batch)
+            return await super().sft_step(batch, **kwargs)
+
+    cfg = LoopConfig(steps=2, batch_size=2, eval_every=0)
+    run(lambda: sft(Recording(), rows, rows[:1], cfg, lambda _: None))  # type: ignore[arg-type]
+    assert [b.non_tensors["messages"] for b in sent] == [[chat, chat]] * 2

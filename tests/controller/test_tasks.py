@@ -1,17 +1,22 @@
-"""Built-in arithmetic tasks: deterministic, disjoint splits, right answers."""
+"""Built-in arithmetic tasks: deterministic, disjoint splits, right answers; the tool-use demo's
+conversations."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
 
 from controller.tasks import (
+    OBSERVATION,
     SPLITS,
     TASKS,
     arithmetic,
     preference,
     problems,
+    tool_arithmetic,
+    tool_problems,
 )
 
 PROMPT = re.compile(r"^(\d+)([-+*])(\d+)=$")
@@ -125,7 +130,9 @@ def test_preference_mixes_operand_copies_and_bad_formats() -> None:
 )
 def test_bad_options_raise_value_error(kwargs: dict[str, object], message: str) -> None:
     options: dict[str, object] = {"n": 5, "split": "train", **kwargs}
-    for task in TASKS.values():
+    takers = [t for t in TASKS.values() if set(options) <= set(inspect.signature(t).parameters)]
+    assert len(takers) >= 2
+    for task in takers:
         with pytest.raises(ValueError, match=message):
             task(**options)
 
@@ -150,3 +157,65 @@ def test_explain_style_restates_the_problem_after_the_answer() -> None:
         assert row["response"] == f"{plain['response']} because {row['prompt']}{row['answer']}"
     with pytest.raises(ValueError, match="style"):
         arithmetic(5, "sft", style="long")
+
+
+def test_tool_problems_split_disjointly_and_cover_a_times_b() -> None:
+    prompts = {split: {p.prompt for p in tool_problems(split)} for split in SPLITS}
+    assert not prompts["train"] & prompts["sft"]
+    assert not prompts["train"] & prompts["test"]
+    assert not prompts["sft"] & prompts["test"]
+    assert sum(len(p) for p in prompts.values()) == 990 * 98  # a in 10..999, b in 2..99
+    for found in prompts.values():  # a commuted problem is in the same split
+        for a, b in ((12, 34), (45, 67), (99, 10), (23, 98)):
+            assert (f"{a}*{b}=" in found) == (f"{b}*{a}=" in found)
+
+
+def test_tool_arithmetic_prompt_rows_of_train_and_test() -> None:
+    rows = tool_arithmetic(300, "test", seed=2)
+    held_out = {r["prompt"] for r in rows}
+    assert not held_out & {r["prompt"] for r in tool_arithmetic(3000, "train", seed=2)}
+    for row in rows:
+        assert set(row) == {"prompt", "answer", "data_source"}
+        assert row["answer"] == str(evaluate(row["prompt"]))
+        a, b = (int(x) for x in row["prompt"].rstrip("=").split("*"))
+        assert 10 <= a <= 999 and 2 <= b <= 99
+    assert rows == tool_arithmetic(300, "test", seed=2)
+
+
+def test_tool_arithmetic_sft_conversations_by_hand() -> None:
+    rows = tool_arithmetic(200, "sft", seed=5, tool_share=0.5)
+    called = [r for r in rows if len(r["messages"]) == 4]
+    direct = [r for r in rows if len(r["messages"]) == 2]
+    assert len(called) == 100 and len(direct) == 100
+    row = called[0]
+    prompt = row["messages"][0]["content"]
+    expression, answer = prompt.removesuffix("="), str(evaluate(prompt))
+    assert row == {
+        "messages": [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": f"[calculator {expression}]"},
+            {"role": "tool", "content": f" = {answer}\n"},
+            {"role": "assistant", "content": answer},
+        ],
+        "answer": answer,
+        "data_source": "tool_arithmetic",
+    }
+    assert OBSERVATION.format(text=answer) == f" = {answer}\n"
+    for row in direct:
+        prompt = row["messages"][0]["content"]
+        assert row["messages"] == [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": str(evaluate(prompt))},
+        ]
+    sft = {r["messages"][0]["content"] for r in rows}
+    assert not sft & {p.prompt for p in tool_problems("test")}
+
+
+@pytest.mark.parametrize(("n", "share", "calls"), [(10, 0.3, 3), (7, 0.5, 4), (50, 0.0, 0)])
+def test_tool_share_is_honoured_exactly_and_seeded(n: int, share: float, calls: int) -> None:
+    rows = tool_arithmetic(n, "sft", seed=1, tool_share=share)
+    assert sum(len(r["messages"]) == 4 for r in rows) == calls
+    assert rows == tool_arithmetic(n, "sft", seed=1, tool_share=share)
+    assert all(len(r["messages"]) == 4 for r in tool_arithmetic(n, "sft", tool_share=1.0))
+    with pytest.raises(ValueError, match=r"tool_share=1\.5 must be a fraction"):
+        tool_arithmetic(n, "sft", tool_share=1.5)

@@ -47,3 +47,29 @@ def test_last_number_reward_reads_the_final_number() -> None:
     assert last_number_reward("", "it is -3", {"answer": -3.0}) == 1.0
     with pytest.raises(ValueError, match="answer"):
         last_number_reward("", "1", {})
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        ("5535", 1.0),  # the final turn after "123*45=[calculator 123*45] = 5535\n"
+        (" 5535\n", 1.0),
+        ("5534", 0.0),  # a direct guess one off
+        ("55350", 0.0),
+        ("[calculator 123*45]", 0.0),  # out of turns on a call: no answer
+        ("= 5535", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_tool_arithmetic_reward_scores_the_final_answer(response: str, reward: float) -> None:
+    from roles.rules import needed_columns, tool_arithmetic_reward
+
+    assert tool_arithmetic_reward("123*45=", response, {"answer": "5535"}) == reward
+    assert needed_columns(tool_arithmetic_reward) == ("answer",)
+
+
+def test_tool_arithmetic_reward_without_answer_names_itself() -> None:
+    from roles.rules import tool_arithmetic_reward
+
+    with pytest.raises(ValueError, match="tool_arithmetic_reward needs metadata\\['answer'\\]"):
+        tool_arithmetic_reward("123*45=", "5535", {})
