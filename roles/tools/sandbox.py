@@ -1,0 +1,303 @@
+"""The python tool: run the model's code in a separate, limited interpreter.
+
+Each call starts ``python -I -B`` (isolated: no environment variables of Python's, no user site,
+no current folder on the path) in a fresh working folder under the sandbox's root (a temporary
+folder per env group, removed when the process ends; the call's folder is removed after the
+call). ``sandbox_child.py`` limits the child before the code runs:
+
+* **network** off by default: the child gets its own network namespace (no interface but a
+  loopback that is down), and an audit hook refuses socket calls with a clear message;
+* **files**: with Landlock (Linux 5.13+), it may write only in its working folder and read only
+  the interpreter, its installed packages and system libraries (not the project, not ``/etc``,
+  not the home folder); with Landlock ABI 6+ it cannot signal processes outside the sandbox
+  either (the env group that started it, say);
+* **resources**: address space (``memory_mb``), CPU seconds, file size, open files, no core files;
+  a wall-clock limit (``timeout_s``) after which its whole process group is killed;
+* **environment**: a minimal one (``PATH``, ``HOME`` and ``TMPDIR`` set to the working folder),
+  so no secret of the role's environment reaches it; stdin is empty.
+
+What it does not protect against: a fork bomb (no limit on the number of processes short of a
+cgroup, which needs privileges; the wall-clock kill ends the process group, and processes that
+leave the group are bounded only by their CPU limit), filling the disk with many files each under
+the file-size limit, and reading what the allowed paths hold. Where the kernel lacks user
+namespaces or Landlock, the audit hook stands in for them; an audit hook is a Python-level guard
+that code using ``ctypes`` could get around, so ``Sandbox.isolation()`` says which is in force.
+
+The python tool reports what the code printed (stdout and stderr together, cut to
+``output_chars``), and its exit status when it is not 0; a program killed by a limit raises
+``SandboxKilled``, one stopped at its wall-clock limit ``ToolTimeout``. The env role sets the
+limits from its config with ``configure`` (``sandbox_*`` keys); without it, the defaults below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from roles.tools.failures import SandboxKilled, ToolTimeout
+
+CHILD = Path(__file__).with_name("sandbox_child.py")
+KILL_WAIT_S = 10.0  # how long a SIGKILLed child may take to be reaped
+MEMORY_EXIT = 86  # the child's exit code when a MemoryError reached the top
+_SYSTEM_READ = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime"]
+_DEVICES = ["/dev/urandom", "/dev/random", "/dev/zero", "/sys/devices/system/cpu"]
+_KILLED_BY: dict[int, str] = {
+    signal.SIGXCPU: "used up its CPU time limit",
+    signal.SIGXFSZ: "wrote a file past its size limit",
+    signal.SIGKILL: "was killed (SIGKILL)",
+    signal.SIGSEGV: "crashed (SIGSEGV)",
+    signal.SIGABRT: "aborted (SIGABRT)",
+    signal.SIGBUS: "crashed (SIGBUS)",
+}
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    memory_mb: int = 512
+    timeout_s: float = 10.0
+    network: bool = False
+    output_chars: int = 8000
+    #: extra paths the code may read (Landlock), beside the interpreter and system libraries
+    readable: tuple[str, ...] = ()
+    #: where the per-call working folders go (a new temporary folder when None)
+    root: str | None = None
+    threads: int = field(default=1)  # OMP/OpenBLAS/MKL threads: each thread costs address space
+
+    def __post_init__(self) -> None:
+        if self.memory_mb < 32 or self.timeout_s <= 0 or self.output_chars < 1:
+            raise ValueError(
+                f"sandbox settings need memory_mb >= 32, timeout_s > 0 and output_chars >= 1 "
+                f"(got {self.memory_mb}, {self.timeout_s}, {self.output_chars})"
+            )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    output: str
+    timed_out: bool
+
+
+class Sandbox:
+    """Runs code in limited child interpreters; one per process (``configure``, ``current``)."""
+
+    def __init__(self, settings: SandboxSettings | None = None) -> None:
+        self.settings = settings or SandboxSettings()
+        self._root: Path | None = None
+        self._isolation: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def root(self) -> Path:
+        with self._lock:
+            if self._root is None:
+                base = self.settings.root
+                self._root = Path(tempfile.mkdtemp(prefix="hybridflow-sandbox-", dir=base))
+                weakref.finalize(self, shutil.rmtree, self._root, True)
+            return self._root
+
+    def isolation(self) -> dict[str, Any]:
+        """What the kernel enforces here: ``{"network": "namespace" | "audit hook" | "allowed",
+        "files": "landlock ABI n" | "audit hook"}`` (found once, by a probe child)."""
+        if self._isolation is None:
+            folder = Path(tempfile.mkdtemp(dir=self.root))
+            try:
+                outcome = self._spawn(folder, {"probe": True}, self.settings.timeout_s)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            applied = json.loads(outcome.output or "{}")
+            network = "allowed" if self.settings.network else "audit hook"
+            if applied.get("netns"):
+                network = "namespace"
+            abi = int(applied.get("landlock", 0))
+            files = f"landlock ABI {abi}" if abi else "audit hook"
+            self._isolation = {"network": network, "files": files}
+        return self._isolation
+
+    def run(self, code: str) -> str:
+        """Run ``code`` and return what it printed; raises SandboxKilled or ToolTimeout."""
+        folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
+        try:
+            (folder / "main.py").write_text(code)
+            outcome = self._spawn(folder, {}, self.settings.timeout_s)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return self._report(outcome)
+
+    def _report(self, outcome: Outcome) -> str:
+        output = outcome.output
+        if outcome.timed_out:
+            raise ToolTimeout(
+                f"the code ran past its time limit of {self.settings.timeout_s:g} s "
+                f"(sandbox_timeout_s) and was stopped; its output so far:\n{output}"
+            )
+        code = outcome.returncode
+        if code == MEMORY_EXIT:
+            raise SandboxKilled(
+                f"the code ran out of memory (its limit is {self.settings.memory_mb} MiB, "
+                f"sandbox_memory_mb); its output:\n{output}"
+            )
+        if code < 0:
+            how = _KILLED_BY.get(-code, f"was killed by signal {-code}")
+            raise SandboxKilled(f"the code {how}; its output:\n{output}")
+        if code:
+            output = f"{output}\n[exit status {code}]" if output else f"[exit status {code}]"
+        return output or "(no output)"
+
+    def _spawn(self, folder: Path, extra: dict[str, Any], timeout_s: float) -> Outcome:
+        s = self.settings
+        memory = s.memory_mb * 2**20
+        config = {
+            "folder": str(folder),
+            "network": s.network,
+            "readable": self._readable(),
+            "memory_bytes": memory,
+            "file_bytes": memory,
+            "cpu_s": int(timeout_s) + 1,
+            "memory_exit": MEMORY_EXIT,
+            **extra,
+        }
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(folder),
+            "TMPDIR": str(folder),
+            "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8",  # (-I ignores it; the child's stdio is UTF-8 anyway)
+            "MALLOC_ARENA_MAX": "2",  # each malloc arena reserves address space
+            **{k: str(s.threads) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
+            "MKL_NUM_THREADS": str(s.threads),
+        }
+        # -u: unbuffered, so stdout and stderr interleave in the order they were written
+        command = [sys.executable, "-I", "-B", "-u", str(CHILD), json.dumps(config)]
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=folder,
+            env=env,
+            start_new_session=True,  # its own process group: one kill ends all it started
+        )
+        try:
+            kept, dropped, timed_out = _read(proc, time.monotonic() + timeout_s, s.output_chars)
+        finally:
+            _kill_group(proc)
+        text = kept.decode("utf-8", errors="replace")
+        if dropped:
+            text += f"\n[... {dropped} more bytes of output cut]"
+        return Outcome(proc.returncode, text.rstrip("\n"), timed_out)
+
+    def _readable(self) -> list[str]:
+        prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+        return [*sorted(prefixes), *_SYSTEM_READ, *_DEVICES, *self.settings.readable]
+
+
+def _read(proc: subprocess.Popen[bytes], deadline: float, limit: int) -> tuple[bytes, int, bool]:
+    """(the first ``limit`` bytes of output, how many more there were, whether the deadline
+    passed first). Reads until the pipe's writers have all closed it; when the child itself
+    exits first, what it left running in its process group is killed (so a background process
+    holding the pipe open does not keep the call waiting)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    kept, dropped = bytearray(), 0
+    exited = _exit_watch(proc)
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ, "output")
+        if exited is not None:
+            selector.register(exited, selectors.EVENT_READ, "exit")
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return bytes(kept), dropped, True
+                for key, _ in selector.select(left):
+                    if key.data == "exit":
+                        selector.unregister(key.fd)
+                        _kill_group(proc, reap=False)  # the stragglers: the pipe closes
+                        continue
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        return _finish(proc, deadline, kept, dropped)
+                    room = max(0, limit - len(kept))
+                    kept += chunk[:room]
+                    dropped += len(chunk) - min(room, len(chunk))
+        finally:
+            if exited is not None:
+                os.close(exited)
+
+
+def _exit_watch(proc: subprocess.Popen[bytes]) -> int | None:
+    """A descriptor that becomes readable when ``proc`` exits (a pidfd; None where the kernel
+    has none: then the pipe's end alone says the code is done)."""
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _finish(
+    proc: subprocess.Popen[bytes], deadline: float, kept: bytearray, dropped: int
+) -> tuple[bytes, int, bool]:
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # it closed its output but kept running
+        return bytes(kept), dropped, True
+    return bytes(kept), dropped, False
+
+
+def _kill_group(proc: subprocess.Popen[bytes], reap: bool = True) -> None:
+    """Kill what is left of the child's process group (and, with ``reap``, reap the child)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # an exited child stays a zombie until reaped:
+    except (ProcessLookupError, PermissionError):  # its pid, the group's id, is not reused
+        if proc.returncode is None:
+            proc.kill()  # the group is gone (or the child left it): the child itself
+    if reap:
+        proc.wait(timeout=KILL_WAIT_S)  # SIGKILL cannot be ignored: this returns at once
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+_current: Sandbox | None = None
+_current_lock = threading.Lock()
+
+
+def configure(settings: SandboxSettings) -> Sandbox:
+    """Set the sandbox the python tool runs code in, in this process."""
+    global _current
+    with _current_lock:
+        _current = Sandbox(settings)
+        return _current
+
+
+def current() -> Sandbox:
+    """The configured sandbox (one with the default settings when none was)."""
+    global _current
+    with _current_lock:
+        if _current is None:
+            _current = Sandbox()
+        return _current
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox and return what it printed (stdout and stderr).
+
+    Each call is a fresh interpreter in an empty working folder, without network access. Print
+    the values you want to see.
+
+    Args:
+        code: the complete Python program to run, for example "print(sum(range(10)))".
+    """
+    return current().run(code)
