@@ -10,6 +10,7 @@ from controller.clients.base import ProtocolMismatchError, RoleClient
 from controller.clients.critic import CriticClient
 from controller.clients.demo import LinearRegressorClient
 from controller.clients.engine import EngineClient
+from controller.clients.env import EnvClient
 from controller.clients.reward import RewardClient, RewardModelClient
 from controller.clients.rollout import RolloutClient
 from controller.clients.weights import WeightSinkClient, WeightSourceClient
@@ -18,6 +19,7 @@ __all__ = [
     "ActorClient",
     "CriticClient",
     "EngineClient",
+    "EnvClient",
     "LinearRegressorClient",
     "ProtocolMismatchError",
     "ReferenceClient",

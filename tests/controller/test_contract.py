@@ -31,6 +31,7 @@ from controller.clients import (
     ActorClient,
     CriticClient,
     EngineClient,
+    EnvClient,
     LinearRegressorClient,
     ProtocolMismatchError,
     ReferenceClient,
@@ -46,6 +47,7 @@ from roles.actor import Actor, Reference
 from roles.critic import Critic
 from roles.demo import LinearRegressor
 from roles.engine_role import EngineRole
+from roles.env import EnvRole
 from roles.reward import ModelReward, RuleReward
 from roles.rollout import Rollout
 from roles.runtime.endpoint import DP_RAGGED, ONE_TO_ALL, endpoint, endpoints_of
@@ -79,6 +81,7 @@ CONTRACT: list[tuple[type[RoleClient], type]] = [
     (WeightSinkClient, WeightSink),
     (WeightSourceClient, WeightSource),
     (LinearRegressorClient, LinearRegressor),
+    (EnvClient, EnvRole),
     (EchoClient, Echo),
     (FaultyClient, Faulty),
     (DeviceProbeClient, DeviceProbe),

@@ -147,7 +147,7 @@ def no_doc(x: str) -> str:
     return x
 
 
-def no_hint(x) -> str:  # type: ignore[no-untyped-def]
+def no_hint(x) -> str:
     """Has a docstring."""
     return str(x)
 
