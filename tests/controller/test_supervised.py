@@ -72,7 +72,10 @@ def test_text_batch_sends_conversations_beside_pairs() -> None:
         {"role": "user", "content": "12*34=", "name": "u"},  # keys beyond role, content stay home
         {"role": "assistant", "content": "408", "tool_calls": None},
     ]
-    rows = [{"prompt": "1+1=", "response": "2"}, {"messages": chat, "answer": "408"}]
+    rows: list[dict[str, Any]] = [
+        {"prompt": "1+1=", "response": "2"},
+        {"messages": chat, "answer": "408"},
+    ]
     batch = text_batch(rows, ("prompt", "response"))
     assert batch.non_tensors == {
         "prompt": ["1+1=", None],

@@ -48,17 +48,20 @@ def test_a_one_turn_conversation_is_the_prompt_response_row() -> None:
     pair, _ = encode_rows(tokenizer, ["S:1+1="], ["2"], 64)
     talk, _ = encode_rows(tokenizer, [None], [None], 64, conversations=[chat])
     for column in ("input_ids", "attention_mask", "response_mask"):
-        assert talk[column].tolist() == pair[column].tolist(), column
+        assert talk.tensor(column).tolist() == pair.tensor(column).tolist(), column
 
 
 def test_encode_rows_mixes_pairs_and_conversations_and_cuts_long_ones() -> None:
     tokenizer = build_tokenizer()
     batch, cut = encode_rows(tokenizer, ["1+1=", None], ["2", None], 8, conversations=[None, CALL])
     assert cut == 1  # the conversation's 19 tokens, cut to 8
-    assert batch["input_ids"][1].tolist() == [BOS, 50, 42, 51, 61, 91, 99, 32]
-    assert batch["response_mask"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1, 1]]
+    assert batch.tensor("input_ids")[1].tolist() == [BOS, 50, 42, 51, 61, 91, 99, 32]
+    assert batch.tensor("response_mask").tolist() == [
+        [0, 0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1, 1, 1],
+    ]
     whole, _ = encode_rows(tokenizer, [None], [None], 64, False, conversations=[CALL])
-    assert whole["response_mask"][0].tolist() == [0] + [1] * 18  # response_only=False: all
+    assert whole.tensor("response_mask")[0].tolist() == [0] + [1] * 18  # response_only=False: all
 
 
 def tagged(template: str) -> PreTrainedTokenizerBase:
