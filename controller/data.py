@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from controller.tasks import TASKS
+from transport.columns import MESSAGES
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 BUILTIN = "builtin:"
@@ -74,7 +75,6 @@ class Column:
         return isinstance(value, self.kinds)
 
 
-MESSAGES = "messages"  # an SFT row's conversation, in place of prompt and response
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 

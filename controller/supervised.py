@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from controller.clients import ActorClient, RewardModelClient
-from controller.data import MESSAGES
 from transport.batch import TensorBatch
+from transport.columns import MESSAGES
 
 Log = Callable[[dict[str, Any]], None]
 

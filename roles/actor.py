@@ -23,7 +23,7 @@ from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.losses import aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
-from roles.modeling.text import MESSAGES, encode_rows
+from roles.modeling.text import encode_rows
 from roles.runtime.device import peak_memory_bytes, reset_peak_memory
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, MICRO_DP, ONE_TO_ALL, endpoint
 from transport.batch import TensorBatch
@@ -33,6 +33,7 @@ from transport.columns import (
     ENTROPY,
     INPUT_IDS,
     LOG_PROBS,
+    MESSAGES,
     OLD_LOG_PROBS,
     PROMPT,
     REF_LOG_PROBS,

@@ -32,6 +32,8 @@ REJECTED = "rejected"
 
 # -- text and generation columns (non-tensor) ----------------------------------------------------
 PROMPT = "prompt"
+#: an SFT row's conversation, in place of prompt and response: [{"role", "content"}, ...]
+MESSAGES = "messages"
 PROMPT_IDS = "prompt_ids"
 RESPONSE = "response"
 SEED = "seed"  # a request's own seed: it samples the same on whichever dp rank it lands

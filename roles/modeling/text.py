@@ -47,7 +47,6 @@ from roles.modeling.models import CHAT_TEMPLATE
 from transport.batch import TensorBatch
 
 #: the non-tensor column of an SFT batch holding a row's conversation (None: prompt, response)
-MESSAGES = "messages"
 #: the roles a conversation's messages may have
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 Messages = Sequence[Mapping[str, Any]]
