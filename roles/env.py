@@ -6,8 +6,9 @@ generates the next turn. The role owns everything that needs the tokenizer or us
 slow, hanging or crashing tool never blocks the controller's loop or a rank's generation:
 
 * ``spec()``: what ends a turn (the model's EOS, the call format's close tag), the tools' schemas;
-* ``open(sessions)``: a session per trajectory; an environment is built and ``reset(row)`` for each
-  (its first observation comes back as the text it returned, tokenized without the template);
+* ``open(sessions)``: a session per trajectory, and its start: the row's prompt tokenized as the
+  generation engines do, then (an environment is built and ``reset(row)`` for each) the first
+  observation, the text reset returned, tokenized as it is (no template);
 * ``submit(actions)``: returns at once; each action runs on a worker thread (``workers`` at once),
   under ``call_timeout_s``;
 * ``collect(wait_s)``: the actions finished since the last collect (waiting up to ``wait_s`` for
@@ -18,7 +19,8 @@ Config (``EnvConfig``): either ``tools``, import paths of functions (``roles/too
 typed function with a docstring), or ``environment``, the import path of a class with
 ``reset(row) -> str`` and ``step(text) -> (observation, reward, done, info)`` (``info`` is not
 sent on); ``tokenizer``, the actor's model folder; ``format``, how the model writes a call
-(``roles/tools/calls.py``); ``observation``, the template a result's text is wrapped in.
+(``roles/tools/calls.py``); ``observation``, the template a result's text is wrapped in (by
+default the format's for tools; an environment's observations are used as it writes them).
 
 Nothing a tool or environment does escapes as an exception: it comes back as an observation the
 model sees, with ``error`` naming what happened (``raised``, ``timeout``, ``not_text``,
@@ -48,6 +50,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from roles.base import Role, RoleContext, import_path
+from roles.engines.generation.serve import prompt_ids
 from roles.modeling.models import load_tokenizer
 from roles.runtime.endpoint import RANK_ZERO, endpoint
 from roles.tools import sandbox
@@ -56,6 +59,8 @@ from roles.tools.failures import ToolFailure
 from roles.tools.runner import Outbox, Runner
 from roles.tools.schema import BadArguments, Tool, describe
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec, ErrorKind
+from transport.batch import TensorBatch
+from transport.columns import PROMPT, PROMPT_IDS
 from transport.structs import reasons
 
 log = logging.getLogger(__name__)
@@ -81,7 +86,7 @@ class EnvConfig(BaseModel):
     observation: str | None = Field(
         None,
         description="template a result's text is wrapped in before tokenizing, with {text}; "
-        "default per format (roles/tools/calls.py OBSERVATIONS)",
+        "default: tools, per format (roles/tools/calls.py OBSERVATIONS); an environment, {text}",
     )
     call_timeout_s: float = Field(10.0, gt=0, description="time limit of one action, seconds")
     workers: int = Field(8, ge=1, description="actions that run at once")
@@ -122,7 +127,11 @@ class EnvConfig(BaseModel):
 
     @property
     def template(self) -> str:
-        return self.observation if self.observation is not None else OBSERVATIONS[self.format]
+        """The observation template: as set; by default the format's for tools, and the text as
+        it is for an environment (which writes its own observations)."""
+        if self.observation is not None:
+            return self.observation
+        return "{text}" if self.environment is not None else OBSERVATIONS[self.format]
 
 
 class SessionError(ValueError):
@@ -257,16 +266,21 @@ class EnvRole(Role):
 
     @endpoint(RANK_ZERO)
     def open(self, sessions: list[EnvOpen]) -> list[EnvResult]:
-        """A session per trajectory; an environment's first observation (tools: none)."""
+        """A session per trajectory. Each result's ``observation_ids`` is the trajectory's start:
+        its row's prompt as the generation engines tokenize it, then an environment's first
+        observation (its ``observation``, the text reset returned; tools: none)."""
         with self._lock:
             ids = [s.session for s in sessions]
             taken = sorted({i for i in ids if i in self.sessions or ids.count(i) > 1})
             if taken:
                 raise SessionError(f"sessions {taken} are open already (or named twice)")
+        starts = [self._start(s.row) for s in sessions]
         if self.env_cls is None:
             with self._lock:
                 self.sessions.update({i: Session(i) for i in ids})
-            return [EnvResult(session=i) for i in ids]
+            return [
+                EnvResult(session=i, observation_ids=s) for i, s in zip(ids, starts, strict=True)
+            ]
         rounds = math.ceil((self.runner.load + len(sessions)) / self.cfg.workers) + 1
         futures = [
             self.runner.start(partial(self._reset, o), partial(self._late_reset, o))
@@ -279,7 +293,10 @@ class EnvRole(Role):
         with self._lock:
             for result, env in opened:
                 self.sessions[result.session] = Session(result.session, env, done=result.done)
-        return [result for result, _ in opened]
+        return [
+            result.model_copy(update={"observation_ids": start + result.observation_ids})
+            for (result, _), start in zip(opened, starts, strict=True)
+        ]
 
     @endpoint(RANK_ZERO)
     def submit(self, actions: list[EnvAction]) -> int:
@@ -318,6 +335,15 @@ class EnvRole(Role):
         return len(closed)
 
     # -- sessions -------------------------------------------------------------------------------
+
+    def _start(self, row: dict[str, Any]) -> list[int]:
+        """The row's prompt (``prompt`` text or ``prompt_ids``) as the generation engines read
+        it (``roles/engines/generation/serve.py``); none when the row has neither."""
+        given = {k: [row[k]] for k in (PROMPT, PROMPT_IDS) if row.get(k) is not None}
+        if not given:
+            return []
+        with self._tokenizer_lock:
+            return prompt_ids(TensorBatch.from_dict(non_tensors=given), self.tokenizer)[0]
 
     def _check_actions(self, actions: list[EnvAction]) -> list[Session]:
         targets, problems, seen = [], [], set()

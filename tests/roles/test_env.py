@@ -157,8 +157,14 @@ def test_spec_and_a_calculator_round_trip_in_both_formats(tiny: Path) -> None:
             assert h_spec.call_stop_token_ids == [close_ids[-1]]
             assert h_spec.call_close == "</tool_call>" and h_spec.format == "hermes"
 
-            opened = await bracket.open([EnvOpen(session=0), EnvOpen(session=1)])
-            assert opened == [EnvResult(session=0), EnvResult(session=1)]
+            rows = [{"prompt": "12*34="}, {"prompt_ids": [1, 2, 3]}]
+            opened = await bracket.open([EnvOpen(session=s, row=r) for s, r in enumerate(rows)])
+            # the start: the prompt as the generation engines read it (<s> + its bytes)
+            start = [tokenizer.bos_token_id, *encoded(tiny, "12*34=")]
+            assert opened == [
+                EnvResult(session=0, observation_ids=start),
+                EnvResult(session=1, observation_ids=[1, 2, 3]),
+            ]
             assert await bracket.submit([action(0, "12*34 is [calculator 12*34]")]) == 1
             assert await bracket.submit([action(1, "[counting four]", turn=2)]) == 1
             got = await results(bracket, 2)
@@ -269,30 +275,33 @@ def test_environments_play_to_the_end_and_their_failures_end_the_trajectory(
 ) -> None:
     flag = tmp_path / "closed"
 
-    def game(name: str, cls: str) -> Any:
+    def game(name: str, cls: str, **more: Any) -> Any:
         settings = {
             "environment": cls,
             "environment_args": {"max_moves": 2},
             "tokenizer": str(tiny),
             "format": "bracket",
-            "observation": "\n{text}\n",
             "call_timeout_s": 2.0,
+            **more,
         }
         return group(name, 1, **{name: (ENV, settings)})
 
     async def main() -> None:
         placement = [
-            game("game", "roles.tools.games:GuessNumber"),
-            game("touchy", f"{HERE}:Touchy"),
+            game("game", "roles.tools.games:GuessNumber", observation="\n{text}\n"),
+            game("touchy", f"{HERE}:Touchy"),  # observations as the environment writes them
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
             env = EnvClient(c, "game")
             assert (await env.spec()).stateful and (await env.spec()).tools == []
-            rows = [{"secret": 42}, {"secret": 7}, {}]
+            rows = [{"secret": 42, "prompt": "Play."}, {"secret": 7}, {}]
             opened = await env.open([EnvOpen(session=s, row=r) for s, r in enumerate(rows)])
             first = "Guess my number from 1 to 100."
             assert [r.observation for r in opened[:2]] == [first, first]
-            assert opened[0].observation_ids == encoded(tiny, first)  # as it is: no template
+            # the start: the prompt as the engines read it, then the first observation as it is
+            prompt = [load_tokenizer(tiny).bos_token_id, *encoded(tiny, "Play.")]
+            assert opened[0].observation_ids == prompt + encoded(tiny, first)
+            assert opened[1].observation_ids == encoded(tiny, first)  # a row without a prompt
             assert (opened[2].error, opened[2].done) == ("env", True)
             assert "reset raised KeyError" in opened[2].observation
 
@@ -320,7 +329,9 @@ def test_environments_play_to_the_end_and_their_failures_end_the_trajectory(
             await touchy.submit([action(0, "boom"), action(1, "stall"), action(2, "odd")])
             got = await results(touchy, 3)
             assert (got[0].error, got[0].done) == ("env", True)
-            assert "step raised RuntimeError: the board caught fire" in got[0].observation
+            fire = "error: the environment's step raised RuntimeError: the board caught fire"
+            assert got[0].observation == fire
+            assert got[0].observation_ids == encoded(tiny, fire)
             assert (got[1].error, got[1].done) == ("timeout", True)
             assert "step did not finish within 2 s (call_timeout_s)" in got[1].observation
             assert (got[2].error, got[2].done) == ("env", True)
