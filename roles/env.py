@@ -118,6 +118,13 @@ class EnvConfig(BaseModel):
                 f"'observation' {self.observation!r} has no {{text}}; it is the template the "
                 "result's text is written into"
             )
+        wants_search = any(p.partition(":")[0] == SEARCH_TOOL for p in self.tools)
+        if wants_search != (self.search_documents is not None):
+            raise ValueError(
+                "the search tool needs search_documents (a folder of .txt files or a JSONL file)"
+                if wants_search
+                else f"search_documents is set but {SEARCH_TOOL}:search is not among the tools"
+            )
         if self.sandbox_timeout_s is not None and self.sandbox_timeout_s >= self.call_timeout_s:
             raise ValueError(
                 f"sandbox_timeout_s={self.sandbox_timeout_s:g} must be below call_timeout_s="
@@ -227,13 +234,6 @@ class EnvRole(Role):
                 output_chars=cfg.max_observation_chars - NOTE_ROOM,
             )
         )
-        wants_search = any(p.partition(":")[0] == SEARCH_TOOL for p in cfg.tools)
-        if wants_search != (cfg.search_documents is not None):
-            raise ValueError(
-                "the search tool needs search_documents (a folder of .txt files or a JSONL file)"
-                if wants_search
-                else f"search_documents is set but {SEARCH_TOOL}:search is not among the tools"
-            )
         if cfg.search_documents is not None:
             from roles.tools import search  # bm25s: only for groups that search
 

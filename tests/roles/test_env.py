@@ -32,6 +32,7 @@ from transport.errors import RemoteError, RoleDeadError
 ENV = "roles.env:EnvRole"
 ECHO = "tests.fixtures.roles:Echo"
 HERE = "tests.roles.test_env"
+SEARCH = "roles.tools.search:search"
 COLLECT_S = 30  # the longest any test waits for results
 
 
@@ -133,13 +134,16 @@ def encoded(tiny: Path, text: str) -> list[int]:
 # -- the round trip -------------------------------------------------------------------------------
 
 
-def test_spec_and_a_calculator_round_trip_in_both_formats(tiny: Path) -> None:
+def test_spec_and_a_calculator_round_trip_in_both_formats(tiny: Path, tmp_path: Path) -> None:
     tokenizer = load_tokenizer(tiny)
     calc = "roles.tools.calculator:calculator"
+    (tmp_path / "Paris.txt").write_text("Paris is the capital of France.")
+    (tmp_path / "Bread.txt").write_text("Bread is baked from flour.")
 
     async def main() -> None:
+        docs = {"search_documents": str(tmp_path), "search_top_k": 1}
         placement = [
-            tools_group("bracket", tiny, "bracket", [calc, f"{HERE}:counting"]),
+            tools_group("bracket", tiny, "bracket", [calc, f"{HERE}:counting", SEARCH], **docs),
             tools_group("hermes", tiny, "hermes", [calc]),
         ]
         async with local_session(placement, TEST_TIMEOUTS) as c:
@@ -148,7 +152,8 @@ def test_spec_and_a_calculator_round_trip_in_both_formats(tiny: Path) -> None:
             assert spec.eos_token_id == tokenizer.eos_token_id
             assert spec.call_stop_token_ids == [tokenizer.encode("]", add_special_tokens=False)[-1]]
             assert spec.call_close == "]" and spec.format == "bracket" and not spec.stateful
-            assert [t["function"]["name"] for t in spec.tools] == ["calculator", "counting"]
+            names = [t["function"]["name"] for t in spec.tools]
+            assert names == ["calculator", "counting", "search"]
             calculator = spec.tools[0]["function"]
             assert calculator["parameters"]["required"] == ["expression"]
             assert calculator["description"].startswith("Evaluate an arithmetic expression")
@@ -178,6 +183,9 @@ def test_spec_and_a_calculator_round_trip_in_both_formats(tiny: Path) -> None:
             )
             assert got[0].latency_s > 0
             assert got[1].observation == " = 4\n"  # a number comes back as text
+            await bracket.submit([action(0, "[search capital of France]", turn=1)])
+            found = (await results(bracket, 1))[0]
+            assert found.observation == " = [1] Paris\nParis is the capital of France.\n"
 
             await hermes.open([EnvOpen(session=5)])
             call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}'
@@ -413,6 +421,8 @@ def test_more_than_one_rank_is_refused_saying_why(tiny: Path) -> None:
         ({"tokenizer": "m", "tools": ["a:b"], "workers": 0}, "workers: Input should be greater"),
         ({"tokenizer": "m", "tools": ["a:b"], "sandbox_timeout_s": 10}, "must be below call_t"),
         ({"tokenizer": "m", "tools": ["a:b"], "colour": 1}, "colour: Extra inputs"),
+        ({"tokenizer": "m", "tools": [SEARCH]}, "the search tool needs search_documents"),
+        ({"tokenizer": "m", "tools": ["a:b"], "search_documents": "d"}, "search is not among"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_field(config: dict[str, Any], why: str) -> None:
