@@ -44,18 +44,16 @@ import hashlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller.clients import EnvClient
 from controller.streaming import NO_VERSION, Generator, WeightGate, fill_replicas, replicas
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    from controller.clients.env import EnvClient
 
 #: text columns of a prompt batch that trajectories do not echo
 NOT_ECHOED = ("prompt_ids",)
@@ -113,6 +111,7 @@ class Trajectory:
     errors: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     finish: str = ""
+    done_at_start: bool = False  # the environment ended it at its reset
     began: float = 0.0
     seconds: float = 0.0  # from its session's opening to its end
 
@@ -334,8 +333,11 @@ async def run_trajectories(
     for t in trajectories:
         first = by_session[t.session]
         t.start = list(first.observation_ids)
+        t.done_at_start = first.done
         if first.observation:
             t.segments.append(("start", first.observation))
+        if first.error is not None:  # a reset that failed: the trajectory ends before a turn
+            t.errors[first.error] += 1
     server.live = len(trajectories)
     loops = [asyncio.ensure_future(server.serve()), asyncio.ensure_future(desk.serve())]
     runs = [asyncio.ensure_future(_one(t, server, desk, spec, cfg, sampling)) for t in trajectories]
@@ -368,6 +370,9 @@ async def _one(
 ) -> None:
     t.began = time.perf_counter()
     try:
+        if t.done_at_start:
+            t.finish = "done"
+            return
         part = 0
         text = ""  # the turn so far (a turn goes on after a stop token that closes no call)
         while True:

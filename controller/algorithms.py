@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -36,15 +36,13 @@ from controller.clients import (
     ActorClient,
     CriticClient,
     EngineClient,
+    EnvClient,
     ReferenceClient,
     RewardClient,
     RoleClient,
     RolloutClient,
 )
 from controller.scoring import scores, stashed
-
-if TYPE_CHECKING:
-    from controller.clients.env import EnvClient
 from controller.server import Controller
 from controller.streaming import PartialRollout
 from transport.batch import TensorBatch
@@ -274,7 +272,7 @@ class Roles:
             critic=optional(CriticClient, "critic"),
             cost=optional(RewardClient, "cost"),
             cost_critic=optional(CriticClient, "cost_critic"),
-            env=_env_client(controller),
+            env=optional(EnvClient, "env"),
         )
 
     @property
@@ -707,12 +705,6 @@ def first_rows(batch: TensorBatch) -> list[int]:
     for i, uid in enumerate(batch.non_tensors["uid"]):
         seen.setdefault(uid, i)
     return list(seen.values())
-
-
-def _env_client(controller: Controller) -> EnvClient | None:
-    from controller.clients.env import EnvClient  # TEMP until the client lands
-
-    return EnvClient(controller, "env") if "env" in controller.role_group else None
 
 
 STEPS: dict[str, Step] = {

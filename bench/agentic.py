@@ -1,0 +1,183 @@
+"""Multi-turn rollouts with slow tools: continuous serving against lock-step turns and against
+tools that answer at once.
+
+    python -m bench.agentic            (the full run: about 3 minutes on 2 idle cores)
+    python -m bench.agentic --quick    (the CI-sized form, well under a minute)
+
+The same work three times, on the same processes: a rollout group (one rank, the native engine,
+fp32) generates for ``prompts x n`` trajectories of ``STEPS`` tool calls each
+(``bench/agentic_env.py``: every turn is an action whose latency is log-normal, median 50 ms,
+p99 1 s, slept in the env group; the draws depend only on the trajectory and the step, so every
+run sees the same latencies):
+
+* (a) ``continuous``: hybridflow's multi-turn rollout (``controller/agent.py``): whenever the
+  generator is free it serves every turn waiting; tools run concurrently in the env group;
+* (b) ``lockstep``: the same code with continuous serving off: each generation call waits until
+  every live trajectory has asked for its next turn (the naive baseline: a turn of the whole
+  batch waits for its slowest tool);
+* (c) ``no_latency``: (a) with tools that answer at once: the generator's own limit.
+
+Targets: (a) >= 2x (b), and (a) >= 0.7x (c). ``generator_idle_share`` is the share of (a)'s wall
+time with no generation call in flight. Each mode runs ``repeats`` times, taking turns; medians.
+
+**Prefix reuse.** Every turn is a new generation call whose prompt is the whole trajectory so far;
+the native engine keeps no KV cache between calls, so it prefills that prefix again.
+``reprefill_share`` is the share of the positions the generator ran that were such re-prefills
+(the positions of earlier turns and observations, run again): the most that reusing a
+trajectory's cache across its turns could save.
+
+The last line is a JSON object: ``traj_per_s``, ``lockstep_traj_per_s``,
+``no_latency_traj_per_s``, ``tok_per_s`` (sampled tokens per second of (a)), ``lockstep_tok_per_s``,
+``no_latency_tok_per_s``, ``speedup_vs_lockstep``, ``frac_of_no_latency``,
+``generator_idle_share``, ``reprefill_share``, and the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bench.agentic_env import MEDIAN_S, P99_S, STEPS
+from controller.agent import AgentConfig, AgentRollout, run_trajectories
+from controller.clients import EnvClient, RolloutClient
+from controller.placement import GroupSpec, RoleSpec
+from deploy.session import local_session
+from roles.modeling.models import init_model
+from transport.batch import TensorBatch
+from transport.sampling import SamplingConfig
+from transport.settings import Timeouts
+
+err = Console(stderr=True)
+MODES = ("continuous", "lockstep", "no_latency")
+
+
+def group(name: str, role: str, cls: str, config: dict[str, Any]) -> GroupSpec:
+    return GroupSpec(name=name, roles={role: RoleSpec(cls=cls, config=config)}, nproc=1)
+
+
+def prompts(count: int) -> TensorBatch:
+    texts = [f"task {i}: {17 * i % 97}+{31 * i % 89}=" for i in range(count)]
+    batch = TensorBatch.from_dict(non_tensors={"prompt": texts, "uid": list(range(count))})
+    batch.non_tensors["seed"] = [1000 + i for i in range(count)]
+    return batch
+
+
+async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    env = {"tokenizer": str(model), "workers": args.prompts * args.n}
+    groups = [
+        group("gen", "rollout", "roles.rollout:Rollout", {"model": str(model), "dtype": "fp32"}),
+        group("slow", "env", "roles.env:EnvRole", {**env, "environment": "bench.agentic_env:SlowTool"}),
+        group("fast", "fast_env", "roles.env:EnvRole", {**env, "environment": "bench.agentic_env:NoLatency"}),
+    ]  # fmt: skip
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.turn_tokens, n=args.n, seed=1)
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    async with local_session(groups, Timeouts(call_s=600, connect_s=120)) as c:
+        generator = RolloutClient(c, "rollout")
+        envs = {"slow": EnvClient(c, "env"), "fast": EnvClient(c, "fast_env")}
+        specs = {k: await e.spec() for k, e in envs.items()}
+        session = 0
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for mode in MODES:
+                which = "fast" if mode == "no_latency" else "slow"
+                cfg = AgentConfig(
+                    max_turns=STEPS,
+                    max_total_tokens=4096,
+                    serving="lockstep" if mode == "lockstep" else "continuous",
+                )
+                setup = AgentRollout(generator, envs[which], cfg, specs[which], None, session)
+                session += args.prompts * args.n
+                batch = await run_trajectories(setup, prompts(args.prompts), sampling, 0)
+                found = dict(batch.meta["agent"])
+                mask = batch.tensors["response_mask"]
+                found["tokens"] = float(mask.sum())
+                found["positions"] = _positions(batch)
+                if repeat:
+                    runs[mode].append(found)
+                err.print(
+                    f"{'warm-up' if not repeat else f'round {repeat}'} {mode}: "
+                    f"{found['agent/traj_per_s']:.2f} traj/s, {found['agent/seconds']:.2f} s, "
+                    f"idle {found['agent/generator_idle_share']:.0%}"
+                )
+    return summarize(runs, args)
+
+
+def _positions(batch: TensorBatch) -> tuple[float, float]:
+    """(positions the generator ran over all turns, of which re-prefills): each turn prefills
+    the trajectory's whole context so far, which for every turn but the first was run before
+    (the prompt, earlier turns, observations)."""
+    ran, again = 0.0, 0.0
+    mask = batch.tensors["response_mask"]
+    attention = batch.tensors["attention_mask"]
+    for row in range(len(batch)):
+        sampled = mask[row][attention[row].bool()].tolist()
+        start = sampled.index(1) if 1 in sampled else len(sampled)
+        # a turn starts wherever a sampled run begins
+        turns = [i for i in range(start, len(sampled)) if sampled[i] and not sampled[i - 1]]
+        for index, begin in enumerate(turns):
+            ran += begin  # the context it prefilled
+            again += begin if index else 0
+        ran += sum(sampled)
+    return ran, again
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    def tok_s(mode: str) -> float:
+        return statistics.median(r["tokens"] / r["agent/seconds"] for r in runs[mode])
+
+    a, b, c = (median(m, "agent/traj_per_s") for m in MODES)
+    ran = sum(r["positions"][0] for r in runs["continuous"])
+    again = sum(r["positions"][1] for r in runs["continuous"])
+    return {
+        "traj_per_s": round(a, 3),
+        "lockstep_traj_per_s": round(b, 3),
+        "no_latency_traj_per_s": round(c, 3),
+        "tok_per_s": round(tok_s("continuous"), 1),
+        "lockstep_tok_per_s": round(tok_s("lockstep"), 1),
+        "no_latency_tok_per_s": round(tok_s("no_latency"), 1),
+        "speedup_vs_lockstep": round(a / b, 3),
+        "frac_of_no_latency": round(a / c, 3),
+        "generator_idle_share": round(median("continuous", "agent/generator_idle_share"), 3),
+        "lockstep_generator_idle_share": round(median("lockstep", "agent/generator_idle_share"), 3),
+        "reprefill_share": round(again / max(ran, 1.0), 3),
+        "tool_latency_p50_s": round(median("continuous", "agent/tool_latency_p50_s"), 3),
+        "tool_latency_p99_s": round(median("continuous", "agent/tool_latency_p99_s"), 3),
+        "trajectories": args.prompts * args.n,
+        "tool_calls_per_trajectory": STEPS,
+        "turn_tokens": args.turn_tokens,
+        "model": args.model,
+        "latency_median_s": MEDIAN_S,
+        "latency_p99_s": P99_S,
+        "repeats": args.repeats,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4, help="trajectories per prompt")
+    parser.add_argument("--turn-tokens", type=int, default=24, help="new tokens per turn")
+    parser.add_argument("--model", choices=("tiny", "small"), default="small")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="CI-sized: 8 prompts, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.n, args.repeats, args.turn_tokens = 8, 2, 1, 8
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_model(Path(tmp) / args.model, args.model, seed=0)
+        report = asyncio.run(measure(args, model))
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

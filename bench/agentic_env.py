@@ -1,0 +1,48 @@
+"""The environment ``bench.agentic`` drives: every step is a tool call whose latency is drawn from a
+heavy-tailed distribution (log-normal, median 50 ms, p99 1 s), simulated with a sleep in the env
+group; ``NoLatency`` is the same environment answering at once (the limit).
+
+The latency of a step depends only on the trajectory's row (its ``uid`` and ``seed``), the step's
+index and the action's length, so the three runs of the benchmark (continuous, lock step, no
+latency) see the same latencies for the same trajectories.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+MEDIAN_S = 0.05
+P99_S = 1.0
+Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+SIGMA = math.log(P99_S / MEDIAN_S) / Z99
+STEPS = 4  # tool calls per trajectory
+
+
+def latency(key: str) -> float:
+    """A log-normal draw (median ``MEDIAN_S``, p99 ``P99_S``) seeded by ``key``."""
+    return random.Random(key).lognormvariate(math.log(MEDIAN_S), SIGMA)
+
+
+class SlowTool:
+    """``STEPS`` steps, each a tool call of drawn latency; the observation is a short result."""
+
+    scale = 1.0
+
+    def reset(self, row: dict[str, Any]) -> str:
+        self.key = f"{row.get('uid')}/{row.get('seed')}"
+        self.steps = 0
+        return ""
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        wait = self.scale * latency(f"{self.key}/{self.steps}/{len(action)}")
+        if wait:
+            time.sleep(wait)
+        self.steps += 1
+        return f" ->{len(action)}\n", 0.0, self.steps >= STEPS, {}
+
+
+class NoLatency(SlowTool):
+    scale = 0.0
