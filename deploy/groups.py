@@ -199,6 +199,7 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
     the engine settings of an engine role (None for other roles)."""
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
+    from roles.env import EnvConfig, load_environment, load_tools
     from roles.reward import load_function
     from roles.rollout import RolloutConfig
 
@@ -206,6 +207,16 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
         try:
             load_function(str(settings.get("function")))
         except ValueError as exc:
+            raise ExperimentError(f"roles.{role}: {exc}") from None
+        return None
+    if cls == ROLE_CLASSES["env"]:
+        try:
+            env = EnvConfig.model_validate(settings)
+        except ValidationError as exc:
+            raise ExperimentError(explain(exc, EnvConfig, f"roles.{role}")) from None
+        try:  # the tools' schemas and the environment class, before any process starts
+            load_tools(env) if env.tools else load_environment(str(env.environment))
+        except (ValueError, TypeError) as exc:
             raise ExperimentError(f"roles.{role}: {exc}") from None
         return None
     try:
