@@ -53,6 +53,9 @@ class SeedResult:
     gain: float
     wall_s: float
     dtype: str
+    #: multi-turn runs: the share of held-out answers that called a tool, before and after RL
+    calls_before: float | None = None
+    calls_after: float | None = None
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -96,13 +99,24 @@ def from_summary(seed: int, summary: dict[str, Any], wall: float) -> SeedResult:
         )
     init, before, after = (float(summary[k]) for k in keys)
     dtype = str(summary.get("precision", {}).get("actor", {}).get("dtype", "?"))
-    return SeedResult(seed, init, before, after, after - before, round(wall, 1), dtype)
+    calls = [summary.get(k) for k in ("val_tool_calls_before", "val_tool_calls_after")]
+    return SeedResult(
+        seed,
+        init,
+        before,
+        after,
+        after - before,
+        round(wall, 1),
+        dtype,
+        *(None if c is None else float(c) for c in calls),
+    )
 
 
 def spread(rows: list[SeedResult]) -> dict[str, dict[str, float]]:
     """Column → min, median, max over the seeds."""
     found = {}
-    for column in COLUMNS:
+    calls = ("calls_before", "calls_after") if rows and rows[0].calls_after is not None else ()
+    for column in (*COLUMNS, *calls):
         values = [float(getattr(r, column)) for r in rows]
         found[column] = {
             "min": min(values),
@@ -123,12 +137,15 @@ def shortfalls(rows: list[SeedResult], gain: float | None, after: float | None) 
 
 def table(title: str, rows: list[SeedResult], found: dict[str, dict[str, float]]) -> Table:
     shown = Table(title=title)
-    for name in ("seed", *COLUMNS, "dtype"):
+    calls = ("calls_before", "calls_after") if rows and rows[0].calls_after is not None else ()
+    for name in ("seed", *COLUMNS, *calls, "dtype"):
         shown.add_column(name, justify="right")
     for r in rows:
-        shown.add_row(str(r.seed), *(_fmt(c, getattr(r, c)) for c in COLUMNS), r.dtype)
+        values = [_fmt(c, getattr(r, c)) for c in (*COLUMNS, *calls)]
+        shown.add_row(str(r.seed), *values, r.dtype)
     for stat in ("min", "median", "max"):
-        shown.add_row(stat, *(_fmt(c, found[c][stat]) for c in COLUMNS), "", style="bold")
+        values = [_fmt(c, found[c][stat]) for c in (*COLUMNS, *calls)]
+        shown.add_row(stat, *values, "", style="bold")
     return shown
 
 

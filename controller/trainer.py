@@ -305,16 +305,24 @@ class Trainer:
         return self._summary(final)
 
     def _summary(self, final: dict[str, Any]) -> dict[str, Any]:
-        def score(tag_prefix: str) -> float | None:
+        def score(tag_prefix: str, key: str = "val/score") -> float | None:
             for v in self.validations:
                 if str(v["tag"]).startswith(tag_prefix):
-                    return float(v["val/score"])
+                    found = v.get(key, v.get("record", {}).get(key))
+                    return None if found is None else float(found)
             return None
 
+        calls = {}
+        if final and "val/tool_call_rate" in final:  # multi-turn: how often the model called
+            calls = {
+                "val_tool_calls_before": score("before:", "val/tool_call_rate"),
+                "val_tool_calls_after": float(final["val/tool_call_rate"]),
+            }
         return {
             "val_acc_init": score("init"),
             "val_acc_before": score("before:"),
             "val_acc_after": float(final["val/score"]) if final else None,
+            **calls,
             "steps": self.global_step,
             "precision": self.precision,
             "validations": self.validations,
@@ -516,6 +524,10 @@ class Trainer:
             "val/length": float(answers.tensors["response_mask"].float().sum(-1).mean()),
             "time/val_s": time.perf_counter() - start,
         }
+        agent = answers.meta.get("agent", {})
+        for key in ("tool_call_rate", "turns", "tool_errors"):  # multi-turn validation
+            if f"agent/{key}" in agent:
+                record[f"val/{key}"] = float(agent[f"agent/{key}"])
         sources = answers.non_tensors.get("data_source")
         if sources:
             for source in sorted({str(s) for s in sources}):

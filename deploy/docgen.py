@@ -44,12 +44,14 @@ END = "<!-- END fields -->"
 def _role_models() -> list[tuple[str, str, type[BaseModel]]]:
     """The role settings' models (roles code: imported only when the reference is generated)."""
     from roles.engines.training.config import EngineConfig
+    from roles.env import EnvConfig
     from roles.rollout import RolloutConfig
 
     engines = "roles.NAME of actor, reference, critic, cost_critic and a model reward"
     return [
         (engines, "roles.NAME", EngineConfig),
         ("roles.rollout", "roles.rollout", RolloutConfig),
+        ("roles.env", "roles.env", EnvConfig),
     ]
 
 

@@ -81,7 +81,10 @@ class EnvConfig(BaseModel):
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments the environment class is built with"
     )
-    tokenizer: str = Field(description="the actor's model folder (its tokenizer)")
+    tokenizer: str = Field(
+        description="a model folder whose tokenizer the env uses; hybridflow run fills in the "
+        "actor's"
+    )
     format: Format = Field("hermes", description="how the model writes a tool call")
     observation: str | None = Field(
         None,

@@ -11,8 +11,9 @@ The exchange, all typed structs (``transport/structs.py``):
 
 * ``EnvSpec`` (``env.spec()``): the tokens that end a turn (the model's end of sequence and the
   tool-call close tag's last token), the tools' JSON schemas, the call format;
-* ``EnvOpen`` → ``EnvResult`` (``env.open(...)``): a new session per trajectory, from its data row;
-  an environment's first observation (tools: none);
+* ``EnvOpen`` → ``EnvResult`` (``env.open(...)``): a new session per trajectory, from its data row,
+  and the trajectory's start as ``observation_ids``: the row's prompt tokenized as the generation
+  engines tokenize it, then an environment's first observation (``observation``: its text);
 * ``EnvAction`` (``env.submit(...)``): a turn's sampled text (and ids), returned at once; the
   action runs on the group's workers while the group takes more;
 * ``EnvResult`` (``env.collect(wait_s)``): the actions finished since the last collect (waiting up to
