@@ -3,7 +3,8 @@
 A rule reward is ``fn(prompt, response, metadata) -> float | dict`` (see ``roles/reward.py``).
 ``roles.rules:arithmetic_reward`` scores the built-in arithmetic task (``controller/tasks.py``),
 whose rows carry the exact answer as ``metadata["answer"]``; ``tool_arithmetic_reward`` scores the
-final answer of a multi-turn rollout on the tool-use demo task.
+final answer of a multi-turn rollout on the tool-use demo task; ``env_reward`` passes on what an
+environment awarded over a multi-turn rollout.
 
 A rule reward that reads a data column declares it with ``@needs("answer")``: the experiment
 loader (``deploy/experiment.py``) then checks, before anything starts, that every row of the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from numbers import Real
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -89,3 +91,26 @@ def last_number_reward(prompt: str, response: str, metadata: Mapping[str, Any]) 
         raise ValueError("last_number_reward needs metadata['answer']; add an 'answer' column")
     numbers = re.findall(r"-?\d+", response)
     return 1.0 if numbers and numbers[-1] == _answer_text(metadata["answer"]) else 0.0
+
+
+def env_reward(prompt: str, response: str, metadata: Mapping[str, Any]) -> float:
+    """The environment's own reward: the sum of the rewards its ``step`` returned over the
+    trajectory (``metadata["env_reward"]``), for an env role hosting an environment such as
+    ``roles.tools.games:GuessNumber`` (``examples/guess_number.yaml``). A game won on the third
+    move scores 1.0, one lost or cut short 0.0; the turns' text is not read here.
+
+    The column is written by the multi-turn rollout, not by the data, so it is not declared with
+    ``needs``; without ``trainer.agent`` there is none, and this raises a ValueError saying so.
+    """
+    if "env_reward" not in metadata:
+        raise ValueError(
+            "env_reward comes from a multi-turn rollout: set trainer.agent (and an env role with "
+            "an environment); this row has no 'env_reward' column"
+        )
+    value = metadata["env_reward"]
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(
+            f"env_reward: metadata['env_reward'] is {value!r} (a {type(value).__name__}), not a "
+            "number"
+        )
+    return float(value)

@@ -1,4 +1,4 @@
-"""The built-in arithmetic rule reward: the first token must be the exact answer."""
+"""Built-in rule rewards: exact answers, final numbers, the environment's own reward."""
 
 from __future__ import annotations
 
@@ -73,3 +73,36 @@ def test_tool_arithmetic_reward_without_answer_names_itself() -> None:
 
     with pytest.raises(ValueError, match="tool_arithmetic_reward needs metadata\\['answer'\\]"):
         tool_arithmetic_reward("123*45=", "5535", {})
+
+
+@pytest.mark.parametrize(
+    ("env_reward", "score"),
+    [
+        (1.0, 1.0),  # GuessNumber: the right guess
+        (0.0, 0.0),  # lost, or cut short by max_turns
+        (2, 2.0),  # an environment that pays on several steps: their sum, as the rollout wrote it
+        (-0.5, -0.5),
+    ],
+)
+def test_env_reward_is_the_environments_sum_whatever_the_text(
+    env_reward: float, score: float
+) -> None:
+    from roles.rules import env_reward as rule
+    from roles.rules import needed_columns
+
+    row = {"env_reward": env_reward, "secret": 11, "turns": 3}
+    assert rule("Game: ", "[11]", row) == score
+    assert rule("Game: ", "no number at all", row) == score  # the text is the game's to judge
+    # the rollout makes the column, so the data is not asked for it at load
+    assert needed_columns(rule) == ()
+
+
+def test_env_reward_without_a_multi_turn_rollout_says_to_set_trainer_agent() -> None:
+    from roles.rules import env_reward
+
+    with pytest.raises(ValueError, match="env_reward comes from a multi-turn rollout: set "):
+        env_reward("Game: ", "[8]", {"secret": 11})
+    with pytest.raises(ValueError, match=r"metadata\['env_reward'\] is None \(a NoneType\)"):
+        env_reward("Game: ", "[8]", {"env_reward": None})
+    with pytest.raises(ValueError, match="is True"):
+        env_reward("Game: ", "[8]", {"env_reward": True})
