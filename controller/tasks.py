@@ -12,6 +12,9 @@ have ``a >= b``, so no answer is negative. Sampling within a split is determinis
 
 ``builtin:tool_arithmetic`` is the demo of tool use: products too hard for a small model to
 compute, which it can answer exactly by calling a calculator tool (``examples/tool_use.yaml``).
+``builtin:guess_number`` is the demo of a stateful environment: games of
+``roles.tools.games:GuessNumber``, with demonstrations by a bisecting and a random player
+(``examples/guess_number.yaml``).
 
 The rule rewards that score these answers live with the reward role: ``roles/rules.py``.
 """
@@ -250,18 +253,126 @@ def _demonstration(p: Problem, call: bool) -> list[dict[str, str]]:
     ]
 
 
+#: The prompt of every guess_number row. The environment's first observation follows it, so a
+#: game reads "Game: Guess my number from 1 to 16.[8]8? Go higher.[12]12? Go lower.[10]10 is right."
+GAME_PROMPT = "Game: "
+#: How a demonstration writes a guess: the env role's ``bracket`` format, whose "]" ends the turn;
+#: GuessNumber reads the last integer of the turn's text.
+GUESS = "[{guess}]"
+#: GuessNumber's texts (``roles/tools/games.py``, which the controller does not import): the first
+#: observation and the answer to a wrong guess ({hint}: higher or lower), which a demonstration's
+#: user and tool messages hold byte for byte. tests/controller/test_tasks.py plays demonstrations
+#: against GuessNumber itself to keep the two the same.
+GAME_START = "Guess my number from {low} to {high}."
+GAME_HINT = "{guess}? Go {hint}."
+PLAYERS = ("bisect", "random")
+
+
+def guess_number(
+    n: int,
+    split: str,
+    low: int = 1,
+    high: int = 16,
+    seed: int = 0,
+    max_moves: int = 5,
+    random_share: float = 0.5,
+) -> list[dict[str, Any]]:
+    """Games of GuessNumber (a secret number in [low, high], guessed with hints higher/lower);
+    train and test rows are prompts {prompt, secret}, sft rows demonstrated games {messages}.
+    The splits share secrets: a game is only its secret, and a range as small as 1..16 has too
+    few to hold some out; test rows take every secret in turn, so n = high - low + 1 scores each
+    once.
+
+    ``train``: rows {prompt, secret, data_source}, the secrets drawn uniformly (seeded).
+    ``test``: the same columns, the secrets low, low+1, ..., high, low, ... in order (the seed is
+    not used): with greedy play a validation's score is then the share of secrets won.
+    ``sft``: rows {messages, secret, player, data_source}, each a whole game: the user's message is
+    the prompt and GuessNumber's first observation (``GAME_PROMPT`` + ``GAME_START``); then the
+    player's guesses as assistant messages (``[8]``: the bracket format's "]" ends a turn), each
+    wrong one answered by a tool message holding GuessNumber's reply (``8? Go higher.``), until
+    the right guess or ``max_moves`` guesses (the last assistant message; GuessNumber's last reply
+    is not part of it). ``round(n * random_share)`` of the games (seeded) are played by a random
+    player, who guesses uniformly among the numbers the hints still allow; the rest by a player
+    who bisects them (the lower midpoint), which on 1..16 wins in at most 5 guesses. The random
+    player wins about 77% of 1..16 games within 5 moves: demonstrations RL can improve on.
+    ``max_moves`` must be the environment's (``environment_args``).
+    """
+    _check_split(split)
+    if n < 1:
+        raise ValueError(f"n={n} must be at least 1")
+    if low > high:
+        raise ValueError(f"low={low} must be at most high={high}")
+    if max_moves < 1:
+        raise ValueError(f"max_moves={max_moves} must be at least 1")
+    if not 0.0 <= random_share <= 1.0:
+        raise ValueError(f"random_share={random_share} must be a fraction in [0, 1]")
+    row = {"prompt": GAME_PROMPT, "data_source": "guess_number"}
+    if split == "test":
+        size = high - low + 1
+        return [{**row, "secret": low + i % size} for i in range(n)]
+    draw = random.Random(f"guess_number/{split}/{seed}")
+    secrets = [draw.randint(low, high) for _ in range(n)]
+    if split == "train":
+        return [{**row, "secret": secret} for secret in secrets]
+    randoms = set(random.Random(f"players/{seed}").sample(range(n), round(n * random_share)))
+    guesser = random.Random(f"guesses/{seed}")
+    rows = []
+    for i, secret in enumerate(secrets):
+        player = "random" if i in randoms else "bisect"
+        guesses = play(secret, low, high, max_moves, player, guesser)
+        rows.append(
+            {
+                "messages": game_messages(guesses, secret, low, high),
+                "secret": secret,
+                "player": player,
+                "data_source": "guess_number",
+            }
+        )
+    return rows
+
+
+def play(
+    secret: int, low: int, high: int, max_moves: int, player: str, rng: random.Random
+) -> list[int]:
+    """The guesses of one game: until the right one, at most ``max_moves``. ``bisect`` guesses
+    the lower midpoint of the numbers the hints still allow, ``random`` any of them (``rng``)."""
+    if player not in PLAYERS:
+        raise ValueError(f"player={player!r} is not one of {', '.join(PLAYERS)}")
+    guesses: list[int] = []
+    while len(guesses) < max_moves and (not guesses or guesses[-1] != secret):
+        guess = (low + high) // 2 if player == "bisect" else rng.randint(low, high)
+        guesses.append(guess)
+        low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+    return guesses
+
+
+def game_messages(guesses: list[int], secret: int, low: int, high: int) -> list[dict[str, str]]:
+    """A game as a conversation: the prompt and first observation, then each guess and, after all
+    but the last, GuessNumber's reply to it."""
+    messages = [{"role": "user", "content": GAME_PROMPT + GAME_START.format(low=low, high=high)}]
+    for i, guess in enumerate(guesses):
+        messages.append({"role": "assistant", "content": GUESS.format(guess=guess)})
+        if i < len(guesses) - 1:
+            hint = "higher" if guess < secret else "lower"
+            messages.append({"role": "tool", "content": GAME_HINT.format(guess=guess, hint=hint)})
+    return messages
+
+
 TASKS: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": arithmetic,
     "preference": preference,
     "tool_arithmetic": tool_arithmetic,
+    "guess_number": guess_number,
 }
 
 #: What each parameter of a task means, for the reference in docs/experiments.md
 #: (``deploy/docgen.py``; a test checks every parameter of every task is here).
 PARAMETERS = {
-    "n": "rows to draw (without replacement while the split has that many problems)",
-    "split": "train, sft or test: disjoint sets of problems (a stable hash of each problem)",
-    "seed": "which rows are drawn, and the seeded choices per row (noise, tool calls)",
+    "n": "rows to draw (arithmetic tasks: without replacement while the split has that many "
+    "problems)",
+    "split": "train, sft or test: for the arithmetic tasks disjoint sets of problems (a stable "
+    "hash of each problem); guess_number's share secrets",
+    "seed": "which rows are drawn, and the seeded choices per row (noise, tool calls, players)",
     "max_operand": "operands range over 0..max_operand",
     "ops": "operators to draw from, written together: any of + - * (e.g. ops=+-)",
     "noise": "fraction of rows whose response is written '<answer>!', a format the exact-answer "
@@ -269,6 +380,10 @@ PARAMETERS = {
     "style": "short (the number) or explain (the number, then a restatement: ~20 tokens)",
     "kinds": "how the rejected answer is wrong, comma-separated: operand, format, near",
     "tool_share": "fraction of sft rows that call the calculator (the rest answer directly)",
+    "low": "the smallest secret number",
+    "high": "the largest secret number",
+    "max_moves": "guesses a game allows; the environment's own (its environment_args)",
+    "random_share": "fraction of sft games played by a random player (the rest bisect)",
 }
 
 
@@ -279,9 +394,13 @@ def _sample(n: int, split: str, max_operand: int, ops: str, rng: random.Random) 
     return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
 
 
-def _check_options(split: str, max_operand: int, ops: str) -> None:
+def _check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {', '.join(SPLITS)}")
+
+
+def _check_options(split: str, max_operand: int, ops: str) -> None:
+    _check_split(split)
     if max_operand < 0:
         raise ValueError(f"max_operand={max_operand} must be at least 0")
     if not ops or set(ops) - set(_OPS) or len(set(ops)) != len(ops):

@@ -1,10 +1,15 @@
 """Built-in arithmetic tasks: deterministic, disjoint splits, right answers; the tool-use demo's
-conversations."""
+conversations; the guessing game's prompts and demonstrated games, byte for byte what a multi-turn
+rollout against GuessNumber holds."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import random
 import re
+from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -13,11 +18,19 @@ from controller.tasks import (
     SPLITS,
     TASKS,
     arithmetic,
+    game_messages,
+    guess_number,
+    play,
     preference,
     problems,
     tool_arithmetic,
     tool_problems,
 )
+from roles.engines.generation.serve import prompt_ids
+from roles.modeling.models import build_tokenizer
+from roles.modeling.text import encode_conversation
+from roles.tools.games import GuessNumber
+from transport.batch import TensorBatch
 
 PROMPT = re.compile(r"^(\d+)([-+*])(\d+)=$")
 
@@ -219,3 +232,145 @@ def test_tool_share_is_honoured_exactly_and_seeded(n: int, share: float, calls: 
     assert all(len(r["messages"]) == 4 for r in tool_arithmetic(n, "sft", tool_share=1.0))
     with pytest.raises(ValueError, match=r"tool_share=1\.5 must be a fraction"):
         tool_arithmetic(n, "sft", tool_share=1.5)
+
+
+# -- guess_number -----------------------------------------------------------------------------
+
+
+def test_bisect_plays_the_lower_midpoint_by_hand() -> None:
+    rng = random.Random(0)  # unused by bisect
+    assert play(13, 1, 16, 5, "bisect", rng) == [8, 12, 14, 13]
+    assert play(8, 1, 16, 5, "bisect", rng) == [8]
+    assert play(16, 1, 16, 5, "bisect", rng) == [8, 12, 14, 15, 16]  # the longest: 5 guesses
+    assert play(1, 1, 16, 5, "bisect", rng) == [8, 4, 2, 1]
+    assert play(16, 1, 16, 4, "bisect", rng) == [8, 12, 14, 15]  # out of moves: lost
+    # every secret of 1..16 is won within 5 guesses
+    assert max(len(play(s, 1, 16, 99, "bisect", rng)) for s in range(1, 17)) == 5
+
+
+def test_a_demonstrated_game_by_hand() -> None:
+    assert game_messages([8, 12, 14, 13], 13, 1, 16) == [
+        {"role": "user", "content": "Game: Guess my number from 1 to 16."},
+        {"role": "assistant", "content": "[8]"},
+        {"role": "tool", "content": "8? Go higher."},
+        {"role": "assistant", "content": "[12]"},
+        {"role": "tool", "content": "12? Go higher."},
+        {"role": "assistant", "content": "[14]"},
+        {"role": "tool", "content": "14? Go lower."},
+        {"role": "assistant", "content": "[13]"},
+    ]
+    # a lost game ends on its last (wrong) guess
+    assert game_messages([3, 9], 5, 1, 9)[-2:] == [
+        {"role": "tool", "content": "3? Go higher."},
+        {"role": "assistant", "content": "[9]"},
+    ]
+
+
+def test_the_random_player_guesses_only_what_the_hints_allow() -> None:
+    rng = random.Random(3)
+    for secret in range(1, 17):
+        for _ in range(20):
+            low, high = 1, 16
+            guesses = play(secret, 1, 16, 5, "random", rng)
+            assert 1 <= len(guesses) <= 5
+            assert len(set(guesses)) == len(guesses)
+            for guess in guesses:
+                assert low <= guess <= high
+                low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+            assert guesses[-1] == secret or len(guesses) == 5
+
+
+def test_sft_rows_share_random_players_exactly_and_are_seeded() -> None:
+    rows = guess_number(40, "sft", seed=2, random_share=0.25)
+    assert [r["player"] for r in rows].count("random") == 10
+    assert rows == guess_number(40, "sft", seed=2, random_share=0.25)
+    assert rows != guess_number(40, "sft", seed=3, random_share=0.25)
+    for row in rows:
+        assert set(row) == {"messages", "secret", "player", "data_source"}
+        assert 1 <= row["secret"] <= 16 and row["data_source"] == "guess_number"
+        if row["player"] == "bisect":
+            guesses = play(row["secret"], 1, 16, 5, "bisect", random.Random())
+            assert row["messages"] == game_messages(guesses, row["secret"], 1, 16)
+    bisecting = guess_number(30, "sft", random_share=0.0)
+    assert all(r["player"] == "bisect" for r in bisecting)
+    won = [r["messages"][-1]["content"] == f"[{r['secret']}]" for r in bisecting]
+    assert all(won)  # bisection always wins 1..16 in 5 moves
+
+
+def test_train_and_test_rows_are_prompts_and_test_takes_every_secret_in_turn() -> None:
+    test = guess_number(20, "test", seed=7)
+    assert [r["secret"] for r in test] == [*range(1, 17), 1, 2, 3, 4]
+    assert test == guess_number(20, "test", seed=8)  # the test split does not use the seed
+    assert all(
+        r == {"prompt": "Game: ", "secret": r["secret"], "data_source": "guess_number"}
+        for r in test
+    )
+    train = guess_number(500, "train", low=3, high=7, seed=1)
+    assert {r["secret"] for r in train} == {3, 4, 5, 6, 7}
+    assert train == guess_number(500, "train", low=3, high=7, seed=1)
+    assert [r["secret"] for r in train] != [
+        r["secret"] for r in guess_number(500, "train", low=3, high=7, seed=2)
+    ]
+    assert set(train[0]) == {"prompt", "secret", "data_source"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"low": 5, "high": 4}, "low=5 must be at most high=4"),
+        ({"max_moves": 0}, "max_moves=0 must be at least 1"),
+        ({"random_share": -0.1}, r"random_share=-0\.1 must be a fraction in \[0, 1\]"),
+        ({"split": "val"}, "split='val' is not one of train, sft, test"),
+    ],
+)
+def test_guess_number_rejects_bad_options(kwargs: dict[str, object], message: str) -> None:
+    options: dict[str, object] = {"n": 4, "split": "sft", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        guess_number(**options)  # type: ignore[arg-type]
+
+
+def rollout_ids(row: dict[str, Any], messages: list[dict[str, str]]) -> tuple[list[int], str]:
+    """What a multi-turn rollout holds when the model plays ``messages``' assistant turns against
+    GuessNumber(1, 16, 5): the prompt as the engines tokenize it, reset's text, then each turn and
+    step's observation as returned (an environment's default template is {text}); without the
+    last observation, which is returned beside."""
+    tokenizer = build_tokenizer()
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    env = GuessNumber(low=1, high=16, max_moves=5)
+    prompts = TensorBatch.from_dict(non_tensors={"prompt": [row["prompt"]]})
+    first = env.reset(row)
+    assert messages[0] == {"role": "user", "content": row["prompt"] + first}
+    ids = prompt_ids(prompts, tokenizer)[0] + encode(first)
+    observation, done = "", False
+    for message in messages[1:]:
+        if message["role"] == "assistant":
+            assert not done
+            ids += encode(message["content"])
+            observation, _, done, _ = env.step(message["content"])
+            ids += encode(observation)
+        else:  # the demonstration's tool message is what step returned
+            assert message == {"role": "tool", "content": observation}
+    assert done
+    return ids[: len(ids) - len(encode(observation))], observation
+
+
+def test_a_rendered_demonstration_is_byte_for_byte_a_rollout_against_guess_number() -> None:
+    tokenizer = build_tokenizer()
+    rows = guess_number(64, "sft", seed=4)
+    prompt = guess_number(1, "train")[0]["prompt"]
+    endings: Counter[str] = Counter()
+    longest = 0
+    for row in rows:
+        ids, mask = encode_conversation(tokenizer, row["messages"])
+        played, last = rollout_ids({"prompt": prompt, "secret": row["secret"]}, row["messages"])
+        # the rollout goes on to the last observation; the demonstration ends in eos instead
+        assert ids == [*played, tokenizer.eos_token_id]
+        trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+        turns = "".join(m["content"] for m in row["messages"] if m["role"] == "assistant")
+        assert trained == turns + tokenizer.eos_token  # the player's guesses (and eos) only
+        endings[f"{row['player']}: {'won' if last.endswith('is right.') else 'lost'}"] += 1
+        longest = max(longest, len(played) + len(tokenizer.encode(last, add_special_tokens=False)))
+    assert set(endings) == {"bisect: won", "random: won", "random: lost"}
+    assert endings["bisect: won"] == 32
+    # a whole game, the last observation included, fits the tiny model's 512 positions easily
+    assert longest <= 140
