@@ -265,7 +265,9 @@ GUESS = "[{guess}]"
 #: against GuessNumber itself to keep the two the same.
 GAME_START = "Guess my number from {low} to {high}."
 GAME_HINT = "{guess}? Go {hint}."
-PLAYERS = ("bisect", "random")
+#: how a demonstration's player guesses among the numbers the hints still allow: the lower
+#: midpoint, any of them at random, or the lowest (counting up)
+PLAYERS = ("bisect", "random", "scan")
 
 
 def guess_number(
@@ -275,7 +277,8 @@ def guess_number(
     high: int = 16,
     seed: int = 0,
     max_moves: int = 5,
-    random_share: float = 0.5,
+    weak: str = "random",
+    weak_share: float = 0.5,
 ) -> list[dict[str, Any]]:
     """Games of GuessNumber (a secret number in [low, high], guessed with hints higher/lower);
     train and test rows are prompts {prompt, secret}, sft rows demonstrated games {messages}.
@@ -291,11 +294,12 @@ def guess_number(
     player's guesses as assistant messages (``[8]``: the bracket format's "]" ends a turn), each
     wrong one answered by a tool message holding GuessNumber's reply (``8? Go higher.``), until
     the right guess or ``max_moves`` guesses (the last assistant message; GuessNumber's last reply
-    is not part of it). ``round(n * random_share)`` of the games (seeded) are played by a random
-    player, who guesses uniformly among the numbers the hints still allow; the rest by a player
-    who bisects them (the lower midpoint), which on 1..16 wins in at most 5 guesses. The random
-    player wins about 77% of 1..16 games within 5 moves: demonstrations RL can improve on.
-    ``max_moves`` must be the environment's (``environment_args``).
+    is not part of it). ``round(n * weak_share)`` of the games (seeded) are played by a weak
+    player, the rest by one who bisects the numbers the hints still allow (the lower midpoint),
+    which on 1..16 always wins within 5 guesses. The weak player (``weak``) guesses among those
+    numbers at random (it wins about 77% of 1..16 games within 5 moves) or scans them from the
+    lowest up (it wins only when the secret is at most ``low + max_moves - 1``): demonstrations
+    RL can improve on. ``max_moves`` must be the environment's (``environment_args``).
     """
     _check_split(split)
     if n < 1:
@@ -304,8 +308,10 @@ def guess_number(
         raise ValueError(f"low={low} must be at most high={high}")
     if max_moves < 1:
         raise ValueError(f"max_moves={max_moves} must be at least 1")
-    if not 0.0 <= random_share <= 1.0:
-        raise ValueError(f"random_share={random_share} must be a fraction in [0, 1]")
+    if weak not in PLAYERS[1:]:
+        raise ValueError(f"weak={weak!r} is not one of {', '.join(PLAYERS[1:])}")
+    if not 0.0 <= weak_share <= 1.0:
+        raise ValueError(f"weak_share={weak_share} must be a fraction in [0, 1]")
     row = {"prompt": GAME_PROMPT, "data_source": "guess_number"}
     if split == "test":
         size = high - low + 1
@@ -314,11 +320,11 @@ def guess_number(
     secrets = [draw.randint(low, high) for _ in range(n)]
     if split == "train":
         return [{**row, "secret": secret} for secret in secrets]
-    randoms = set(random.Random(f"players/{seed}").sample(range(n), round(n * random_share)))
+    weaks = set(random.Random(f"players/{seed}").sample(range(n), round(n * weak_share)))
     guesser = random.Random(f"guesses/{seed}")
     rows = []
     for i, secret in enumerate(secrets):
-        player = "random" if i in randoms else "bisect"
+        player = weak if i in weaks else "bisect"
         guesses = play(secret, low, high, max_moves, player, guesser)
         rows.append(
             {
@@ -334,13 +340,17 @@ def guess_number(
 def play(
     secret: int, low: int, high: int, max_moves: int, player: str, rng: random.Random
 ) -> list[int]:
-    """The guesses of one game: until the right one, at most ``max_moves``. ``bisect`` guesses
-    the lower midpoint of the numbers the hints still allow, ``random`` any of them (``rng``)."""
+    """The guesses of one game: until the right one, at most ``max_moves``. Of the numbers the
+    hints still allow, ``bisect`` guesses the lower midpoint, ``random`` any (drawn with ``rng``),
+    ``scan`` the lowest."""
     if player not in PLAYERS:
         raise ValueError(f"player={player!r} is not one of {', '.join(PLAYERS)}")
     guesses: list[int] = []
     while len(guesses) < max_moves and (not guesses or guesses[-1] != secret):
-        guess = (low + high) // 2 if player == "bisect" else rng.randint(low, high)
+        if player == "bisect":
+            guess = (low + high) // 2
+        else:
+            guess = rng.randint(low, high) if player == "random" else low
         guesses.append(guess)
         low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
     return guesses
@@ -383,7 +393,9 @@ PARAMETERS = {
     "low": "the smallest secret number",
     "high": "the largest secret number",
     "max_moves": "guesses a game allows; the environment's own (its environment_args)",
-    "random_share": "fraction of sft games played by a random player (the rest bisect)",
+    "weak": "how the weak player of sft games guesses: random (any number the hints allow) or "
+    "scan (the lowest)",
+    "weak_share": "fraction of sft games played by the weak player (the rest bisect)",
 }
 
 

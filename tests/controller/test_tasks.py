@@ -248,6 +248,25 @@ def test_bisect_plays_the_lower_midpoint_by_hand() -> None:
     assert max(len(play(s, 1, 16, 99, "bisect", rng)) for s in range(1, 17)) == 5
 
 
+def test_scan_counts_up_from_the_lowest_number_left_by_hand() -> None:
+    rng = random.Random(0)
+    assert play(3, 1, 16, 5, "scan", rng) == [1, 2, 3]
+    assert play(5, 1, 16, 5, "scan", rng) == [1, 2, 3, 4, 5]
+    assert play(9, 1, 16, 5, "scan", rng) == [1, 2, 3, 4, 5]  # lost: 9 is past 5 moves
+    assert play(12, 10, 20, 3, "scan", rng) == [10, 11, 12]
+    with pytest.raises(ValueError, match="player='linear' is not one of bisect, random, scan"):
+        play(3, 1, 16, 5, "linear", rng)
+
+
+def test_scanning_demonstrations_win_exactly_the_low_secrets() -> None:
+    rows = guess_number(64, "sft", seed=1, weak="scan", weak_share=0.75)
+    scans = [r for r in rows if r["player"] == "scan"]
+    assert len(scans) == 48 and {r["player"] for r in rows} == {"scan", "bisect"}
+    for row in scans:
+        guesses = list(range(1, min(row["secret"], 5) + 1))
+        assert row["messages"] == game_messages(guesses, row["secret"], 1, 16)
+
+
 def test_a_demonstrated_game_by_hand() -> None:
     assert game_messages([8, 12, 14, 13], 13, 1, 16) == [
         {"role": "user", "content": "Game: Guess my number from 1 to 16."},
@@ -281,17 +300,17 @@ def test_the_random_player_guesses_only_what_the_hints_allow() -> None:
 
 
 def test_sft_rows_share_random_players_exactly_and_are_seeded() -> None:
-    rows = guess_number(40, "sft", seed=2, random_share=0.25)
+    rows = guess_number(40, "sft", seed=2, weak_share=0.25)
     assert [r["player"] for r in rows].count("random") == 10
-    assert rows == guess_number(40, "sft", seed=2, random_share=0.25)
-    assert rows != guess_number(40, "sft", seed=3, random_share=0.25)
+    assert rows == guess_number(40, "sft", seed=2, weak_share=0.25)
+    assert rows != guess_number(40, "sft", seed=3, weak_share=0.25)
     for row in rows:
         assert set(row) == {"messages", "secret", "player", "data_source"}
         assert 1 <= row["secret"] <= 16 and row["data_source"] == "guess_number"
         if row["player"] == "bisect":
             guesses = play(row["secret"], 1, 16, 5, "bisect", random.Random())
             assert row["messages"] == game_messages(guesses, row["secret"], 1, 16)
-    bisecting = guess_number(30, "sft", random_share=0.0)
+    bisecting = guess_number(30, "sft", weak_share=0.0)
     assert all(r["player"] == "bisect" for r in bisecting)
     won = [r["messages"][-1]["content"] == f"[{r['secret']}]" for r in bisecting]
     assert all(won)  # bisection always wins 1..16 in 5 moves
@@ -319,7 +338,8 @@ def test_train_and_test_rows_are_prompts_and_test_takes_every_secret_in_turn() -
     [
         ({"low": 5, "high": 4}, "low=5 must be at most high=4"),
         ({"max_moves": 0}, "max_moves=0 must be at least 1"),
-        ({"random_share": -0.1}, r"random_share=-0\.1 must be a fraction in \[0, 1\]"),
+        ({"weak_share": -0.1}, r"weak_share=-0\.1 must be a fraction in \[0, 1\]"),
+        ({"weak": "bisect"}, "weak='bisect' is not one of random, scan"),
         ({"split": "val"}, "split='val' is not one of train, sft, test"),
     ],
 )
