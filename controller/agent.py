@@ -26,8 +26,10 @@ every live trajectory has asked for its next turn.
 
 **Determinism.** Each turn is sampled with its own seed, from the step's seed, the trajectory's
 index and the turn's index, and the native engine draws each sample's random numbers from its own
-stream: a trajectory's tokens do not depend on which other turns shared its call. Continuous and
-lock-step serving give the same trajectories when the tools are deterministic.
+stream: a trajectory's tokens do not depend on which other turns shared its call. Its log-probs
+do, in their last bits, so continuous serving gives the tokens of lock step unless a draw falls
+within rounding of a boundary; lock step, whose calls hold the same rows in the same order
+whatever the timing, reproduces a run bitwise.
 
 What reaches the reward role: ``response`` is the text of the final turn (the answer),
 ``transcript`` all text after the prompt (``segments``: the same as ``[kind, text]`` pieces,
@@ -131,6 +133,7 @@ class Trajectory:
 class Turn:
     """One turn's request to the generator, and what came back."""
 
+    key: int  # the trajectory's place in the batch: a call's rows go in this order
     ids: list[int]
     seed: int
     max_new: int
@@ -165,11 +168,11 @@ class TurnServer:
         self._wake = asyncio.Event()
 
     async def turn(
-        self, ids: list[int], seed: int, max_new: int
+        self, key: int, ids: list[int], seed: int, max_new: int
     ) -> tuple[list[int], list[float], str, str, int]:
         """(tokens, log-probs, text, finish, weight version) of one turn from ``ids``."""
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.waiting.append(Turn(ids, seed, max_new, done))
+        self.waiting.append(Turn(key, ids, seed, max_new, done))
         self._wake.set()
         return await done
 
@@ -186,7 +189,9 @@ class TurnServer:
             self._wake.clear()
             if not self.waiting or (self.lockstep and len(self.waiting) < self.live):
                 continue
-            batch, self.waiting = self.waiting, []
+            # in the trajectories' order, not their arrival's: in lock step every call is
+            # then the same whatever the timing, and the run reproduces bitwise
+            batch, self.waiting = sorted(self.waiting, key=lambda t: t.key), []
             try:
                 await self._call(batch)
             except BaseException as exc:
@@ -237,8 +242,11 @@ class _nothing:
 
 class ActionDesk:
     """Sends the trajectories' actions to the env group as they come and hands each result to
-    its trajectory as it finishes: one loop owns the env client (its calls queue on the group),
-    alternating ``submit`` (everything that came in) and ``collect`` (whatever finished)."""
+    its trajectory as it finishes. One loop owns the env client (its calls queue on the group),
+    alternating ``submit`` (everything that came in) and ``collect`` (whatever finished); it runs
+    while actions are out and starts again with the next one. Every batch of trajectories on one
+    env group goes through the same desk (batches generated ahead run at the same time), since a
+    ``collect`` returns whatever finished, whoever submitted it."""
 
     def __init__(self, env: EnvClient, wait_s: float, timeout_s: float) -> None:
         self.env = env
@@ -247,13 +255,14 @@ class ActionDesk:
         self.pending: list[EnvAction] = []
         self.out: dict[int, asyncio.Future[EnvResult]] = {}
         self.waited_s = 0.0  # time the loop waited on results
-        self._wake = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
 
     async def act(self, action: EnvAction) -> EnvResult:
         done: asyncio.Future[EnvResult] = asyncio.get_running_loop().create_future()
         self.out[action.session] = done
         self.pending.append(action)
-        self._wake.set()
+        if self._loop is None or self._loop.done():
+            self._loop = asyncio.ensure_future(self._serve())
         try:
             return await asyncio.wait_for(asyncio.shield(done), self.timeout_s)
         except TimeoutError:
@@ -262,29 +271,30 @@ class ActionDesk:
                 f"{self.timeout_s:g} s (agent.action_timeout_s; the env's own per-call limit "
                 "is its call_timeout_s)"
             ) from None
+        finally:  # answered, timed out or cancelled: this session waits no more
+            if self.out.get(action.session) is done:
+                del self.out[action.session]
 
-    async def serve(self) -> None:
-        while True:
-            if not self.out:
-                await self._wake.wait()
-            self._wake.clear()
-            if self.pending:
-                sent, self.pending = self.pending, []
-                await self.env.submit(sent)
-            if not self.out:
-                continue
-            began = time.perf_counter()
-            results = await self.env.collect(self.wait_s)
-            self.waited_s += time.perf_counter() - began
-            for result in results:
-                found = self.out.pop(result.session, None)
-                if found is not None and not found.done():
-                    found.set_result(result)
-
-    def fail(self, exc: BaseException) -> None:
-        for found in self.out.values():
-            if not found.done():
-                found.set_exception(exc)
+    async def _serve(self) -> None:
+        try:
+            while self.out or self.pending:
+                if self.pending:
+                    sent, self.pending = self.pending, []
+                    await self.env.submit(sent)
+                began = time.perf_counter()
+                results = await self.env.collect(self.wait_s)
+                self.waited_s += time.perf_counter() - began
+                for result in results:
+                    found = self.out.pop(result.session, None)
+                    if found is not None and not found.done():
+                        found.set_result(result)
+        except Exception as exc:  # the env group failed: every action out fails with it
+            for found in self.out.values():
+                if not found.done():
+                    found.set_exception(exc)
+                    found.exception()  # retrieved here: its trajectory may be gone already
+            self.out.clear()
+            self.pending.clear()
 
 
 @dataclass
@@ -297,6 +307,7 @@ class AgentRollout:
     spec: EnvSpec
     gate: WeightGate | None = None
     first_session: int = 0
+    desk: ActionDesk | None = None  # shared by the batches on one env group (default: its own)
 
 
 def turn_seed(seed: int, sample: int, turn: int, part: int) -> int:
@@ -324,7 +335,7 @@ async def run_trajectories(
     server = TurnServer(
         setup.generator, sampling, stops, min_version, setup.gate, cfg.serving == "lockstep"
     )
-    desk = ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
+    desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
     began = time.perf_counter()
     opened = await setup.env.open(
         [EnvOpen(session=t.session, row=rows[t.request]) for t in trajectories]
@@ -339,7 +350,7 @@ async def run_trajectories(
         if first.error is not None:  # a reset that failed: the trajectory ends before a turn
             t.errors[first.error] += 1
     server.live = len(trajectories)
-    loops = [asyncio.ensure_future(server.serve()), asyncio.ensure_future(desk.serve())]
+    loops = [asyncio.ensure_future(server.serve())]
     runs = [asyncio.ensure_future(_one(t, server, desk, spec, cfg, sampling)) for t in trajectories]
     try:
         waiting: set[asyncio.Future[None]] = {*runs, *loops}
@@ -352,7 +363,6 @@ async def run_trajectories(
     finally:
         for task in [*loops, *runs]:
             task.cancel()
-        desk.fail(AgentError("the multi-turn rollout ended before this action's result"))
     elapsed = time.perf_counter() - began
     await setup.env.close([t.session for t in trajectories])
     batch = _batch(trajectories, prompts, server.pad_id or 0)
@@ -381,7 +391,7 @@ async def _one(
                 t.finish = "length"
                 return
             tokens, lps, got, finish, version = await server.turn(
-                t.start + t.ids, turn_seed(t.seed, t.sample, t.turns, part), budget
+                t.session, t.start + t.ids, turn_seed(t.seed, t.sample, t.turns, part), budget
             )
             t.extend(tokens, lps, version)
             text += got

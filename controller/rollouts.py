@@ -32,6 +32,7 @@ batches the straight run would have.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import time
@@ -44,7 +45,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from controller.agent import TRAJECTORY_COLUMNS, AgentConfig, AgentRollout, run_trajectories
+from controller.agent import (
+    TRAJECTORY_COLUMNS,
+    ActionDesk,
+    AgentConfig,
+    AgentRollout,
+    run_trajectories,
+)
 from controller.algorithms import AlgorithmConfig, Roles, Timer, with_columns
 from controller.scoring import scores
 from controller.streaming import Generator, WeightGate, stream
@@ -143,12 +150,13 @@ class RolloutPipeline:
             raise RuntimeError("trainer.agent needs a role named 'env'; none is placed")
         if self._agent_setup is None:
             spec = await env.spec()
-            self._agent_setup = AgentRollout(self.generator, env, self.agent, spec, self.gate)
+            desk = ActionDesk(env, self.agent.collect_wait_s, self.agent.action_timeout_s)
+            self._agent_setup = AgentRollout(
+                self.generator, env, self.agent, spec, self.gate, desk=desk
+            )
         first = self._sessions
         self._sessions += len(prompts) * sampling.n
-        setup = AgentRollout(
-            self.generator, env, self.agent, self._agent_setup.spec, self.gate, first
-        )
+        setup = dataclasses.replace(self._agent_setup, first_session=first)
         return await run_trajectories(setup, prompts, sampling, version)
 
     async def sync(self) -> None:
