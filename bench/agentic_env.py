@@ -1,6 +1,6 @@
 """The environment ``bench.agentic`` drives: every step is a tool call whose latency is drawn from a
 heavy-tailed distribution (log-normal, median 50 ms, p99 1 s), simulated with a sleep in the env
-group; ``NoLatency`` is the same environment answering at once (the limit).
+group; with ``scale: 0`` it is the same environment answering at once (the limit).
 
 The latency of a step depends only on the trajectory's row (its ``uid`` and ``seed``), the step's
 index and the action's length, so the three runs of the benchmark (continuous, lock step, no
@@ -18,7 +18,7 @@ MEDIAN_S = 0.05
 P99_S = 1.0
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 SIGMA = math.log(P99_S / MEDIAN_S) / Z99
-STEPS = 4  # tool calls per trajectory
+STEPS = 8  # tool calls per trajectory (environment_args: steps)
 
 
 def latency(key: str) -> float:
@@ -27,9 +27,11 @@ def latency(key: str) -> float:
 
 
 class SlowTool:
-    """``STEPS`` steps, each a tool call of drawn latency; the observation is a short result."""
+    """``steps`` steps, each a tool call of drawn latency (times ``scale``: 0 answers at once);
+    the observation is a short result."""
 
-    scale = 1.0
+    def __init__(self, steps: int = STEPS, scale: float = 1.0) -> None:
+        self.total, self.scale = steps, scale
 
     def reset(self, row: dict[str, Any]) -> str:
         self.key = f"{row.get('uid')}/{row.get('seed')}"
@@ -41,8 +43,4 @@ class SlowTool:
         if wait:
             time.sleep(wait)
         self.steps += 1
-        return f" ->{len(action)}\n", 0.0, self.steps >= STEPS, {}
-
-
-class NoLatency(SlowTool):
-    scale = 0.0
+        return f" ->{len(action)}\n", 0.0, self.steps >= self.total, {}

@@ -1,0 +1,36 @@
+"""bench/agentic.py in its CI size: the JSON line has the keys docs/agentic.md quotes, and the
+simulated tool has the latency it claims. Speeds are not compared here (the machine is shared);
+the idle shares are, since lock step sleeps through every turn's slowest tool whatever the load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.agentic import main
+from bench.agentic_env import latency
+
+KEYS = ("traj_per_s", "lockstep_traj_per_s", "no_latency_traj_per_s", "tok_per_s",
+        "generator_idle_share", "speedup_vs_lockstep", "frac_of_no_latency", "reprefill_share")  # fmt: skip
+
+
+def test_the_latencies_are_heavy_tailed_with_the_stated_median_and_p99() -> None:
+    draws = sorted(latency(f"k/{i}") for i in range(20_000))
+    assert draws[10_000] == pytest.approx(0.05, rel=0.05)
+    assert draws[19_800] == pytest.approx(1.0, rel=0.12)
+    assert latency("same") == latency("same")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_run_prints_every_key_and_lock_step_waits_longest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--quick"]) == 0
+    found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert all(isinstance(found[k], float) for k in KEYS), found
+    assert found["trajectories"] == 16 and found["tool_calls_per_trajectory"] == 4
+    # lock step sleeps through the slowest tool of every turn; continuous does not
+    assert found["lockstep_generator_idle_share"] > found["generator_idle_share"]
+    assert 0 < found["reprefill_share"] < 1
