@@ -489,6 +489,13 @@ def _check_agent(exp: Experiment) -> None:
     """Multi-turn rollouts (``trainer.agent``) and the ``env`` role come together, and generate
     whole trajectories: not in streamed sub-batches or partial chunks."""
     agent = exp.trainer.agent
+    for name, cfg in exp.roles.items():
+        function = str(cfg.settings().get("function", ""))
+        if agent is None and function.endswith(":env_reward"):
+            raise ExperimentError(
+                f"roles.{name}.function: {function} scores the environment's reward, which only "
+                "a multi-turn rollout gives; set trainer.agent and an env role"
+            )
     if agent is None and "env" in exp.roles:
         raise ExperimentError(
             "roles.env: an env role serves multi-turn rollouts; add trainer.agent (e.g. "

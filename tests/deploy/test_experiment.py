@@ -189,3 +189,44 @@ def test_prompt_template_formats_each_row(tmp_path: Path) -> None:
     assert trainer._templated(row) == {**row, "prompt": "user: 1+2= (arithmetic)\n"}
     plain = Trainer(TrainerConfig(), [], roles, {}, {}, tmp_path, [])  # type: ignore[arg-type]
     assert plain._templated(row) is row
+
+
+def tool_use() -> dict[str, Any]:
+    raw: dict[str, Any] = yaml.safe_load((EXAMPLES / "tool_use.yaml").read_text())
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.agent=null"], "roles.env: an env role serves multi-turn rollouts"),
+        (
+            ["roles.reward.function=roles.rules:env_reward", "trainer.agent=null"],
+            "roles.reward.function: roles.rules:env_reward scores the environment's reward",
+        ),
+        (["stages.1.algorithm.stream_chunks=2"], "stages.1.algorithm.stream_chunks: trajectories"),
+        (["stages.1.algorithm.partial_rollout={chunk_tokens: 4}"], "partial_rollout: not supp"),
+        (["trainer.agent.max_turns=0"], "trainer.agent.max_turns"),
+    ],
+)
+def test_a_bad_agent_config_names_the_field(overrides: list[str], message: str) -> None:
+    assert message in error_of(tool_use(), *overrides)
+
+
+def test_an_agent_without_an_env_role_and_bad_env_settings_are_refused(tmp_path: Path) -> None:
+    from deploy.experiment import prepare_models
+
+    raw = tool_use()
+    del raw["roles"]["env"], raw["placement"]["tools"]
+    assert "trainer.agent: multi-turn rollouts need a role named 'env'" in error_of(raw)
+    exp = parse(tool_use(), ["roles.env.format=yaml"])
+    check(exp)
+    prepare_models(exp, tmp_path)
+    with pytest.raises(ExperimentError, match=r"roles\.env\.format"):
+        build_groups(exp, tmp_path)
+    exp = parse(tool_use(), ["roles.env.tools=[roles.tools.calculator:nothing]"])
+    with pytest.raises(ExperimentError, match=r"roles\.env: .*nothing"):
+        build_groups(exp, tmp_path)
+    exp = parse(tool_use(), [])
+    (groups,) = [g for g in build_groups(exp, tmp_path) if g.name == "tools"]
+    assert groups.roles["env"].config["tokenizer"] == str((tmp_path / "models" / "base").resolve())
