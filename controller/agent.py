@@ -52,7 +52,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from controller.clients import EnvClient
-from controller.streaming import NO_VERSION, Generator, WeightGate, fill_replicas, replicas
+from controller.streaming import (
+    NO_VERSION,
+    Generator,
+    TokenRow,
+    WeightGate,
+    fill_replicas,
+    replicas,
+    token_rows,
+)
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
@@ -441,20 +449,10 @@ def _rows(prompts: TensorBatch) -> list[dict[str, Any]]:
 def _batch(trajectories: list[Trajectory], prompts: TensorBatch, pad_id: int) -> TensorBatch:
     """Training rows: start then everything after it, right-padded; ``response_mask`` on the
     sampled tokens only."""
-    width = max(t.length for t in trajectories)
-    rows = len(trajectories)
-    ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
-    response = torch.zeros((rows, width), dtype=torch.long)
-    log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    versions = torch.full((rows, width), NO_VERSION, dtype=torch.long)
-    for i, t in enumerate(trajectories):
-        s, e = len(t.start), t.length
-        ids[i, :e] = torch.tensor(t.start + t.ids, dtype=torch.long)
-        attention[i, :e] = 1
-        response[i, s:e] = torch.tensor(t.sampled, dtype=torch.long)
-        log_probs[i, s:e] = torch.tensor(t.log_probs, dtype=torch.float32)
-        versions[i, s:e] = torch.tensor(t.versions, dtype=torch.long)
+    tensors = token_rows(
+        [TokenRow(t.start, t.ids, t.sampled, t.log_probs, t.versions) for t in trajectories],
+        pad_id,
+    )
     columns = [c for c in prompts.non_tensors if c not in NOT_ECHOED]
     non_tensors: dict[str, list[Any]] = {
         c: [prompts.non_tensors[c][t.request] for t in trajectories] for c in columns
@@ -471,17 +469,7 @@ def _batch(trajectories: list[Trajectory], prompts: TensorBatch, pad_id: int) ->
         seconds=[t.seconds for t in trajectories],
     )
     sampled = [v for t in trajectories for v, m in zip(t.versions, t.sampled, strict=True) if m]
-    batch = TensorBatch.from_dict(
-        {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "response_mask": response,
-            "log_probs": log_probs,
-            "token_versions": versions,
-        },
-        non_tensors,
-        {"pad_values": {"input_ids": pad_id}},
-    )
+    batch = TensorBatch.from_dict(tensors, non_tensors, {"pad_values": {"input_ids": pad_id}})
     batch.meta["weight_version"] = min(sampled) if sampled else 0
     batch.meta["last_weight_version"] = max(sampled) if sampled else 0
     return batch

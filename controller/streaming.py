@@ -217,36 +217,59 @@ def _prompt_of(reply: TensorBatch, row: int) -> list[int]:
     return prompt
 
 
-def assemble(first: TensorBatch, responses: Sequence[_Response]) -> TensorBatch:
-    """The grown samples in the engines' layout (``samples_to_batch``'s), with ``first``'s
-    per-row columns (the request's, echoed) and the final ``finish`` and ``response``."""
-    pad = int(first.meta.get("pad_values", {}).get("input_ids", 0))
-    width = max(len(x.prompt) + len(x.tokens) for x in responses)
-    rows = len(responses)
-    ids = torch.full((rows, width), pad, dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
-    response = torch.zeros((rows, width), dtype=torch.long)
-    log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    versions = torch.full((rows, width), NO_VERSION, dtype=torch.long)
-    for i, x in enumerate(responses):
-        p, r = len(x.prompt), len(x.tokens)
-        ids[i, : p + r] = torch.tensor(x.prompt + x.tokens, dtype=torch.long)
-        attention[i, : p + r] = 1
-        response[i, p : p + r] = 1
-        log_probs[i, p : p + r] = torch.tensor(x.log_probs, dtype=torch.float32)
-        versions[i, p : p + r] = torch.tensor(x.versions, dtype=torch.long)
-    non_tensors = dict(first.non_tensors)
-    non_tensors["finish"] = [x.finish for x in responses]
-    non_tensors["response"] = [x.text for x in responses]
-    used = [v for x in responses for v in x.versions]
-    meta = {**first.meta, "weight_version": min(used), "last_weight_version": max(used)}
-    tensors = {
+@dataclass(frozen=True)
+class TokenRow:
+    """One generated row before padding: ``prefix`` (the prompt: never trained on), then ``ids``
+    with, per id, whether the model sampled it (``mask``), its log-prob and the policy version
+    that sampled it (``NO_VERSION`` where it did not)."""
+
+    prefix: list[int]
+    ids: list[int]
+    mask: list[int]
+    log_probs: list[float]
+    versions: list[int]
+
+
+def token_rows(rows: Sequence[TokenRow], pad: int) -> dict[str, torch.Tensor]:
+    """The engines' training layout (``samples_to_batch``'s), right-padded, plus
+    ``token_versions``: ``input_ids``, ``attention_mask``, ``response_mask``, ``log_probs``."""
+    width = max(len(r.prefix) + len(r.ids) for r in rows)
+    count = len(rows)
+    ids = torch.full((count, width), pad, dtype=torch.long)
+    attention = torch.zeros((count, width), dtype=torch.long)
+    response = torch.zeros((count, width), dtype=torch.long)
+    log_probs = torch.zeros((count, width), dtype=torch.float32)
+    versions = torch.full((count, width), NO_VERSION, dtype=torch.long)
+    for i, r in enumerate(rows):
+        s, e = len(r.prefix), len(r.prefix) + len(r.ids)
+        ids[i, :e] = torch.tensor(r.prefix + r.ids, dtype=torch.long)
+        attention[i, :e] = 1
+        response[i, s:e] = torch.tensor(r.mask, dtype=torch.long)
+        log_probs[i, s:e] = torch.tensor(r.log_probs, dtype=torch.float32)
+        versions[i, s:e] = torch.tensor(r.versions, dtype=torch.long)
+    return {
         "input_ids": ids,
         "attention_mask": attention,
         "response_mask": response,
         "log_probs": log_probs,
         "token_versions": versions,
     }
+
+
+def assemble(first: TensorBatch, responses: Sequence[_Response]) -> TensorBatch:
+    """The grown samples in the engines' layout (``samples_to_batch``'s), with ``first``'s
+    per-row columns (the request's, echoed) and the final ``finish`` and ``response``."""
+    pad = int(first.meta.get("pad_values", {}).get("input_ids", 0))
+    rows = [
+        TokenRow(x.prompt, x.tokens, [1] * len(x.tokens), x.log_probs, x.versions)
+        for x in responses
+    ]
+    non_tensors = dict(first.non_tensors)
+    non_tensors["finish"] = [x.finish for x in responses]
+    non_tensors["response"] = [x.text for x in responses]
+    used = [v for x in responses for v in x.versions]
+    meta = {**first.meta, "weight_version": min(used), "last_weight_version": max(used)}
+    tensors = token_rows(rows, pad)
     return TensorBatch(tensors, {k: list(v) for k, v in non_tensors.items()}, meta)
 
 
