@@ -418,7 +418,7 @@ async def _one(
                 t.finish = finish
                 return
             result = await desk.act(
-                EnvAction(session=t.session, text=text, finish=finish, turn=t.turns - 1)  # type: ignore[arg-type]
+                EnvAction(session=t.session, text=text, finish=finish, turn=t.turns - 1)
             )
             t.extend(list(result.observation_ids), None, NO_VERSION)
             t.segments.append(("observation", result.observation))
