@@ -13,6 +13,7 @@ import pydantic
 import pytest
 
 from tests.transport.codec_helpers import make_header, reply, roundtrip
+from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.codec import EXT_STRUCT, STRUCTS, HeaderLimits, decode, encode
 from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.sampling import SamplingConfig
@@ -58,6 +59,10 @@ EXAMPLES: list[Any] = [
     WeightsSent(bytes=1024, seconds=0.5, paths={"0": "shm", "1": "zmq"}, prepare_s=0.01),
     WeightsReceived(version=3, bytes=1024, receive_s=0.4, swap_s=0.02),
     WeightsReceived(version=3, bytes=1024),
+    EnvSpec(eos_token_id=2, call_stop_token_ids=[93], call_close="]", format="bracket"),
+    EnvOpen(session=4, row={"prompt": "12*34=", "answer": "408", "uid": 0}),
+    EnvAction(session=4, text="[calculator 12*34]", finish="stop", turn=0),
+    EnvResult(session=4, observation_ids=[32, 61], observation=" = 408\n", called="calculator"),
 ]
 
 
