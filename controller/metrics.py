@@ -79,9 +79,14 @@ def sample_sinks(sinks: Iterable[object]) -> list[SampleSink]:
     return [sink for sink in sinks if isinstance(sink, SampleSink)]
 
 
-def _cut_back(path: Path, resume_step: int) -> None:
-    """Keep only the records of ``path`` up to ``resume_step`` (the checkpoint's)."""
-    kept = [line for line, record in read_records(path) if record.get("step", 0) <= resume_step]
+def _cut_back(path: Path, resume_step: int | None) -> None:
+    """Keep only the records of ``path`` up to ``resume_step`` (the checkpoint's; None: none),
+    and every supervision event (a fault and its recovery stay on record)."""
+    kept = [
+        line
+        for line, record in read_records(path)
+        if "event" in record or (resume_step is not None and record.get("step", 0) <= resume_step)
+    ]
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -90,6 +95,7 @@ class JsonlSink:
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.samples_path = path.with_name(SAMPLES_FILE)
         for file in (path, self.samples_path):
             if resume_step is not None and file.exists():
@@ -102,6 +108,18 @@ class JsonlSink:
     def __call__(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+
+    def rewind(self, step: int | None) -> None:
+        """The run rolled back to the checkpoint of ``step`` (None: to its start) in this
+        process (``controller/supervisor.py``): drop the records and samples past it."""
+        self.file.close()
+        _cut_back(self.path, step)
+        self.file = self.path.open("a")
+        if self.samples_file is not None:
+            self.samples_file.close()
+            self.samples_file = None
+        if self.samples_path.exists():
+            _cut_back(self.samples_path, step)
 
     def samples(self, rows: Sequence[Sample]) -> None:
         if self.samples_file is None:
@@ -136,6 +154,9 @@ def markdown_table(rows: Sequence[Sample], columns: Sequence[str] = SAMPLE_COLUM
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers (a supervision event's are no curve: none)."""
+    if "event" in record:
+        return {}
     return {
         k: float(v)
         for k, v in record.items()

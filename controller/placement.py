@@ -33,6 +33,40 @@ class RoleSpec(BaseModel):
         return value
 
 
+class RestartPolicy(BaseModel):
+    """How often the controller restarts a role group that died (``controller/supervisor.py``):
+    at most ``max`` restarts within any ``window_s`` seconds, the n-th after ``backoff_s[n]``
+    seconds (the last entry repeats). One restart more than that stops the run, as a death does
+    without a policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max: int = Field(3, ge=0, description="restarts allowed within window_s (0: never restart)")
+    window_s: float = Field(600.0, gt=0, description="the window max counts restarts in")
+    backoff_s: list[float] = Field(
+        default_factory=lambda: [1.0, 5.0, 30.0],
+        min_length=1,
+        description="seconds before the 1st, 2nd, ... restart within the window; the last repeats",
+    )
+    rejoin_s: float = Field(
+        120.0,
+        gt=0,
+        description="how long a restarted group may take to register and build its roles "
+        "(a group started by hand: for its process manager or operator to start it again)",
+    )
+
+    @field_validator("backoff_s")
+    @classmethod
+    def _not_negative(cls, value: list[float]) -> list[float]:
+        if any(v < 0 for v in value):
+            raise ValueError(f"backoff_s={value}: seconds cannot be negative")
+        return value
+
+    def backoff(self, restarts: int) -> float:
+        """Seconds to wait before restart number ``restarts`` (0-based) of a window."""
+        return self.backoff_s[min(restarts, len(self.backoff_s) - 1)]
+
+
 class GroupSpec(BaseModel):
     """One process group and the roles it hosts (colocated roles run in sequence on its ranks)."""
 
@@ -52,6 +86,14 @@ class GroupSpec(BaseModel):
     )
     device: DeviceKind = Field(
         DeviceKind.CPU, description="where the ranks compute: cpu (gloo) or cuda (NCCL)"
+    )
+    restart: RestartPolicy | None = Field(
+        None, description="restart the group when it dies (None: a death stops the run)"
+    )
+    stateful: bool = Field(
+        True,
+        description="its roles hold state training changed (weights, optimizer): restarting "
+        "it rolls every stateful group back to the last checkpoint",
     )
 
     @field_validator("name")

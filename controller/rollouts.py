@@ -55,7 +55,7 @@ from controller.agent import (
 from controller.algorithms import AlgorithmConfig, Roles, Timer, with_columns
 from controller.scoring import scores
 from controller.streaming import Generator, WeightGate, stream
-from controller.sync import WeightSync
+from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch
 from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
@@ -111,6 +111,27 @@ class RolloutPipeline:
         self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch out or done
         self._spans: dict[int, tuple[float, float]] = {}  # step -> when its batch generated
         self._stage: StageRollouts | None = None
+        self._rollout_group = ""  # the rollout role's group, when it is restarted alone
+        self._supervise()
+
+    def _supervise(self) -> None:
+        """A rollout group the controller restarts gets the actor's weights before it serves."""
+        rollout = self.roles.rollout
+        supervisor = rollout.controller.supervisor if rollout is not None else None
+        if rollout is not None and supervisor is not None:
+            self._rollout_group = rollout.controller.group_of(rollout.role).spec.name
+            supervisor.restore[self._rollout_group] = self._restore_rollout
+
+    async def _restore_rollout(self) -> None:
+        """A restarted rollout group holds its initial weights (version 0): push the actor's
+        current ones, outside the gate (nothing generates on the new group before this
+        returns; calls the death failed are then sent again). Batches still out on it under
+        ``max_staleness`` are so regenerated on the newest weights: rows fresher than stamped."""
+        assert self.roles.rollout is not None
+        version = self.version
+        if version:
+            await self.weights.push(self.roles.rollout, version)
+        self.synced = version
 
     @property
     def generator(self) -> Generator:
@@ -169,8 +190,17 @@ class RolloutPipeline:
         version = self.version
         if not self.switch:
             await self.drain()
-        async with self.gate.push():
-            await self.weights.push(rollout, version)
+        try:
+            async with self.gate.push():
+                await self.weights.push(rollout, version)
+        except WeightSyncError:  # the rollout group died during the push, and was restarted?
+            supervisor = rollout.controller.supervisor
+            if supervisor is None or not await supervisor.recovered(self._rollout_group):
+                raise
+            if self.synced >= version:
+                return  # its restore gave it these weights (or newer)
+            async with self.gate.push():
+                await self.weights.push(rollout, version)
         self.synced = version
 
     async def drain(self) -> dict[int, TensorBatch]:

@@ -32,7 +32,7 @@ import logging
 import signal
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -47,6 +47,9 @@ from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.security import CurveServer, HandshakeLog, HandshakeWatch, new_token, token_ok
 from transport.settings import Timeouts
 from transport.shm import ShmArena, ShmReader
+
+if TYPE_CHECKING:
+    from controller.supervisor import Supervisor
 
 log = logging.getLogger("hybridflow.controller")
 
@@ -109,6 +112,7 @@ class Group:
     dead: tuple[int | None, str] | None = None  # (rank, cause)
     dead_precise: bool = False
     backlog: deque[Encoded] = field(default_factory=deque)  # no room in ZeroMQ's queue yet
+    incarnation: int = 0  # restarts so far (``Controller.reset``)
 
     def error(self, role: str) -> RoleDeadError:
         assert self.dead is not None
@@ -142,6 +146,7 @@ class Controller:
         self.role_group = {role: g.name for g in groups for role in g.roles}
         self.by_identity: dict[bytes, Group] = {}
         self.local_groups: set[str] = set()
+        self.supervisor: Supervisor | None = None  # restarts dead groups (controller/supervisor.py)
         self.rejections = Rejections(log)
         # a cut connection's queue holds at most ~controller_queue messages; twice that from a
         # cut-off identity means it is sending on another connection
@@ -502,21 +507,50 @@ class Controller:
         if group.dead is not None and (group.dead_precise or not precise):
             return
         if not precise and name in self.local_groups and self._loop is not None:
-            self._loop.call_later(LOCAL_DEATH_GRACE_S, self._settle_dead, name, rank, cause)
+            later = (name, group.incarnation, rank, cause)
+            self._loop.call_later(LOCAL_DEATH_GRACE_S, self._settle_later, *later)
             return
         self._settle_dead(name, rank, cause, precise)
+
+    def _settle_later(self, name: str, incarnation: int, rank: int | None, cause: str) -> None:
+        if self.groups[name].incarnation == incarnation:  # not a restarted group's new ranks
+            self._settle_dead(name, rank, cause)
 
     def _settle_dead(self, name: str, rank: int | None, cause: str, precise: bool = False) -> None:
         group = self.groups[name]
         if group.dead is not None and (group.dead_precise or not precise):
             return
+        first = group.dead is None  # not a more precise cause of a death already settled
         group.dead, group.dead_precise = (rank, cause), precise
         log.error("group %r is dead: %s%s", name, "" if rank is None else f"rank {rank} ", cause)
+        if self.supervisor is not None and first:
+            refused = self.supervisor.died(name, rank, cause)
+            if refused is not None:
+                group.dead = (rank, f"{cause}; {refused}")
         for future, role, _ in group.pending.values():
             if not future.done():
                 future.set_exception(group.error(role))
         group.pending.clear()
         group.ready.set()
+
+    def reset(self, name: str) -> None:
+        """Forget the group's current incarnation so that a new one may register under its
+        name (a restart, ``controller/supervisor.py``): a live one is told to stop first; what
+        its old ranks still send or report is no longer read as the group's."""
+        group = self.groups[name]
+        if group.sock is not None and group.dead is None:
+            stop = Message(MsgType.SHUTDOWN, 0, {"reason": "restarted by the controller"})
+            self._send_to_peer(group.sock, group.identity, stop)
+        for future, role, _ in group.pending.values():
+            if not future.done():
+                future.set_exception(RoleDeadError(role, None, "was restarted by the controller"))
+        self.by_identity.pop(group.identity, None)
+        group.identity, group.sock, group.same_host = b"", None, False
+        group.endpoints, group.pending = {}, {}
+        group.dead, group.dead_precise = None, False
+        group.backlog.clear()
+        group.ready = asyncio.Event()
+        group.incarnation += 1
 
     def report_exit(self, name: str, rank: int, returncode: int) -> None:
         """The local launcher saw a rank process end."""
@@ -530,6 +564,30 @@ class Controller:
         return self.groups[name]
 
     async def call(
+        self,
+        role: str,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout: float | None = None,
+        group: Group | None = None,
+    ) -> Any:
+        """Call ``method`` of ``role`` on its group's ranks. A group the supervisor restarts
+        (a stateless one under a restart policy) is waited for, and a call its death failed is
+        sent again to the new incarnation with the same arguments."""
+        if group is not None or self.supervisor is None:
+            return await self._call(role, method, args, kwargs, timeout, group)
+        name = self.group_of(role).spec.name
+        while True:
+            await self.supervisor.serving(name)
+            try:
+                return await self._call(role, method, args, kwargs, timeout)
+            except RoleDeadError:
+                if not await self.supervisor.recovered(name):
+                    raise
+                log.info("re-issuing %s.%s on the restarted group %r", role, method, name)
+
+    async def _call(
         self,
         role: str,
         method: str,
@@ -599,6 +657,8 @@ class Controller:
 
     async def shutdown(self) -> None:
         """Tell every live group to stop, then close the sockets."""
+        if self.supervisor is not None:
+            self.supervisor.close()
         for group in self.groups.values():
             if group.sock is not None and group.dead is None:
                 try:

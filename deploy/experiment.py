@@ -59,6 +59,7 @@ from controller.data import (
     require,
     source_file,
 )
+from controller.placement import RestartPolicy
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig, checkpoints
 from transport.device import DeviceKind
 from transport.training import OptimConfig
@@ -74,6 +75,13 @@ ROLE_CLASSES = {
     "env": "roles.env:EnvRole",
 }
 RULE_CLASS = "roles.reward:RuleReward"
+#: role classes whose state nothing in training changes: a group of only these restarts alone
+STATELESS = (
+    ROLE_CLASSES["rollout"],
+    ROLE_CLASSES["reward"],
+    RULE_CLASS,
+    ROLE_CLASSES["env"],
+)
 CHECKPOINTED = ("actor", "reference", "critic", "cost_critic")  # the reference may be re-based
 
 
@@ -127,6 +135,12 @@ class GroupConfig(BaseModel):
     )
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
     device: DeviceKind = Field(DeviceKind.CPU, description="cpu (gloo) or cuda (NCCL)")
+    restart: RestartPolicy | None = Field(
+        None,
+        description="restart the group when it dies (docs/deploy.md, 'Supervision'); unset: "
+        "groups of only reward, rollout and env roles restart with the default policy, groups "
+        "holding trained state (actor, critic, reference) do not; max: 0 never restarts",
+    )
 
 
 class LoggingConfig(BaseModel):

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from controller.placement import GroupSpec, RoleSpec, check_placement
+from controller.placement import GroupSpec, RestartPolicy, RoleSpec, check_placement
 from deploy.experiment import (
     ROLE_CLASSES,
     RULE_CLASS,
+    STATELESS,
     Experiment,
     ExperimentError,
     GroupConfig,
@@ -57,9 +58,24 @@ def group_spec(gname: str, group: GroupConfig, roles: dict[str, RoleSpec]) -> Gr
             gen_pp=group.gen_pp,
             fanout=group.fanout,
             device=group.device,
+            **restart_policy(roles, group.restart),
         )
     except ValidationError as exc:
         raise ExperimentError(f"placement.{gname}: {_short(exc)}") from None
+
+
+def restart_policy(roles: dict[str, RoleSpec], given: RestartPolicy | None) -> dict[str, Any]:
+    """The group's ``stateful`` and ``restart`` fields: a group of only stateless roles (reward,
+    rollout, env) restarts by default, since nothing is lost; one holding trained state does
+    only when its placement entry says so, since its restart rolls the run back to the last
+    checkpoint and a training rank that died once (out of memory, a bad batch) often dies
+    again the same way."""
+    stateful = any(spec.cls not in STATELESS for spec in roles.values())
+    if given is None:
+        given = None if stateful else RestartPolicy()
+    elif given.max == 0:
+        given = None
+    return {"stateful": stateful, "restart": given}
 
 
 def _role_spec(

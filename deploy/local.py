@@ -55,6 +55,7 @@ class RankProcess:
     pidfd: int
     log_path: Path
     log_start: int = 0  # where this run's lines begin in the (appended) log
+    retired: bool = False  # an earlier incarnation of a restarted group: its exit is no death
 
 
 SOCKET_PREFIX = "hf-"
@@ -163,6 +164,7 @@ class LocalLauncher:
         self.timeouts = timeouts
         self.on_exit = on_exit
         self.procs: list[RankProcess] = []
+        self.envs: dict[str, dict[str, str] | None] = {}  # each group's extra environment
         self.stopping = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -189,6 +191,7 @@ class LocalLauncher:
     def start(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
         """Start the group's ranks; ``env`` adds to their environment (CURVE key files)."""
         check_device(spec.device, spec.name, spec.nproc)  # ranks run here: fail now, not in each
+        self.envs[spec.name] = env
         loop = asyncio.get_running_loop()
         port = spare_port()
         for rank in range(spec.nproc):
@@ -207,13 +210,33 @@ class LocalLauncher:
             self.procs.append(proc)
             loop.add_reader(proc.pidfd, self._exited, proc)
 
+    async def restart(self, spec: GroupSpec) -> None:
+        """End what is left of the group's ranks (SIGKILL), wait until every one is gone, then
+        start the group again with the environment it was first started with. The old ranks'
+        exits are not reported: the controller already forgot them (``Controller.reset``)."""
+        old = [p for p in self.procs if p.group == spec.name and not p.retired]
+        for proc in old:
+            proc.retired = True
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.shutdown_s + 5.0
+        while any(p.popen.poll() is None for p in old):  # exit statuses are observable here
+            if loop.time() > deadline:
+                left = [p.popen.pid for p in old if p.popen.poll() is None]
+                raise RuntimeError(f"ranks {left} of group {spec.name!r} would not die")
+            await asyncio.sleep(0.02)
+        sweep_dead()
+        self.procs = [p for p in self.procs if not (p.retired and p.pidfd < 0)]
+        self.start(spec, self.envs.get(spec.name))
+
     def _exited(self, proc: RankProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.pidfd)
         os.close(proc.pidfd)
         proc.pidfd = -1
         code = proc.popen.wait()
         sweep_dead()  # shared memory a killed rank can no longer remove itself
-        if self.stopping:
+        if self.stopping or proc.retired:
             return
         if code != 0:
             log.error(
@@ -223,12 +246,12 @@ class LocalLauncher:
         if code == 0:
             return  # a clean exit (the group was told to stop); its peers follow on their own
         for other in self.procs:
-            if other.group == proc.group and other.popen.poll() is None:
+            if other.group == proc.group and not other.retired and other.popen.poll() is None:
                 other.popen.kill()
 
     def last_error(self, group: str, rank: int) -> str:
         """This run's last error line in a rank's log (``last_error``)."""
-        for proc in self.procs:
+        for proc in reversed(self.procs):  # the newest incarnation's
             if (proc.group, proc.rank) == (group, rank):
                 return last_error(proc.log_path, proc.log_start)
         return f"no rank {rank} of {group!r} was started"

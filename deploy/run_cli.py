@@ -52,6 +52,7 @@ from controller.metrics import (
 )
 from controller.placement import GroupSpec
 from controller.server import Controller
+from controller.supervisor import Supervisor
 from controller.trainer import Sink, Trainer, checkpoints
 from deploy.clusters import ClusterSpec, check_spec, load_spec
 from deploy.experiment import (
@@ -432,21 +433,71 @@ async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) 
     async with _session(run, opts) as controller:
         ready = time.perf_counter() - start
         roles = Roles.placed(controller)
-        trainer = Trainer(
-            run.exp.trainer,
-            run.exp.stages,
-            roles,
-            roles.engines(),
-            run.data,
-            run.run_dir,
-            checkpointed_roles(run.exp),
-            sinks,
-            opts.stop_after,
-        )
+        supervisor = controller.supervisor
+        resume = opts.resume
         with live:
-            result = await trainer.run(resume=opts.resume)
+            while True:  # once, or once more after each rollback
+                trainer = Trainer(
+                    run.exp.trainer,
+                    run.exp.stages,
+                    roles,
+                    roles.engines(),
+                    run.data,
+                    run.run_dir,
+                    checkpointed_roles(run.exp),
+                    sinks,
+                    opts.stop_after,
+                )
+                if supervisor is not None:
+                    supervisor.on_event = functools.partial(_record_event, sinks, trainer)
+                try:
+                    result = await trainer.run(resume=resume)
+                    break
+                except Exception:
+                    again = await _roll_back(supervisor, run.run_dir, sinks, trainer.global_step)
+                    if again is None:
+                        raise
+                    resume = again
+        if supervisor is not None:
+            result["supervision"] = supervisor.summary()
     wall = time.perf_counter() - start
     return {"name": run.exp.name, **result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
+
+
+#: how long a failed step waits for the death that may explain it to be declared (a rank's peer
+#: can report the broken link before the launcher reports the exit)
+DEATH_GRACE_S = 3.0
+
+
+async def _roll_back(
+    supervisor: Supervisor | None, run_dir: Path, sinks: list[Sink], step: int
+) -> bool | None:
+    """After the trainer failed: when a stateful group died and its restart policy allows,
+    restart every stateful group, cut the records back to the last checkpoint and say whether
+    to resume from it (True) or start over (False: there is none yet); None: re-raise."""
+    if supervisor is None or not supervisor.restarts_stateful():
+        return None
+    fault = supervisor.rollback_cause()
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while fault is None and time.monotonic() < deadline:
+        await supervisor.death(deadline - time.monotonic())
+        fault = supervisor.rollback_cause()
+    if fault is None:
+        return None
+    saved = _resume_step(run_dir)
+    await supervisor.rollback(fault, step - (saved or 0))
+    for sink in sinks:
+        rewind = getattr(sink, "rewind", None)
+        if rewind is not None:
+            rewind(saved)
+    return saved is not None
+
+
+def _record_event(sinks: list[Sink], trainer: Trainer, event: dict[str, Any]) -> None:
+    """A supervision event as a record: at the trainer's step, on every sink."""
+    record = {"step": trainer.global_step, **event}
+    for sink in sinks:
+        sink(record)
 
 
 def _session(run: Run, opts: RunOptions) -> AbstractAsyncContextManager[Controller]:

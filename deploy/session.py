@@ -12,14 +12,16 @@ end, error, Ctrl-C, SIGTERM) tells the groups to stop and makes sure no rank out
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from controller.placement import GroupSpec
 from controller.server import Controller
+from controller.supervisor import Relaunch, Supervisor
 from deploy.cluster_launch import RemoteGroups, SlurmJob, client_env, role_argv
 from deploy.clusters import (
     AnyCluster,
@@ -36,6 +38,8 @@ from transport.errors import RegistrationError
 from transport.security import CurveServer
 from transport.settings import Timeouts
 from transport.shm import sweep_dead
+
+log = logging.getLogger("hybridflow.session")
 
 Launcher = LocalLauncher | RemoteGroups | SlurmJob
 Announce = Callable[[GroupSpec, str], None]  # a group, the command that starts it by hand
@@ -63,6 +67,7 @@ async def local_session(
         launcher = LocalLauncher(
             address, controller.token, run_dir, sock_dir, timeouts, controller.report_exit
         )
+        Supervisor(controller, {g.name: launcher.restart for g in groups})
         controller.local_groups = {g.name for g in groups}
         for group in groups:
             launcher.start(group)
@@ -94,6 +99,7 @@ async def remote_session(
         address = controller.bind(bind, curve)
         if announce is not None:
             announce(address, controller.token)
+        Supervisor(controller, announce=_rejoin)  # groups started by hand are waited for
         try:
             await controller.wait_ready()
         except RegistrationError as exc:
@@ -126,6 +132,7 @@ async def cluster_session(
     sweep_socket_folders()
     timeouts = timeouts.model_copy(update={"connect_s": spec.controller.wait})
     controller = Controller(groups, timeouts)
+    supervisor = Supervisor(controller, announce=_rejoin)
     by_name = {g.name: g for g in groups}
     launchers: list[Launcher] = []
     folder = SocketFolder()
@@ -138,6 +145,7 @@ async def cluster_session(
             mine = [by_name[g] for g, c in where.items() if c == cname]
             if mine:
                 start.launch(cname, cluster, mine, launchers)
+                supervisor.relaunch.update(start.relaunch)
         try:
             await controller.wait_ready()
         except RegistrationError as exc:
@@ -151,6 +159,14 @@ async def cluster_session(
         for launcher in launchers:
             await launcher.stop()
         folder.remove()
+
+
+def _rejoin(group: GroupSpec) -> None:
+    log.warning(
+        "waiting for group %r to register again (its process manager or operator starts it "
+        "with the same command and token)",
+        group.name,
+    )
 
 
 def _bind(controller: Controller, spec: ClusterSpec) -> str:
@@ -173,6 +189,7 @@ class _ClusterStart:
     run_dir: Path
     sock_dir: Path
     announce: Announce
+    relaunch: dict[str, Relaunch] = field(default_factory=dict)  # group -> its launcher's restart
 
     def dead(self, group: str, rank: int | None, cause: str) -> None:
         self.controller.declare_dead(group, rank, cause, True)
@@ -196,6 +213,7 @@ class _ClusterStart:
             controller.local_groups |= {g.name for g in mine}
             for group in mine:
                 local.start(group, client_env(keys, group.name))
+                self.relaunch[group.name] = local.restart
         elif isinstance(cluster, RemoteCluster):
             remote = RemoteGroups(name, cluster, self.run_dir, keys, timeouts, self.dead)
             launchers.append(remote)
