@@ -1,0 +1,170 @@
+"""Supervision at the controller: a dead group with a restart policy is started again by its
+launcher, calls its death failed (or that came meanwhile) are re-issued on the new ranks, a group
+that keeps dying stops at its policy with the setting named, and no rank outlives the session.
+Real processes (the local launcher), real kills (SIGKILL); fixture roles."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from controller.placement import GroupSpec, RestartPolicy
+from controller.server import Controller
+from deploy.session import local_session
+from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.waiting import wait_until
+from transport.errors import RoleDeadError
+
+FAULTY = "tests.fixtures.roles:Faulty"
+FAST = RestartPolicy(max=2, window_s=600, backoff_s=[0.0])
+
+
+def supervised(spec: GroupSpec, policy: RestartPolicy | None = FAST, stateful: bool = False):
+    return spec.model_copy(update={"restart": policy, "stateful": stateful})
+
+
+async def pid(controller: Controller, role: str) -> int:
+    """Rank 0's pid, asked of the role (so the call waits for a restart under way)."""
+    found: int = await controller.call(role, "pid", [], {})
+    return found
+
+
+def test_policy_counts_restarts_in_its_window_and_backs_off_in_order() -> None:
+    policy = RestartPolicy(max=3, window_s=10, backoff_s=[1, 5])
+    assert [policy.backoff(n) for n in range(4)] == [1, 5, 5, 5]
+    with pytest.raises(ValueError, match="backoff_s"):
+        RestartPolicy(backoff_s=[-1.0])
+    with pytest.raises(ValueError):
+        RestartPolicy(backoff_s=[])
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_stateless_group_is_restarted_and_the_call_in_flight_re_issued() -> None:
+    async def main() -> None:
+        spec = supervised(group("g", 2, faulty=FAULTY))
+        async with local_session([spec], TEST_TIMEOUTS) as controller:
+            assert controller.supervisor is not None
+            await pid(controller, "faulty")
+            before = _ranks("g")
+            assert len(before) == 2
+            slow = asyncio.ensure_future(controller.call("faulty", "sleep", [3.0], {}))
+            await wait_until(lambda: controller.groups["g"].pending, 10, "the call in flight")
+            os.kill(before[1], signal.SIGKILL)  # rank 1: the launcher ends rank 0 too
+            assert await slow >= 3.0  # slept its 3 s on the new incarnation
+            after = _ranks("g")
+            assert len(after) == 2 and not set(after) & set(before)
+            assert controller.groups["g"].incarnation == 1
+            kinds = [(e["event"], e["group"]) for e in controller.supervisor.events]
+            assert kinds == [("fault", "g"), ("restart", "g")]
+            assert controller.supervisor.events[0]["rank"] == 1
+            assert "SIGKILL" in controller.supervisor.events[0]["cause"]
+        for gone in before + after:  # nothing outlives the session, old or new
+            with pytest.raises(ProcessLookupError):
+                os.kill(gone, 0)
+
+    run(main)
+
+
+@pytest.mark.timeout(120)
+def test_a_group_that_keeps_dying_stops_at_its_policy_naming_the_setting() -> None:
+    async def main() -> None:
+        policy = RestartPolicy(max=1, window_s=600, backoff_s=[0.0])
+        spec = supervised(group("g", 1, faulty=FAULTY), policy)
+        async with local_session([spec], TEST_TIMEOUTS) as controller:
+            first = await pid(controller, "faulty")
+            os.kill(first, signal.SIGKILL)
+            second = await pid(controller, "faulty")  # waits for the restart
+            os.kill(second, signal.SIGKILL)
+            with pytest.raises(RoleDeadError) as info:
+                await pid(controller, "faulty")
+            said = str(info.value)
+            assert "SIGKILL" in said and "placement.g.restart.max=1" in said, said
+            assert controller.groups["g"].incarnation == 1  # no second restart
+
+    run(main)
+
+
+@pytest.mark.timeout(120)
+def test_without_a_policy_a_death_fails_the_call_as_before() -> None:
+    async def main() -> None:
+        spec = supervised(group("g", 1, faulty=FAULTY), None)
+        async with local_session([spec], TEST_TIMEOUTS) as controller:
+            rank0 = await pid(controller, "faulty")
+            os.kill(rank0, signal.SIGKILL)
+            with pytest.raises(RoleDeadError, match="restart allows none"):
+                await pid(controller, "faulty")
+
+    run(main)
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_during_the_restart_itself_is_survived() -> None:
+    """The new incarnation is killed as soon as it exists, before it registered: the recovery
+    tries again, within the same policy."""
+
+    async def main() -> None:
+        policy = RestartPolicy(max=3, window_s=600, backoff_s=[0.0])
+        spec = supervised(group("g", 1, faulty=FAULTY), policy)
+        async with local_session([spec], TEST_TIMEOUTS) as controller:
+            first = await pid(controller, "faulty")
+            os.kill(first, signal.SIGKILL)
+
+            def newborn() -> int | None:
+                for child in _children(os.getpid()):
+                    if child != first and _group_of(child) == "g":
+                        return child
+                return None
+
+            second = await wait_until(newborn, 30, "the restarted rank's process")
+            os.kill(second, signal.SIGKILL)
+            third = await pid(controller, "faulty")
+            assert third not in (first, second)
+            restarts = [e for e in controller.supervisor.events if e["event"] == "restart"]
+            assert len(restarts) == 1 and restarts[0]["tries"] == 2
+
+    run(main)
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
+def _ranks(name: str) -> list[int]:
+    """The pids of group ``name``'s ranks (this process's children), in rank order."""
+    found = {}
+    for pid in _children(os.getpid()):
+        env = _environ(pid)
+        if env.get(b"HYBRIDFLOW_GROUP") == name.encode():
+            found[int(env[b"RANK"])] = pid
+    return [found[r] for r in sorted(found)]
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return {}
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def _group_of(pid: int) -> str | None:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return None
+    for item in raw.split(b"\0"):
+        if item.startswith(b"HYBRIDFLOW_GROUP="):
+            return item.split(b"=", 1)[1].decode()
+    return None

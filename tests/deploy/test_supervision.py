@@ -1,0 +1,66 @@
+"""Supervision of a whole run (``hybridflow run``): the quickstart's tiny model with its actor on
+2 ranks, a rollout group and a reward group, every group under a restart policy, a checkpoint
+every 2 steps. Ranks of each kind are killed with SIGKILL from outside (``bench/chaos.py``); the
+run completes and its final weights equal the undisturbed run's bitwise, each step is in the
+metrics once, each fault and recovery is on record, and nothing outlives the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.chaos import SIZES, Kill, equal, events, records, run, settings
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    return [r["step"] for r in records(run_dir) if "stage_step" in r]
+
+
+@pytest.fixture(scope="module")
+def calm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The undisturbed run: SFT 2 steps, GRPO 8."""
+    run_dir = tmp_path_factory.mktemp("calm") / "run"
+    done = run(run_dir, settings(8, 2), [], SIZES)
+    assert done["rc"] == 0, done["output"][-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_each_group_kind_killed_once_and_the_run_equals_the_undisturbed_one(
+    calm: Path, tmp_path: Path
+) -> None:
+    plan = [Kill(4, "gen", 0), Kill(5, "score", 0), Kill(6, "main", 1), Kill(8, "main", 0)]
+    done = run(tmp_path / "run", settings(8, 2), plan, SIZES)
+    assert done["rc"] == 0, done["output"][-3000:]
+    assert [(k.group, k.rank) for k in done["kills"]] == [(k.group, k.rank) for k in plan]
+    assert equal(calm, tmp_path / "run")  # deterministic: bitwise the same weights
+    assert steps_logged(tmp_path / "run") == list(range(1, 11))  # each step once
+    found = events(tmp_path / "run")
+    faults = [(e["group"], e["rank"]) for e in found if e["event"] == "fault"]
+    assert faults == [("gen", 0), ("score", 0), ("main", 1), ("main", 0)]
+    recovered = [(e["event"], e["group"]) for e in found if e["event"] != "fault"]
+    assert recovered == [
+        ("restart", "gen"),
+        ("restart", "score"),
+        ("rollback", "main"),
+        ("rollback", "main"),
+    ]
+    rollbacks = [e for e in found if e["event"] == "rollback"]
+    assert all(e["steps_replayed"] in (0, 1, 2) for e in rollbacks)
+    assert all(e["recover_s"] < 30 for e in found if "recover_s" in e)
+    assert not done["orphans"]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_past_its_policy_stops_the_run_naming_the_setting(tmp_path: Path) -> None:
+    sets = [*settings(30, 2), "placement.score.restart={max: 1, backoff_s: [0.0]}"]
+    plan = [Kill(4, "score", 0), Kill(5, "score", 0)]
+    done = run(tmp_path / "run", sets, plan, SIZES)
+    assert done["rc"] == 1, done["output"][-3000:]
+    assert len(done["kills"]) == 2
+    out = done["output"]
+    assert "score" in out and "SIGKILL" in out and "placement.score.restart.max=1" in out, out
+    assert "--resume" in out  # the checkpoints are there to continue from
+    assert not done["orphans"]
