@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from controller.placement import GroupSpec, RestartPolicy
 from controller.server import Controller
-from deploy.session import local_session
+from deploy.session import local_session, remote_session
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.waiting import wait_until
 from transport.errors import RoleDeadError
@@ -168,3 +171,57 @@ def _group_of(pid: int) -> str | None:
         if item.startswith(b"HYBRIDFLOW_GROUP="):
             return item.split(b"=", 1)[1].decode()
     return None
+
+
+def _by_hand(address: str, token: str, tmp: Path, name: str) -> subprocess.Popen[bytes]:
+    """``hybridflow role faulty --connect ADDRESS --group g``, as an operator starts it."""
+    sockets = tmp / f"{name}-sockets"
+    sockets.mkdir()
+    argv = ["role", "faulty", "--connect", address, "--group", "g", "--nproc", "1"]
+    argv += ["--socket-dir", str(sockets), "--run-dir", str(tmp / name)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", *argv],
+        env={**os.environ, "HYBRIDFLOW_TOKEN": token},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_group_started_by_hand_is_re_adopted_when_it_says_hello_again(tmp_path: Path) -> None:
+    """No launcher: the controller waits for a group of the same name and token (a process
+    manager or the operator starts it again); one with a wrong token is refused meanwhile."""
+
+    async def real() -> None:
+        policy = RestartPolicy(max=3, window_s=600, backoff_s=[0.0], rejoin_s=60)
+        spec = supervised(group("g", 1, faulty=FAULTY), policy)
+        procs: list[subprocess.Popen[bytes]] = []
+
+        def announce(address: str, token: str) -> None:
+            procs.append(_by_hand(address, token, tmp_path, "first"))
+            told.update(address=address, token=token)
+
+        told: dict[str, str] = {}
+        try:
+            async with remote_session([spec], "tcp://127.0.0.1:0", TEST_TIMEOUTS, announce) as ctl:
+                first = await pid(ctl, "faulty")
+                os.kill(first, signal.SIGKILL)  # the rank; its `hybridflow role` then ends
+                asking = asyncio.ensure_future(pid(ctl, "faulty"))  # waits for the group
+                await wait_until(lambda: ctl.groups["g"].dead is None, 30, "the group forgotten")
+                intruder = _by_hand(told["address"], "wrong" * 8, tmp_path, "intruder")
+                procs.append(intruder)
+                await wait_until(lambda: intruder.poll() is not None, 60, "the refusal")
+                assert any("bad token" in r for r in ctl.rejected), ctl.rejected
+                assert not asking.done()
+                procs.append(_by_hand(told["address"], told["token"], tmp_path, "second"))
+                second = await asking
+                assert second != first and second == await pid(ctl, "faulty")
+                assert ctl.groups["g"].incarnation == 1
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+    run(real)

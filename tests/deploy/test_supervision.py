@@ -6,11 +6,17 @@ metrics once, each fault and recovery is on record, and nothing outlives the run
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.chaos import SIZES, Kill, equal, events, records, run, settings
+from bench.chaos import SIZES, Kill, command, equal, events, ranks, records, run, settings
+from controller.sync import WeightSync
+from deploy.cli import build_parser
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -64,3 +70,34 @@ def test_a_group_past_its_policy_stops_the_run_naming_the_setting(tmp_path: Path
     assert "score" in out and "SIGKILL" in out and "placement.score.restart.max=1" in out, out
     assert "--resume" in out  # the checkpoints are there to continue from
     assert not done["orphans"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_kill_during_a_weight_sync_is_survived(
+    calm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout rank is killed while the actor's weights stream into it (its inbox is open,
+    both sides' calls are out): the sync fails, the group restarts and gets the weights from its
+    restore, and the run ends as the undisturbed one did. In this process, so the kill can be
+    aimed at the sync itself."""
+    pushes: list[str] = []
+    original = WeightSync._both
+
+    async def both(self: WeightSync, send: Any, receive: Any, what: str) -> Any:
+        pushes.append(what)
+        if len(pushes) == 3:  # a step's sync, not the first
+            victim = ranks(os.getpid())[("gen", 0)]
+            asyncio.get_running_loop().call_soon(os.kill, victim, signal.SIGKILL)
+        return await original(self, send, receive, what)
+
+    monkeypatch.setattr(WeightSync, "_both", both)
+    run_dir = tmp_path / "run"
+    argv = command(run_dir, settings(8, 2))[3:]  # past "python -m deploy.cli"
+    args = build_parser().parse_args(argv)
+    assert args.fn(args) == 0
+    assert equal(calm, run_dir)
+    found = events(run_dir)
+    assert [(e["event"], e["group"]) for e in found] == [("fault", "gen"), ("restart", "gen")]
+    assert len(pushes) >= 4  # the failed one, the restore's, the later steps'
+    assert steps_logged(run_dir) == list(range(1, 11))
