@@ -60,8 +60,8 @@ def settings(steps: int, save_every: int, sft_steps: int = 2) -> list[str]:
     ]
 
 
-def command(run_dir: Path, sets: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "deploy.cli", "run", str(EXAMPLE), "--quick", "--json"]
+def command(run_dir: Path, sets: list[str], example: Path = EXAMPLE) -> list[str]:
+    argv = [sys.executable, "-m", "deploy.cli", "run", str(example), "--quick", "--json"]
     argv += [x for s in sets for x in ("--set", s)]
     return [*argv, "--run-dir", str(run_dir)]
 
@@ -164,12 +164,18 @@ class Chaos:
         return True
 
 
-def run(run_dir: Path, sets: list[str], plan: list[Kill], groups: dict[str, int]) -> dict[str, Any]:
-    """One run of ``hybridflow run`` with ``plan``'s kills; rc, wall seconds, kills, output."""
+def run(
+    run_dir: Path,
+    sets: list[str],
+    plan: list[Kill],
+    groups: dict[str, int],
+    example: Path = EXAMPLE,
+) -> dict[str, Any]:
+    """One run of ``hybridflow run`` with ``plan``'s kills; rc, wall seconds, kills, output.
+    ``groups``: group -> ranks, all up before each kill."""
     start = time.monotonic()
-    proc = subprocess.Popen(
-        command(run_dir, sets), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    argv = command(run_dir, sets, example)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     chaos = Chaos(proc, run_dir, plan, groups)
     thread = chaos.start()
     output, _ = proc.communicate(timeout=3600)

@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -61,6 +62,7 @@ from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
 
 VERSION = "policy_version"
+log = logging.getLogger("hybridflow.rollouts")
 
 
 class StalenessError(RuntimeError):
@@ -178,7 +180,33 @@ class RolloutPipeline:
         first = self._sessions
         self._sessions += len(prompts) * sampling.n
         setup = dataclasses.replace(self._agent_setup, first_session=first)
-        return await run_trajectories(setup, prompts, sampling, version)
+        group = env.controller.group_of(env.role)
+        while True:
+            incarnation = group.incarnation
+            try:
+                return await run_trajectories(setup, prompts, sampling, version)
+            except Exception:
+                if not await self._env_restarted(group.spec.name, incarnation):
+                    raise
+                log.warning(
+                    "env group %r was restarted: its sessions are gone; the %d trajectories of "
+                    "the batch run again from their start, with the same seeds",
+                    group.spec.name,
+                    len(prompts) * sampling.n,
+                )
+
+    async def _env_restarted(self, name: str, incarnation: int) -> bool:
+        """Whether the env group was (or is being) restarted since ``incarnation``: its open
+        sessions died with it, so the trajectories that used them are run again."""
+        assert self.roles.env is not None
+        controller = self.roles.env.controller
+        supervisor, group = controller.supervisor, controller.groups[name]
+        if supervisor is None:
+            return False
+        if group.dead is not None and not await supervisor.recovered(name):
+            return False
+        await supervisor.serving(name)
+        return group.incarnation != incarnation and group.dead is None
 
     async def sync(self) -> None:
         """The actor's weights to a separate rollout group when it holds older ones, after the

@@ -101,3 +101,32 @@ def test_a_kill_during_a_weight_sync_is_survived(
     assert [(e["event"], e["group"]) for e in found] == [("fault", "gen"), ("restart", "gen")]
     assert len(pushes) >= 4  # the failed one, the restore's, the later steps'
     assert steps_logged(run_dir) == list(range(1, 11))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_env_group_killed_mid_rollout_is_restarted_and_its_trajectories_rerun(
+    tmp_path: Path,
+) -> None:
+    """Multi-turn GRPO (the tool-use demo, lockstep serving: bitwise runs): the tools group dies
+    with sessions open; it restarts (a stateless group, by default), the batch's trajectories
+    run again from their start with the same seeds, and the run equals the undisturbed one."""
+    sets = [
+        "stages.0.steps=20",
+        "stages.1.steps=4",
+        "trainer.agent.serving=lockstep",
+        "trainer.val_data=null",
+        "logging.tensorboard=false",
+    ]
+    example = Path(__file__).resolve().parents[2] / "examples" / "tool_use.yaml"
+    calm, hit = tmp_path / "calm", tmp_path / "hit"
+    assert run(calm, sets, [], {}, example)["rc"] == 0
+    done = run(hit, sets, [Kill(21, "tools", 0)], {"tools": 1}, example)
+    assert done["rc"] == 0, done["output"][-3000:]
+    assert len(done["kills"]) == 1
+    assert [(e["event"], e["group"]) for e in events(hit)] == [
+        ("fault", "tools"),
+        ("restart", "tools"),
+    ]
+    assert "run again from their start" in done["output"]
+    assert equal(calm, hit)
