@@ -108,6 +108,7 @@ class LiveView:
             role: name for name, group in placement(exp).items() for role in group.roles
         }
         self.recent: deque[dict[str, Any]] = deque(maxlen=WINDOW)
+        self.faults: list[dict[str, Any]] = []  # supervision events (controller/supervisor.py)
 
     def __enter__(self) -> LiveView:
         if self.enabled and not self.tty and self.run_dir is not None:
@@ -124,6 +125,13 @@ class LiveView:
             self.live = None
 
     def __call__(self, record: dict[str, Any]) -> None:
+        if "event" in record:  # a fault, a restart or a rollback: always said
+            self.faults.append(record)
+            if self.live is not None:
+                self.live.update(self._table())
+            elif self.enabled:
+                self.console.print(event_line(record), soft_wrap=True, markup=False)
+            return
         if any(k.startswith("val/") for k in record):
             self.val = record
         if "stage_step" in record:
@@ -227,12 +235,33 @@ class LiveView:
             table.add_row(
                 f"group {name}", f"{doing}  idle {row['idle']:.0%} (last {len(self.recent)} steps)"
             )
+        if self.faults:
+            restarts = [e for e in self.faults if e["event"] != "fault"]
+            faults = len(self.faults) - len(restarts)
+            table.add_row(
+                "restarts",
+                f"{faults} fault(s), {len(restarts)} recovered; last: {event_line(self.faults[-1])}",
+            )
         if "train/staleness" in r:
             table.add_row(
                 "staleness",
                 f"mean {r['train/staleness']:.2f}  max {r.get('train/staleness_max', 0):.0f}",
             )
         return table
+
+
+def event_line(e: dict[str, Any]) -> str:
+    """One supervision event in words."""
+    group = e.get("group", "?")
+    if e["event"] == "fault":
+        rank = "" if e.get("rank") is None else f" rank {e['rank']}"
+        return f"group {group}{rank} died at step {e.get('step', '?')}: {e.get('cause', '')}"
+    if e["event"] == "rollback":
+        return (
+            f"rolled back to the last checkpoint after group {group} died ({e['recover_s']:.1f} "
+            f"s to restart {', '.join(e.get('groups', []))}; {e['steps_replayed']} step(s) to replay)"
+        )
+    return f"group {group} restarted in {e['recover_s']:.1f} s"
 
 
 def duration(seconds: float) -> str:

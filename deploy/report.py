@@ -109,7 +109,7 @@ def summary(run_dir: Path) -> str:
     head = f"run {done.get('name', run_dir.name)}: {run_dir}"
     if "wall_s" in done:
         head += f" ({done.get('steps', '?')} steps in {done['wall_s']} s)"
-    lines = [head, *_stage_lines(rows), *_validation_lines(rows)]
+    lines = [head, *_stage_lines(rows), *_validation_lines(rows), *_fault_lines(rows)]
     lines += _sample_lines(read_samples(run_dir / SAMPLES_FILE))
     return "\n".join(lines)
 
@@ -137,6 +137,23 @@ def _validation_lines(rows: Rows) -> list[str]:
             tag = f"{r['stage']}:{r['stage_step']}" if "stage_step" in r else str(r["stage"])
             found.append(f"{tag} {float(r['val/score']):.3f}")
     return [f"  validation score: {' -> '.join(found)}"] if found else []
+
+
+def _fault_lines(rows: Rows) -> list[str]:
+    """Deaths and recoveries, when the run had any (``controller/supervisor.py``)."""
+    events = [r for r in rows if "event" in r]
+    if not events:
+        return []
+    faults = [e for e in events if e["event"] == "fault"]
+    restarts = [e for e in events if e["event"] == "restart"]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    replayed = sum(int(e.get("steps_replayed", 0)) for e in rollbacks)
+    slowest = max((float(e["recover_s"]) for e in restarts + rollbacks), default=0.0)
+    return [
+        f"  supervision: {len(faults)} fault(s), {len(restarts)} group restart(s), "
+        f"{len(rollbacks)} rollback(s) ({replayed} step(s) replayed), slowest recovery "
+        f"{slowest:.1f} s"
+    ]
 
 
 def _sample_lines(samples: list[Sample]) -> list[str]:

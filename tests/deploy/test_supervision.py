@@ -15,8 +15,11 @@ from typing import Any
 import pytest
 
 from bench.chaos import SIZES, Kill, command, equal, events, ranks, records, run, settings
+from controller.metrics import JsonlSink, read_records, scalars
 from controller.sync import WeightSync
 from deploy.cli import build_parser
+from deploy.live import event_line
+from deploy.report import _fault_lines
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -130,3 +133,30 @@ def test_an_env_group_killed_mid_rollout_is_restarted_and_its_trajectories_rerun
     ]
     assert "run again from their start" in done["output"]
     assert equal(calm, hit)
+
+
+def test_a_rollback_cuts_the_records_back_but_keeps_the_faults(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in (1, 2, 3):
+        sink({"step": step, "stage": "grpo", "stage_step": step})
+    sink({"step": 3, "event": "fault", "group": "main", "rank": 1, "cause": "was killed"})
+    sink.samples([{"step": 3, "stage": "grpo", "kind": "rollout", "prompt": "p"}])
+    sink.rewind(2)  # the checkpoint of step 2
+    sink({"step": 3, "event": "rollback", "group": "main", "recover_s": 2.5, "steps_replayed": 1})
+    sink({"step": 3, "stage": "grpo", "stage_step": 3})
+    sink.close()
+    rows = [r for _, r in read_records(tmp_path / "metrics.jsonl")]
+    assert [r.get("step") for r in rows if "event" not in r] == [1, 2, 3]
+    assert [r["event"] for r in rows if "event" in r] == ["fault", "rollback"]
+    assert (tmp_path / "samples.jsonl").read_text() == ""  # step 3's sample is replayed
+    sink = JsonlSink(tmp_path / "metrics.jsonl", resume_step=0)  # a --resume keeps them too
+    sink.close()
+    rows = [r for _, r in read_records(tmp_path / "metrics.jsonl")]
+    assert [r["event"] for r in rows] == ["fault", "rollback"]
+    said = _fault_lines(rows)
+    assert said == [
+        "  supervision: 1 fault(s), 0 group restart(s), 1 rollback(s) (1 step(s) replayed), "
+        "slowest recovery 2.5 s"
+    ]
+    assert event_line(rows[0]) == "group main rank 1 died at step 3: was killed"
+    assert scalars(rows[1]) == {}  # no curve in TensorBoard
