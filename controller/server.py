@@ -654,6 +654,8 @@ class Controller:
                     + ("" if group.dead[0] is None else f"rank {group.dead[0]} ")
                     + group.dead[1]
                 )
+        if self.supervisor is not None:
+            self.supervisor.armed = True  # from here on a death may be restarted
 
     async def shutdown(self) -> None:
         """Tell every live group to stop, then close the sockets."""

@@ -113,6 +113,7 @@ class Supervisor:
         self.watch = {name: _Watch(g.spec) for name, g in controller.groups.items()}
         self.events: list[Event] = []
         self.closing = False
+        self.armed = False  # set once every group is up (``Controller.wait_ready``)
         self._death = asyncio.Event()  # set at each death (``death``)
         controller.supervisor = self
 
@@ -122,11 +123,11 @@ class Supervisor:
         """A group was declared dead. Starts a stateless group's recovery when its policy allows;
         returns what to add to the death's cause when the group will not be restarted."""
         watch = self.watch[name]
+        if self.closing or not self.armed:
+            return None  # the shutdown's exits; or a start that failed, which stops the run
         watch.died_at = time.monotonic()
         self._death.set()
         self._event("fault", name, rank=rank, cause=cause)
-        if self.closing:
-            return None
         if watch.spec.stateful:
             if watch.allowed(time.monotonic()):
                 return None  # the run loop rolls back (``rollback``)

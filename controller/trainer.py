@@ -33,6 +33,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -195,6 +196,15 @@ class TrainerConfig(BaseModel):
         "turn with the 'env' role's tools or environment (docs/agentic.md)",
     )
     keep_last: int = Field(2, ge=1)
+    snapshot_every: int | None = Field(
+        None,
+        ge=0,
+        description="steps between in-memory snapshots of the trained roles' state (shared "
+        "memory on their hosts: it outlives a rank, not the machine), which a rollback after a "
+        "death resumes from when newer than the last checkpoint (docs/deploy.md, "
+        "'Supervision'); unset: every step when a stateful group has a restart policy, else "
+        "none; 0: none; backend: fsdp only",
+    )
     log_samples: LogSamples = Field(
         default_factory=LogSamples,
         description="generated answers logged with their prompt and reward: at every "
@@ -232,6 +242,30 @@ def _epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool) -> tuple[int
     return tuple(order)
 
 
+@dataclass
+class Snapshot:
+    """An in-memory snapshot: the controller's part of a checkpoint (``controller.json``'s
+    fields) and the batches generated ahead; the roles' parts are in shared memory under
+    ``Snapshots.folder``."""
+
+    state: dict[str, Any]
+    pending: dict[int, TensorBatch]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["global_step"])
+
+
+@dataclass
+class Snapshots:
+    """Where the trained roles' snapshots go (a folder in shared memory, one per role) and the
+    newest complete one; outlives a trainer, so the one after a rollback finds it."""
+
+    folder: Path
+    every: int
+    latest: Snapshot | None = None
+
+
 class Trainer:
     def __init__(
         self,
@@ -244,8 +278,10 @@ class Trainer:
         trainable: Sequence[str],
         sinks: Sequence[Sink] = (),
         stop_after: int | None = None,
+        snapshots: Snapshots | None = None,
     ) -> None:
         self.cfg, self.stages, self.roles, self.clients = cfg, list(stages), roles, clients
+        self.snapshots = snapshots
         self.data, self.run_dir, self.trainable = data, run_dir, list(trainable)
         self.sinks = list(sinks)
         self.sample_sinks = sample_sinks(sinks)
@@ -258,8 +294,16 @@ class Trainer:
         self.weights = WeightSync(roles.actor, cfg.weight_sync)
         self.pipeline = RolloutPipeline(roles, self.weights, cfg.agent)
         self.saved_step = -1
+        self.snapshot_s = 0.0  # how long the last in-memory snapshot took
         self.precision: dict[str, dict[str, str]] = {}
         self.state = State.initial(AlgorithmConfig())  # each RL stage starts its own
+
+    def saved_step_on_disk(self) -> int:
+        """The global step of the newest complete checkpoint (0: none)."""
+        found = checkpoints(self.ckpt_dir)
+        if not found:
+            return 0
+        return int(json.loads((found[-1] / "controller.json").read_text())["global_step"])
 
     @property
     def global_step(self) -> int:
@@ -594,6 +638,23 @@ class Trainer:
             await self._save(index, stage.steps)
         if stop:
             raise _Stopped
+        snap = self.snapshots
+        if snap is not None and snap.every and self.global_step % snap.every == 0:
+            if self.saved_step != self.global_step and k + 1 < stage.steps:
+                await self._snapshot(snap, index, k + 1)
+
+    async def _snapshot(self, snap: Snapshots, stage: int, stage_step: int) -> None:
+        """The trained roles' state into shared memory (each rank copies into files it mapped
+        at the first snapshot, two slots so a death mid-copy leaves the previous one whole), and
+        the controller's part beside it in this process."""
+        start = time.perf_counter()
+        for role in self.trainable:
+            folder = str((snap.folder / role).resolve())
+            await self.clients[role].snapshot(folder, self.global_step)
+        state = self._controller_state(stage, stage_step)
+        pending = await self.pipeline.drain()
+        snap.latest = Snapshot(state, dict(pending))
+        self.snapshot_s = time.perf_counter() - start
 
     async def _save(self, stage: int, stage_step: int) -> Path:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -603,20 +664,7 @@ class Trainer:
         aside.mkdir()
         for role in self.trainable:  # colocated roles would queue anyway; keep the order fixed
             await self.clients[role].save(str((aside / role).resolve()))
-        state = {
-            "stage": stage,
-            "stage_step": stage_step,
-            "global_step": self.global_step,
-            # rows of the stage's data consumed; the order itself is a pure function of
-            # (seed, stage, step), so this is all a resume needs to continue the data stream
-            "data_position": stage_step * self.stages[stage].rows_per_step(),
-            # the stage's own (an SFT stage's checkpoint holds none)
-            "algorithm": (
-                self.state.state_dict() if isinstance(self.stages[stage], RLStage) else None
-            ),
-            "validations": self.validations,
-            "precision": self.precision,  # checked on resume (_check_precision)
-        }
+        state = self._controller_state(stage, stage_step)
         pending = await self.pipeline.drain()
         if pending:  # generated ahead (max_staleness): the resumed run trains on these
             save_pending(aside / "pending", stage, pending)
@@ -629,8 +677,30 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def _controller_state(self, stage: int, stage_step: int) -> dict[str, Any]:
+        """The controller's part of a checkpoint (``controller.json``)."""
+        return {
+            "stage": stage,
+            "stage_step": stage_step,
+            "global_step": self.global_step,
+            # rows of the stage's data consumed; the order itself is a pure function of
+            # (seed, stage, step), so this is all a resume needs to continue the data stream
+            "data_position": stage_step * self.stages[stage].rows_per_step(),
+            # the stage's own (an SFT stage's checkpoint holds none)
+            "algorithm": (
+                self.state.state_dict() if isinstance(self.stages[stage], RLStage) else None
+            ),
+            "validations": list(self.validations),
+            "precision": self.precision,  # checked on resume (_check_precision)
+        }
+
     async def _restore(self) -> tuple[int, int]:
+        """The newest of the last checkpoint and (after a rollback) the last in-memory snapshot."""
         found = checkpoints(self.ckpt_dir)
+        snap = self.snapshots.latest if self.snapshots is not None else None
+        on_disk = self.saved_step_on_disk() if found else -1
+        if snap is not None and self.snapshots is not None and snap.step > on_disk:
+            return await self._restore_snapshot(self.snapshots.folder, snap)
         if not found:
             raise FileNotFoundError(
                 f"--resume: no complete checkpoint under {self.ckpt_dir} (a run writes one at "
@@ -639,20 +709,35 @@ class Trainer:
         latest = found[-1]
         saved = json.loads((latest / "controller.json").read_text())
         self._check_precision(latest, saved.get("precision") or {})
-        stage, stage_step = int(saved["stage"]), int(saved["stage_step"])
+        stage = int(saved["stage"])
         await self._configure(stage)
         for role in self.trainable:
             await self.clients[role].load(str((latest / role).resolve()))
-        # a rollout group starts from the initial weights: version 0, synced before it generates
-        self.pipeline.version = int(saved["global_step"])
-        self.resumed_state = saved["algorithm"]
-        self.validations = list(saved["validations"])
-        pending_stage, self.restored = load_pending(latest / "pending")
-        if self.restored and pending_stage != stage:
+        pending_stage, pending = load_pending(latest / "pending")
+        if pending and pending_stage != stage:
             raise RuntimeError(
                 f"{latest}: pending batches of stage {pending_stage} in a checkpoint of stage "
                 f"{stage}; the checkpoint is inconsistent"
             )
+        return self._restored(saved, pending)
+
+    async def _restore_snapshot(self, folder: Path, snap: Snapshot) -> tuple[int, int]:
+        saved = snap.state
+        self._check_precision(folder, saved.get("precision") or {})  # restarted ranks re-resolve
+        await self._configure(int(saved["stage"]))
+        for role in self.trainable:
+            await self.clients[role].restore_snapshot(str((folder / role).resolve()), snap.step)
+        return self._restored(saved, dict(snap.pending))
+
+    def _restored(self, saved: dict[str, Any], pending: dict[int, TensorBatch]) -> tuple[int, int]:
+        """Take the controller's part of a checkpoint or snapshot; the stage and step to go on
+        from."""
+        stage, stage_step = int(saved["stage"]), int(saved["stage_step"])
+        # a rollout group starts from the initial weights: version 0, synced before it generates
+        self.pipeline.version = int(saved["global_step"])
+        self.resumed_state = saved["algorithm"]
+        self.validations = list(saved["validations"])
+        self.restored = pending
         self.saved_step = self.global_step
         if stage_step >= self.stages[stage].steps:
             return stage + 1, 0

@@ -384,12 +384,26 @@ def check(exp: Experiment) -> None:
     if exp.trainer.val_data is not None and "reward" not in exp.roles:
         raise ExperimentError("trainer.val_data: validation scores answers with a 'reward' role")
     _check_model_sources(exp)
+    _check_snapshots(exp)
     for role, cfg in exp.roles.items():
         model = cfg.model
         if model is not None and model not in exp.models and not Path(model).exists():
             raise ExperimentError(
                 f"roles.{role}.model: {model!r} is neither a name under models "
                 f"({sorted(exp.models)}) nor an existing folder"
+            )
+
+
+def _check_snapshots(exp: Experiment) -> None:
+    """In-memory snapshots copy an fsdp engine's state; megatron's is not built."""
+    if not exp.trainer.snapshot_every:
+        return
+    for role in checkpointed_roles(exp):
+        if exp.roles[role].settings().get("backend") == "megatron":
+            raise ExperimentError(
+                f"trainer.snapshot_every: in-memory snapshots are built for backend: fsdp, and "
+                f"roles.{role} runs on megatron; set trainer.snapshot_every: 0 and rely on "
+                "trainer.save_every"
             )
 
 

@@ -33,7 +33,7 @@ import shutil
 import socket
 import sys
 import time
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from controller.metrics import (
 from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.supervisor import Supervisor
-from controller.trainer import Sink, Trainer, checkpoints
+from controller.trainer import Sink, Snapshots, Trainer, checkpoints
 from deploy.clusters import ClusterSpec, check_spec, load_spec
 from deploy.experiment import (
     Experiment,
@@ -68,6 +68,7 @@ from deploy.experiment import (
 from deploy.groups import build_groups
 from deploy.keys_cli import server_files
 from deploy.live import LiveView
+from deploy.local import SocketFolder, sweep_socket_folders
 from deploy.report import run_report
 from deploy.session import cluster_session, local_session, remote_session
 from deploy.terminal import console, run_async
@@ -78,6 +79,7 @@ from transport.settings import Timeouts
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by SIGINT
+SHM_ROOT = "/dev/shm"  # in-memory snapshots: memory-backed files that outlive a rank
 NO_CHECKPOINT_YET = "a run writes one at each stage end and every trainer.save_every steps"
 Rows = list[dict[str, Any]]
 
@@ -430,11 +432,12 @@ def _sinks(exp: Experiment, run_dir: Path, resume_step: int | None) -> list[Sink
 
 async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) -> dict[str, Any]:
     start = time.perf_counter()
-    async with _session(run, opts) as controller:
+    async with _session(run, opts) as controller, AsyncExitStack() as stack:
         ready = time.perf_counter() - start
         roles = Roles.placed(controller)
         supervisor = controller.supervisor
         resume = opts.resume
+        snapshots = _snapshots(run.exp, supervisor, stack)
         with live:
             while True:  # once, or once more after each rollback
                 trainer = Trainer(
@@ -447,6 +450,7 @@ async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) 
                     checkpointed_roles(run.exp),
                     sinks,
                     opts.stop_after,
+                    snapshots,
                 )
                 if supervisor is not None:
                     supervisor.on_event = functools.partial(_record_event, sinks, trainer)
@@ -454,7 +458,9 @@ async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) 
                     result = await trainer.run(resume=resume)
                     break
                 except Exception:
-                    again = await _roll_back(supervisor, run.run_dir, sinks, trainer.global_step)
+                    again = await _roll_back(
+                        supervisor, run.run_dir, sinks, trainer.global_step, snapshots
+                    )
                     if again is None:
                         raise
                     resume = again
@@ -470,7 +476,11 @@ DEATH_GRACE_S = 3.0
 
 
 async def _roll_back(
-    supervisor: Supervisor | None, run_dir: Path, sinks: list[Sink], step: int
+    supervisor: Supervisor | None,
+    run_dir: Path,
+    sinks: list[Sink],
+    step: int,
+    snapshots: Snapshots | None = None,
 ) -> bool | None:
     """After the trainer failed: when a stateful group died and its restart policy allows,
     restart every stateful group, cut the records back to the last checkpoint and say whether
@@ -485,6 +495,8 @@ async def _roll_back(
     if fault is None:
         return None
     saved = _resume_step(run_dir)
+    if snapshots is not None and snapshots.latest is not None:
+        saved = max(saved or 0, snapshots.latest.step)
     await supervisor.rollback(fault, step - (saved or 0))
     for sink in sinks:
         rewind = getattr(sink, "rewind", None)
@@ -493,9 +505,35 @@ async def _roll_back(
     return saved is not None
 
 
+def _snapshots(
+    exp: Experiment, supervisor: Supervisor | None, stack: AsyncExitStack
+) -> Snapshots | None:
+    """In-memory snapshots of the trained roles (``trainer.snapshot_every``; unset: every step
+    when a stateful group may be restarted and every trained role runs on fsdp), in a folder
+    under /dev/shm removed when the run ends (or, after a kill, by the next run's sweep)."""
+    every = exp.trainer.snapshot_every
+    if every is None:
+        restartable = supervisor is not None and supervisor.restarts_stateful()
+        every = 1 if restartable and not _megatron_roles(exp) else 0
+    if not every:
+        return None
+    root = Path(SHM_ROOT)
+    sweep_socket_folders(root)
+    folder = SocketFolder(root)
+    stack.callback(folder.remove)
+    return Snapshots(folder.path, every)
+
+
+def _megatron_roles(exp: Experiment) -> list[str]:
+    return [
+        r for r in checkpointed_roles(exp) if exp.roles[r].settings().get("backend") == "megatron"
+    ]
+
+
 def _record_event(sinks: list[Sink], trainer: Trainer, event: dict[str, Any]) -> None:
-    """A supervision event as a record: at the trainer's step, on every sink."""
-    record = {"step": trainer.global_step, **event}
+    """A supervision event as a record on every sink, at the trainer's step (a trainer that is
+    still restoring a checkpoint: the step it restores)."""
+    record = {"step": trainer.global_step or trainer.saved_step_on_disk(), **event}
     for sink in sinks:
         sink(record)
 

@@ -1,4 +1,5 @@
-"""What every model-holding role shares: its training engine, checkpoints, export and layout.
+"""What every model-holding role shares: its training engine, checkpoints and in-memory
+snapshots, export and layout.
 
 Actor, reference, critic and reward-model roles subclass ``EngineRole``; their own files hold only
 what differs (which head, which loss). The placement config of such a role is an ``EngineConfig``
@@ -108,6 +109,19 @@ class EngineRole(WeightSource, WeightSink, Role):
         """Restore a checkpoint written by ``save`` at the same layout; returns its step."""
         self.engine.load(path)
         return self.engine.step
+
+    @endpoint(ONE_TO_ALL)
+    def snapshot(self, folder: str, step: int) -> int:
+        """What ``save`` holds, copied into shared-memory files under ``folder/rank{r}/`` as the
+        snapshot of the controller's ``step`` (two slots: a death mid-copy leaves the previous
+        snapshot whole); returns the bytes this rank wrote. Backend fsdp only."""
+        return self.engine.snapshot(Path(folder), step)
+
+    @endpoint(ONE_TO_ALL)
+    def restore_snapshot(self, folder: str, step: int) -> int:
+        """The snapshot of ``step`` from ``folder/rank{r}/`` (into a restarted rank too);
+        returns its engine step. FileNotFoundError if no complete one of ``step`` is there."""
+        return self.engine.restore_snapshot(Path(folder), step)
 
     @endpoint(ONE_TO_ALL)
     def load_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> int:

@@ -1,7 +1,8 @@
 """``EngineClient``: what every model-holding role answers (``roles/engine_role.py``).
 
-Checkpoints, a fresh optimizer per training stage, whole weights from another role, export to a
-Hugging Face folder, the parameter layout, and weights rank to rank (``clients/weights.py``).
+Checkpoints and in-memory snapshots, a fresh optimizer per training stage, whole weights from
+another role, export to a Hugging Face folder, the parameter layout, and weights rank to rank
+(``clients/weights.py``).
 The reference, actor, critic and reward-model clients extend it with the endpoints of their own
 role class.
 """
@@ -27,6 +28,19 @@ class EngineClient(WeightSourceClient, WeightSinkClient):
     async def load(self, path: str, *, timeout: float | None = None) -> int:
         """Restore a checkpoint written by ``save`` at the same layout; returns its step."""
         return await self._call(Transfer.ONE_TO_ALL, "load", path, timeout=timeout)
+
+    async def snapshot(self, folder: str, step: int, *, timeout: float | None = None) -> int:
+        """The role's training state into shared-memory files under ``folder`` as the snapshot
+        of ``step`` (every rank its own); returns the bytes rank 0 wrote."""
+        return await self._call(Transfer.ONE_TO_ALL, "snapshot", folder, step, timeout=timeout)
+
+    async def restore_snapshot(
+        self, folder: str, step: int, *, timeout: float | None = None
+    ) -> int:
+        """The snapshot of ``step`` under ``folder`` back into every rank; returns its step."""
+        return await self._call(
+            Transfer.ONE_TO_ALL, "restore_snapshot", folder, step, timeout=timeout
+        )
 
     async def load_state(
         self, state: dict[str, torch.Tensor], strict: bool = True, *, timeout: float | None = None

@@ -183,7 +183,7 @@ def test_prompt_template_formats_each_row(tmp_path: Path) -> None:
     from controller.trainer import Trainer, TrainerConfig
 
     cfg = TrainerConfig(prompt_template="user: {prompt} ({data_source})\n")
-    roles = SimpleNamespace(actor=None)  # a trainer that never calls a role
+    roles = SimpleNamespace(actor=None, rollout=None)  # a trainer that never calls a role
     trainer = Trainer(cfg, [], roles, {}, {}, tmp_path, [])  # type: ignore[arg-type]
     row = {"prompt": "1+2=", "answer": "3", "data_source": "arithmetic"}
     assert trainer._templated(row) == {**row, "prompt": "user: 1+2= (arithmetic)\n"}

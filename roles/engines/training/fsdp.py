@@ -46,6 +46,7 @@ from roles.engines.training.common import (
 )
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
+from roles.engines.training.snapshot import RankSnapshots, fill
 from roles.modeling.text import block_causal_mask, segment_positions
 from roles.runtime.device import attention_kernel, group_dtype
 from transport.batch import TensorBatch
@@ -72,6 +73,7 @@ class FSDPEngine(TrainingEngine):
             self._parallelize(self.mesh)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._snapshots: RankSnapshots | None = None  # the shared-memory files mapped so far
         if cfg.optim is not None:
             self.configure_optim(cfg.optim)
         else:
@@ -283,20 +285,8 @@ class FSDPEngine(TrainingEngine):
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         with checkpoint_aside(path, rank, self._barrier, self._describe()) as aside:
-            # Before the first step AdamW has no state; to save one, torch's get_state_dict runs
-            # a zero-lr step, which would make the next real step AdamW's second (other bias
-            # corrections): taking a checkpoint must not change training, so that state is
-            # dropped
-            fresh = self.optimizer is not None and not self.optimizer.state
-            dcp.save(self._state(), checkpoint_id=str(aside))
-            if fresh and self.optimizer is not None:
-                self.optimizer.state.clear()
-            extra = {
-                "rng": torch.get_rng_state(),
-                "step": self.step,
-                "scheduler": self._sched_state(),
-                "fresh": fresh,
-            }
+            state, extra = self._state_and_extra()
+            dcp.save(state, checkpoint_id=str(aside))
             torch.save(extra, rank_file(aside, rank))
 
     def load(self, path: str | Path) -> None:
@@ -313,9 +303,62 @@ class FSDPEngine(TrainingEngine):
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
         )
-        extra = torch.load(rank_file(folder, rank), weights_only=True)
+        self._take_extra(torch.load(rank_file(folder, rank), weights_only=True))
+
+    def snapshot(self, folder: Path, step: int) -> int:
+        """What ``save`` holds, copied into this rank's slot of shared-memory files under
+        ``folder`` (``snapshot.py``); returns the bytes written. No collective."""
+        state, extra = self._state_and_extra()
+        return self._snapshots_in(folder).write(step, state, extra, self._describe())
+
+    def restore_snapshot(self, folder: Path, step: int) -> int:
+        """The snapshot of ``step`` back into this engine (a restarted one too), as ``load``
+        restores a checkpoint; returns the engine's step."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        tensors, extra = self._snapshots_in(folder).read(step, self._describe())
+        state = self._state()
+        fill(state, tensors, extra.pop("leaves"))
+        set_state_dict(
+            self.module,
+            [self.optimizer] if self.optimizer else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+        )
+        self._take_extra(extra)
+        return self.step
+
+    def _snapshots_in(self, folder: Path) -> RankSnapshots:
+        """This rank's snapshots under ``folder``, with the files mapped so far (kept)."""
+        folder = Path(folder)
+        if self._snapshots is None or self._snapshots.folder != folder:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self._snapshots = RankSnapshots(folder, rank)
+        return self._snapshots
+
+    def _state_and_extra(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state ``save`` and ``snapshot`` write (``_state``), and this rank's extras: RNG,
+        step, schedule, whether the optimizer was fresh."""
+        # Before the first step AdamW has no state; to give one, torch's get_state_dict runs a
+        # zero-lr step, which would make the next real step AdamW's second (other bias
+        # corrections): taking a checkpoint must not change training, so that state is dropped
+        # from the optimizer (the tensors returned keep it)
+        fresh = self.optimizer is not None and not self.optimizer.state
+        state = self._state()
+        if fresh and self.optimizer is not None:
+            self.optimizer.state.clear()
+        extra = {
+            "rng": torch.get_rng_state(),
+            "step": self.step,
+            "scheduler": self._sched_state(),
+            "fresh": fresh,
+        }
+        return state, extra
+
+    def _take_extra(self, extra: dict[str, Any]) -> None:
+        """The extras of ``_state_and_extra`` back, after the state itself was set."""
         if extra.get("fresh") and self.optimizer is not None:
-            self.optimizer.state.clear()  # saved before the first step (see save)
+            self.optimizer.state.clear()  # saved before the first step (see _state_and_extra)
         torch.set_rng_state(extra["rng"])
         self.step = int(extra["step"])
         if self.scheduler is not None and extra["scheduler"] is not None:

@@ -14,6 +14,9 @@ a batch plus a function of the model's output, and get tensors back.
   Hugging Face folder, ``param_layout`` which dim of each parameter is split over tp and dp and
   which pipeline stage holds it, ``held_pieces`` this rank's pieces in that layout (the reshard
   module reads both: generation and weight syncs start from them).
+* ``snapshot`` / ``restore_snapshot`` the state ``save`` holds, copied into files in shared
+  memory that outlive the rank (``snapshot.py``): a restarted rank rolls back one step cheaply.
+  Only the fsdp engine has them; the default refuses.
 
 Output kinds: an ``lm`` engine returns logits ``[B, T, V]``; a ``token`` engine (critic, reward
 model) returns one scalar per position ``[B, T]``.
@@ -39,6 +42,12 @@ Read = Callable[[torch.Tensor, TensorBatch], torch.Tensor]
 LossFn = Callable[
     [torch.Tensor, TensorBatch, float, float], tuple[torch.Tensor, dict[str, torch.Tensor]]
 ]
+
+
+_NO_SNAPSHOTS = (
+    "{} has no in-memory snapshots (they are built for backend: fsdp only); roll back to "
+    "checkpoints instead: set trainer.save_every, and trainer.snapshot_every: 0"
+)
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,16 @@ class TrainingEngine(ABC):
 
     @abstractmethod
     def load(self, path: str | Path) -> None: ...
+
+    def snapshot(self, folder: Path, step: int) -> int:
+        """This rank's training state (what ``save`` holds) into ``folder/rank{r}/`` as the
+        snapshot of the controller's ``step``; returns the bytes written."""
+        raise NotImplementedError(_NO_SNAPSHOTS.format(type(self).__name__))
+
+    def restore_snapshot(self, folder: Path, step: int) -> int:
+        """The snapshot of ``step`` from ``folder/rank{r}/`` into this engine (a restarted one
+        too); returns the engine's step. ``FileNotFoundError`` if no complete one is there."""
+        raise NotImplementedError(_NO_SNAPSHOTS.format(type(self).__name__))
 
     @abstractmethod
     def export(self, path: str | Path) -> None: ...
