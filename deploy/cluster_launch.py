@@ -10,19 +10,25 @@
 - ``manual``: the command to start each group is printed.
 
 Each launcher reports a group's death as ``on_dead(group, rank, cause)`` and has ``stop()``:
-after the controller told the groups to stop, wait for them, then end what is left.
+after the controller told the groups to stop, wait for them, then end what is left. The remote
+and SLURM launchers also have ``restart(spec)``, the supervisor's relaunch of a dead group
+(``controller/supervisor.py``): a remote group's process is ended (its session) and started
+again; a SLURM group comes back as a new step of its job (``srun --jobid --overlap``) while the
+job's allocation runs, else in a job of its own. A replaced incarnation's end is no death.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import os
 import shlex
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from controller.placement import GroupSpec
@@ -30,6 +36,9 @@ from deploy.clusters import RemoteCluster, SlurmCluster
 from deploy.keys_cli import client_files
 from deploy.local import begin_log, last_error
 from deploy.slurm import (
+    FAILED_STEPS,
+    group_nodes,
+    group_step,
     group_steps,
     run_there,
     sbatch_header,
@@ -43,6 +52,8 @@ from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
 DeathCallback = Callable[[str, int | None, str], None]  # group, rank, cause
+Popen = subprocess.Popen[bytes]
+LINGER_S = 60  # what a job keeps its allocation for a replacement step, besides the back-off
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
 
 
@@ -70,9 +81,76 @@ def dir_there(cluster: RemoteCluster | SlurmCluster, run_dir: Path, name: str) -
 
 _LIBC = ctypes.CDLL(None)  # loaded here: the child between fork and exec only makes a call
 
+Log = tuple[Path, int]  # a log file and where this run's lines begin in it
+ExitCallback = Callable[[subprocess.Popen[bytes], Log], None]
+
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str], token: str, log_path: Path, on_exit: ExitCallback) -> Popen:
+    """Run ``argv`` in a session of its own that dies with this process, its output appended
+    to ``log_path``, ``token`` on its stdin (never on a command line); ``on_exit(proc, log)``
+    runs in the event loop as soon as it ends (a pidfd)."""
+    start = begin_log(log_path)  # errors are read from here: this run's lines only
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    assert proc.stdin is not None
+    proc.stdin.write(f"{token}\n".encode())
+    proc.stdin.close()
+    pidfd = os.pidfd_open(proc.pid)
+    loop = asyncio.get_running_loop()
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        proc.wait()
+        on_exit(proc, (log_path, start))
+
+    loop.add_reader(pidfd, exited)
+    return proc
+
+
+async def end_session(proc: Popen, limit_s: float, what: str) -> None:
+    """SIGKILL the session ``proc`` leads (it and what it started here) and wait until every
+    process of it is gone; RuntimeError naming ``what`` after ``limit_s`` seconds."""
+    _kill_session(proc, signal.SIGKILL)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while proc.poll() is None or _session_alive(proc.pid):
+        if loop.time() > deadline:
+            raise RuntimeError(f"{what} (pid {proc.pid}) would not die")
+        await asyncio.sleep(0.02)
+
+
+def _kill_session(proc: Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # ``start_new_session``: its process group is its session
+    except ProcessLookupError:
+        pass  # every process of it is gone
+
+
+def _session_alive(sid: int) -> bool:
+    """Whether a process of session ``sid`` still runs here (``/proc``; a zombie is gone)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()  # from field 3 (state) on
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != "Z" and int(fields[3]) == sid:  # field 6: the session
+            return True
+    return False
 
 
 class RemoteGroups:
@@ -90,7 +168,9 @@ class RemoteGroups:
         self.name, self.cluster, self.run_dir = name, cluster, run_dir
         self.keys = cluster.keys or (str(keys) if keys is not None else None)
         self.timeouts, self.on_dead = timeouts, on_dead
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Popen] = {}  # each group's current process
+        self.retired: list[Popen] = []  # processes a restart replaced (and has not seen end)
+        self.joins: dict[str, tuple[str, str]] = {}  # group -> the address and token it joins
         self.stopping = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -106,53 +186,61 @@ class RemoteGroups:
 
     def start(self, group: GroupSpec, address: str, token: str) -> None:
         log_path = self.run_dir / "logs" / f"{self.name}-{group.name}.log"
-        start = begin_log(log_path)  # errors are read from here: this run's lines only
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(
-                [*self.cluster.via, self.command_line(group, address)],
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        assert proc.stdin is not None
-        proc.stdin.write(f"{token}\n".encode())
-        proc.stdin.close()
-        self.procs[group.name] = proc
-        pidfd = os.pidfd_open(proc.pid)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(pidfd, self._exited, group.name, proc, pidfd, (log_path, start))
+        argv = [*self.cluster.via, self.command_line(group, address)]
+        self.procs[group.name] = spawn(argv, token, log_path, partial(self._exited, group.name))
+        self.joins[group.name] = (address, token)
 
-    def _exited(
-        self, group: str, proc: subprocess.Popen[bytes], pidfd: int, log: tuple[Path, int]
-    ) -> None:
-        asyncio.get_running_loop().remove_reader(pidfd)
-        os.close(pidfd)
-        code = proc.wait()
-        if self.stopping or code == 0:
-            return
+    def _exited(self, group: str, proc: Popen, log: Log) -> None:
+        code = proc.returncode
+        if self.stopping or code == 0 or self.procs.get(group) is not proc:
+            return  # the shutdown, a clean exit, or an incarnation a restart replaced
         via = " ".join(self.cluster.via)
         cause = f"on cluster {self.name!r} ({via}) exited with {code}: {last_error(*log)}"
         self.on_dead(group, 0, f"{cause} (log: {log[0]})")
+
+    async def restart(self, spec: GroupSpec) -> None:
+        """End what is left of the group's process (its whole session), wait until it is gone,
+        then start the group again with the address and token it first joined with. The old
+        process's exit is not reported: the controller already forgot that incarnation
+        (``Controller.reset``). Over ssh the session here is the ssh client: a ``hybridflow
+        role`` still running there leaves on its own once its ranks lose the controller."""
+        old = self.procs.pop(spec.name, None)  # from here on its exit is no death (``_exited``)
+        if old is not None:
+            self.retired.append(old)  # should it not die, stop() tries again
+            what = f"the process of group {spec.name!r} on cluster {self.name!r}"
+            await end_session(old, self.timeouts.shutdown_s + 5.0, what)
+            self.retired.remove(old)
+        self.start(spec, *self.joins[spec.name])
 
     async def stop(self) -> None:
         """The groups leave on the controller's SHUTDOWN; what is still running after the
         grace period is ended (its whole session)."""
         self.stopping = True
+        procs = [*self.procs.values(), *self.retired]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeouts.shutdown_s + 5.0
-        while any(p.poll() is None for p in self.procs.values()) and loop.time() < deadline:
+        while any(p.poll() is None for p in procs) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in self.procs.values():
+            for proc in procs:
                 if proc.poll() is None:
-                    os.killpg(proc.pid, sig)
+                    _kill_session(proc, sig)
             await asyncio.sleep(0.5)
 
 
+def may_restart(group: GroupSpec) -> bool:
+    """Whether the group's restart policy allows any restart (a rollback restarts it too)."""
+    return group.restart is not None and group.restart.max > 0
+
+
 class SlurmJob:
-    """The groups placed on one SLURM cluster, as one batch job."""
+    """The groups placed on one SLURM cluster, as one batch job.
+
+    A group that may be restarted comes back (``restart``) as a new step of the job it ran in,
+    started from here (``srun --jobid=JOB --overlap``, through ``via`` when set) while that job's
+    allocation runs, else in a new job of its own. The script of a job with such groups does not
+    end on their steps' failures and keeps its allocation a while after its last step
+    (``wait_steps``): ``stop`` ends it once no step of it runs."""
 
     def __init__(
         self,
@@ -167,10 +255,19 @@ class SlurmJob:
         self.name, self.cluster, self.groups, self.run_dir = name, cluster, groups, run_dir
         self.keys = cluster.keys or (str(keys) if keys is not None else None)
         self.timeouts, self.on_dead = timeouts, on_dead
-        self.job: str | None = None
-        self.state, self.reason = "", ""
+        self.job: str | None = None  # the job submitted first, holding every group
+        self.state, self.reason = "", ""  # that job's
+        self.joins = ("", "")  # the address and token the groups join with
+        self.job_of: dict[str, str] = {}  # group -> the job it runs in now
+        self.node_of: dict[str, int] = {}  # group -> its node's index in that job
+        self.lingering: set[str] = set()  # jobs that keep their allocation for a restart
+        self.steps: dict[str, Popen] = {}  # group -> the srun of a step started from here
+        self.retired: list[Popen] = []  # such sruns a restart replaced
+        self.restarting: set[str] = set()  # groups between the death and their new step or job
+        self.reported: set[tuple[str, str]] = set()  # (job, group): failed steps seen
         self.stopping = False
-        self._watch: asyncio.Task[None] | None = None
+        self._watch: dict[str, asyncio.Task[None]] = {}  # job -> what follows its state
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     @property
     def there(self) -> str:
@@ -181,13 +278,16 @@ class SlurmJob:
         """The job's output file (``%j``: the job id), relative to ``workdir`` if it has one."""
         return f"{self.there}/slurm-%j.out"
 
-    def script(self, address: str, token: str) -> str:
+    def script(self, address: str, token: str, groups: list[GroupSpec] | None = None) -> str:
+        """The batch script of every group of the cluster, or of ``groups`` alone on one node
+        (a group restarted after its job ended)."""
         c = self.cluster
-        specs = {g.name: g for g in self.groups}
+        specs = {g.name: g for g in (groups or self.groups)}
+        nodes = c.nodes if groups is None else 1
         lines = sbatch_header(
             f"hybridflow-{self.name}",
-            c.nodes,
-            tasks_per_node(specs, c.nodes, controller=False),
+            nodes,
+            tasks_per_node(specs, nodes, controller=False),
             self.output,
             c.partition,
             c.time,
@@ -204,18 +304,41 @@ class SlurmJob:
             "set -euo pipefail",
             'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
             f"export {RankVar.TOKEN}={token}",
+            *self._exports(),
+            f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
+            "pids=() again=()  # again: pid -> group, for the steps of groups that may come back",
+        ]
+        again = [n for n, g in specs.items() if may_restart(g)]
+        there = self.there
+        lines += group_steps(specs, nodes, address, there, python, keys, False, again)
+        lines += wait_steps(controller=False, linger_s=linger_s(list(specs.values())))
+        return "\n".join(lines)
+
+    def _exports(self) -> list[str]:
+        """What the steps' environment holds besides the token."""
+        return [
             f"export {TIMEOUTS_ENV}={shlex.quote(self.timeouts.to_env())}",
             f"export {RankVar.THREADS}=1",
             f"export {CLUSTER_ENV}={shlex.quote(self.name)}",
-            f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
-            "pids=()",
         ]
-        lines += group_steps(specs, c.nodes, address, self.there, python, keys, controller=False)
-        lines += wait_steps(controller=False)
-        return "\n".join(lines)
 
     def submit(self, address: str, token: str) -> None:
-        """sbatch with the script on stdin (the token is in no file of ours)."""
+        """Submit the job of every group and follow its state."""
+        self.joins = (address, token)
+        self.job = self._submit(None)
+        self._hold(self.job, self.groups)
+        nodes = group_nodes({g.name: g for g in self.groups}, self.cluster.nodes, False)
+        self.node_of = {g.name: n for g, n in zip(self.groups, nodes, strict=True)}
+
+    def _hold(self, job: str, groups: list[GroupSpec]) -> None:
+        """``job`` runs ``groups`` from now on: follow its state (in the event loop)."""
+        self.job_of.update({g.name: job for g in groups})
+        if linger_s(groups):
+            self.lingering.add(job)
+        self._watch[job] = asyncio.ensure_future(self._follow(job))
+
+    def _submit(self, groups: list[GroupSpec] | None) -> str:
+        """sbatch with the script on stdin (the token is in no file of ours); the job id."""
         argv = ["sbatch", "--parsable"]
         if self.cluster.via:  # the output folder must exist there before the job starts
             command = [
@@ -228,7 +351,7 @@ class SlurmJob:
             command = argv
         done = subprocess.run(
             command,
-            input=self.script(address, token),
+            input=self.script(*self.joins, groups),
             capture_output=True,
             text=True,
             check=False,
@@ -236,29 +359,53 @@ class SlurmJob:
         )
         if done.returncode != 0:
             raise RuntimeError(slurm_problem(f"cluster {self.name!r}: sbatch", done.stderr))
-        self.job = done.stdout.strip().split(";")[0]
-        self._watch = asyncio.ensure_future(self._follow())
+        return done.stdout.strip().split(";")[0]
 
-    def query(self) -> None:
-        assert self.job is not None
-        done = run_there(self.cluster.via, ["scontrol", "show", "job", self.job, "-o"], timeout=30)
-        fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
-        self.state = fields.get("JobState", self.state)
-        self.reason = fields.get("Reason", "")
+    def fields(self, job: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, Reason, NodeList, ...); none when gone."""
+        done = run_there(self.cluster.via, ["scontrol", "show", "job", job, "-o"], timeout=30)
+        return dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
 
-    async def _follow(self) -> None:
-        while True:
-            await asyncio.to_thread(self.query)
-            if self.state in ENDED:
-                break
-            await asyncio.sleep(2.0)
-        if not self.stopping:
-            out = Path(self.cluster.workdir or ".") / self.output.replace("%j", str(self.job))
-            said = f": {last_error(out)}" if not self.cluster.via and out.is_file() else ""
-            cause = f"SLURM job {self.job} on cluster {self.name!r} ended {self.state}{said}"
-            cause += f" (output: {out})"
-            for group in self.groups:
+    async def _follow(self, job: str) -> None:
+        """Poll the job's state until it ends; report the death of the groups it runs when it
+        ends, and of one whose step failed (the script writes it in the job's Comment)."""
+        state = ""
+        while state not in ENDED:
+            fields = await asyncio.to_thread(self.fields, job)
+            state = fields.get("JobState", state)
+            if job == self.job:
+                self.state, self.reason = state, fields.get("Reason", "")
+            if state not in ENDED:
+                self._failed_steps(job, fields.get("Comment", ""))
+                await asyncio.sleep(2.0)
+        if self.stopping:
+            return
+        cause = f"SLURM job {job} on cluster {self.name!r} ended {state}{self._said(job)}"
+        for group in self.groups:  # a group being restarted: its restart sees the job's end
+            if self.job_of.get(group.name) == job and group.name not in self.restarting:
                 self.on_dead(group.name, None, cause)
+
+    def _failed_steps(self, job: str, comment: str) -> None:
+        """Report the groups whose step the job's script saw fail (``wait_steps``), once each,
+        unless the group runs elsewhere by now (a restart under way, a step started from here
+        or another job)."""
+        if self.stopping or not comment.startswith(FAILED_STEPS):
+            return
+        for entry in comment.removeprefix(FAILED_STEPS).split(","):
+            group, _, status = entry.partition("=")
+            if (job, group) in self.reported or self.job_of.get(group) != job:
+                continue
+            self.reported.add((job, group))
+            if group in self.restarting or group in self.steps:
+                continue
+            cause = f"SLURM job {job} on cluster {self.name!r}: the step of group {group!r} "
+            self.on_dead(group, None, f"{cause}ended FAILED (exit {status}){self._said(job)}")
+
+    def _said(self, job: str) -> str:
+        """The job's last error line (when its output is readable here) and where it is."""
+        out = Path(self.cluster.workdir or ".") / self.output.replace("%j", job)
+        said = f": {last_error(out)}" if not self.cluster.via and out.is_file() else ""
+        return f"{said} (output: {out})"
 
     def hint(self) -> str:
         if self.job is None:
@@ -266,18 +413,138 @@ class SlurmJob:
         reason = f", reason {self.reason}" if self.reason and self.reason != "None" else ""
         return f"cluster {self.name!r}: SLURM job {self.job} is {self.state or 'unknown'}{reason}"
 
+    # -- restarts -----------------------------------------------------------------------------
+
+    async def restart(self, spec: GroupSpec) -> None:
+        """End what is left of the group (its steps: ``scancel JOB.STEP``; the srun of a step
+        started from here: its session) and wait until it is gone, then start it again: as a
+        new step of its job while the job's allocation runs, else as a new job of its own. The
+        old step's end is not reported as a death, nor, meanwhile, the end of its job."""
+        name = spec.name
+        self.restarting.add(name)
+        try:
+            job = self.job_of[name]
+            await self._end_steps(name, job)
+            fields = await asyncio.to_thread(self.fields, job)
+            if fields.get("JobState") == "RUNNING":
+                hosts = await asyncio.to_thread(self._hosts, fields.get("NodeList", ""))
+                self._start_step(spec, job, hosts[self.node_of[name]])
+            else:  # the allocation is gone: a job of its own
+                self.node_of[name] = 0
+                self._hold(await asyncio.to_thread(self._submit, [spec]), [spec])
+        finally:
+            self.restarting.discard(name)
+
+    async def _end_steps(self, name: str, job: str) -> None:
+        """Cancel the group's steps in ``job`` and wait until they and their srun are gone."""
+        old = self.steps.pop(name, None)  # from here on its exit is no death (``_step_exited``)
+        limit_s = self.timeouts.shutdown_s + 30.0
+        steps = await asyncio.to_thread(self._step_ids, job, name)
+        if steps:
+            await asyncio.to_thread(run_there, self.cluster.via, ["scancel", *steps], timeout=30)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
+        while await asyncio.to_thread(self._step_ids, job, name):
+            if loop.time() > deadline:
+                raise RuntimeError(
+                    f"steps {steps} of group {name!r} (cluster {self.name!r}) would not end"
+                )
+            await asyncio.sleep(0.2)
+        if old is not None:
+            self.retired.append(old)  # should it not die, stop() tries again
+            await end_session(old, limit_s, f"the srun of group {name!r} (job {job})")
+            self.retired.remove(old)
+
+    def _step_ids(self, job: str, name: str) -> list[str]:
+        """The running steps (``JOB.STEP``) of ``job`` that run group ``name``."""
+        argv = ["squeue", "-h", "-s", "-j", job, "-o", "%i %j"]
+        done = run_there(self.cluster.via, argv, timeout=30)
+        rows = [line.split() for line in done.stdout.splitlines()]
+        return [row[0] for row in rows if len(row) == 2 and row[1] == name]
+
+    def _hosts(self, nodelist: str) -> list[str]:
+        done = run_there(self.cluster.via, ["scontrol", "show", "hostnames", nodelist], timeout=30)
+        if done.returncode != 0 or not done.stdout.split():
+            raise RuntimeError(slurm_problem(f"cluster {self.name!r}: scontrol", done.stderr))
+        return done.stdout.split()
+
+    def step_command(self, spec: GroupSpec, job: str, host: str) -> str:
+        """The shell line that runs the group as a new step of ``job`` on ``host``, from outside
+        the job; it reads the token from stdin into the step's environment."""
+        c = self.cluster
+        python = shlex.quote(c.python or sys.executable)
+        keys = f" --keys {shlex.quote(self.keys)}" if self.keys else ""
+        address = self.joins[0]
+        options = f"--jobid={job} --overlap "
+        srun = group_step(spec.name, spec, host, address, self.there, python, keys, options)
+        return "\n".join(
+            [
+                f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
+                f"read -r {RankVar.TOKEN} && export {RankVar.TOKEN}",
+                *self._exports(),
+                "exec " + "\n".join(srun) + " </dev/null",
+            ]
+        )
+
+    def _start_step(self, spec: GroupSpec, job: str, host: str) -> None:
+        line = self.step_command(spec, job, host)
+        argv = [*self.cluster.via, line] if self.cluster.via else ["sh", "-c", line]
+        log_path = self.run_dir / "logs" / f"{self.name}-{spec.name}.log"
+        on_exit = partial(self._step_exited, spec.name, job)
+        self.steps[spec.name] = spawn(argv, self.joins[1], log_path, on_exit)
+
+    def _step_exited(self, group: str, job: str, proc: Popen, log: Log) -> None:
+        code = proc.returncode
+        if self.stopping or code == 0 or self.steps.get(group) is not proc:
+            return  # the shutdown, a clean exit, or a step a restart replaced
+        cause = f"SLURM job {job} on cluster {self.name!r}: the step of group {group!r} "
+        cause += f"(srun --jobid, started here) ended FAILED (exit {code}): {last_error(*log)}"
+        self.on_dead(group, None, f"{cause} (log: {log[0]})")
+
+    # -- the end ------------------------------------------------------------------------------
+
     async def stop(self) -> None:
-        """Let the job end on its own (its groups were told to stop); scancel what is left."""
+        """Let the jobs end on their own (their groups were told to stop); one that keeps its
+        allocation for a restart is told to end once no step of it runs; at the deadline,
+        scancel what is left."""
         self.stopping = True
         if self.job is None:
             return
-        deadline = asyncio.get_running_loop().time() + self.timeouts.shutdown_s + 10.0
-        while self._watch is not None and not self._watch.done():
-            if asyncio.get_running_loop().time() > deadline:
-                self._watch.cancel()
-                await asyncio.to_thread(run_there, self.cluster.via, ["scancel", self.job])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.shutdown_s + 10.0
+        sruns = [*self.steps.values(), *self.retired]
+        while True:
+            left = [job for job, watch in self._watch.items() if not watch.done()]
+            if not left and all(p.poll() is not None for p in sruns):
+                return
+            if loop.time() > deadline:
                 break
-            await asyncio.sleep(0.2)
+            idle = [j for j in left if j in self.lingering and not await self._runs_steps(j)]
+            if idle:  # held for a restart that will not come: its script ends at once
+                argv = ["scancel", "--batch", "--signal=USR1", *idle]
+                await asyncio.to_thread(run_there, self.cluster.via, argv, timeout=30)
+            await asyncio.sleep(0.5 if self.lingering else 0.2)
+        for job in left:
+            self._watch[job].cancel()
+        if left:
+            await asyncio.to_thread(run_there, self.cluster.via, ["scancel", *left])
+        for proc in sruns:
+            _kill_session(proc, signal.SIGKILL)
+
+    async def _runs_steps(self, job: str) -> bool:
+        """Whether a step of a group runs in ``job`` (the batch script's own is no group's);
+        True when squeue does not answer (the job is then left to end on its own)."""
+        argv = ["squeue", "-h", "-s", "-j", job, "-o", "%i"]
+        done = await asyncio.to_thread(run_there, self.cluster.via, argv, timeout=30)
+        steps = done.stdout.split()
+        return done.returncode != 0 or any(not s.endswith((".batch", ".extern")) for s in steps)
+
+
+def linger_s(groups: list[GroupSpec]) -> int:
+    """How long a job of ``groups`` keeps its allocation after its last step, for a group's
+    replacement step: its longest back-off and a minute; 0 when none may be restarted."""
+    backoffs = [max(g.restart.backoff_s) for g in groups if g.restart and may_restart(g)]
+    return math.ceil(max(backoffs)) + LINGER_S if backoffs else 0
 
 
 def client_env(keys: Path | None, group: str) -> dict[str, str]:

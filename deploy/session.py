@@ -219,10 +219,12 @@ class _ClusterStart:
             launchers.append(remote)
             for group in mine:
                 remote.start(group, self.address, controller.token)
+                self.relaunch[group.name] = remote.restart
         elif isinstance(cluster, SlurmCluster):
             job = SlurmJob(name, cluster, mine, self.run_dir, keys, timeouts, self.dead)
             launchers.append(job)
             job.submit(self.address, controller.token)
+            self.relaunch.update({group.name: job.restart for group in mine})
         else:
             assert isinstance(cluster, ManualCluster)  # the command to start each is printed
             for group in mine:

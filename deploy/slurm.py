@@ -78,20 +78,50 @@ def sbatch_header(
     return lines
 
 
-def wait_steps(controller: bool) -> list[str]:
+#: the job's Comment after steps of groups that may come back failed: ``PREFIX gen=137,...``
+FAILED_STEPS = "hybridflow-failed:"
+
+
+def wait_steps(controller: bool, linger_s: int = 0) -> list[str]:
     """The script's end, watching the steps in ``pids``: the first to fail ends the job with its
     status (SLURM then ends the others), so nobody waits for a group that is gone. A clean exit
-    of the ``controller`` step ends the run; the groups leave on its SHUTDOWN."""
+    of the ``controller`` step ends the run; the groups leave on its SHUTDOWN.
+
+    With ``linger_s`` (a job whose groups may be restarted, ``cluster_launch.SlurmJob``), a failed
+    step in ``again`` (pid -> group) does not end the job: it is written in the job's Comment
+    (``FAILED_STEPS``, where the controller reads it) and the controller starts the group again
+    as a new step of this job from outside (``srun --jobid --overlap``). Once the script's own
+    steps are over, the allocation is kept while any step of the job runs, and ``linger_s``
+    seconds after the last one: a replacement may be on its way. At the end of the run the
+    controller ends it sooner with SIGUSR1 (``scancel --batch --signal=USR1``): it completes."""
     done = '[ "${pids[$i]}" = "$controller" ] && { wait; exit 0; }  # the run is over'
-    return [
+    fail = ["    [ $status -eq 0 ] || exit $status"]
+    if linger_s:
+        fail = [
+            "    group=${again[${pids[$i]}]:-}",
+            '    if [ $status -ne 0 ] && [ -n "$group" ]; then  # the controller restarts it',
+            '      failed="${failed:+$failed,}$group=$status"',
+            f'      scontrol update JobId="$SLURM_JOB_ID" Comment="{FAILED_STEPS}$failed"',
+            "    elif [ $status -ne 0 ]; then exit $status; fi",
+        ]
+    lines = [
         "",
-        "# the first step to fail fails the job; the controller's end is the run's",
+        *(
+            ["trap 'exit 0' USR1  # the controller's word: no group will come back"]
+            if linger_s
+            else []
+        ),
+        "# the first step to fail fails the job"
+        + (" (a group in again: it is reported, and comes back)" if linger_s else "")
+        + "; the controller's end is the run's",
         "set +e",
+        *(['failed=""'] if linger_s else []),
         "while [ ${#pids[@]} -gt 0 ]; do",
         '  for i in "${!pids[@]}"; do',
         '    kill -0 "${pids[$i]}" 2>/dev/null && continue',
         '    wait "${pids[$i]}"; status=$?',
-        '    [ $status -eq 0 ] || { echo "hybridflow: a step failed ($status)" >&2; exit $status; }',
+        '    [ $status -eq 0 ] || echo "hybridflow: a step failed ($status)" >&2',
+        *fail,
         *([f"    {done}"] if controller else []),
         '    unset "pids[$i]"',
         "  done",
@@ -99,6 +129,20 @@ def wait_steps(controller: bool) -> list[str]:
         "done",
         "",
     ]
+    if linger_s:
+        lines += [
+            "# groups that may be restarted come back as new steps of this job (srun --jobid):",
+            f"# the allocation stays while any step runs, and {linger_s} s after the last",
+            "idle=0",
+            f"while [ $idle -lt {linger_s} ]; do",
+            '  steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i \\',
+            '    | grep -v -e "\\.batch$" -e "\\.extern$")  # the steps of groups, not the script',
+            '  if [ -n "$steps" ]; then idle=0; else idle=$((idle + 1)); fi',
+            "  sleep 1",
+            "done",
+            "",
+        ]
+    return lines
 
 
 def group_nodes(groups: Groups, nodes: int, controller: bool) -> list[int]:
@@ -147,31 +191,52 @@ def group_steps(
     python: str,
     keys: str,
     controller: bool,
+    again: Collection[str] = (),
 ) -> list[str]:
     """One background srun step per group, on the node ``group_nodes`` gives it; each rank is
     one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group stays on one node,
-    so its ranks meet on loopback."""
+    so its ranks meet on loopback. The steps of the groups in ``again`` (they may be restarted)
+    are listed in the script's ``again`` too, by pid (``wait_steps``)."""
     lines: list[str] = []
     for node, (name, group) in zip(
         group_nodes(groups, nodes, controller), groups.items(), strict=True
     ):
+        step = group_step(name, group, f"${{nodes[{node}]}}", connect, run_dir, python, keys)
         roles = ",".join(group.roles)
-        where = f"${{nodes[{node}]}}"
         lines += [
             "",
             f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}, pp={group.pp}",
-            f"srun --nodes=1 --ntasks={group.nproc} --nodelist={where} --exact \\",
-            f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
-            f"  --group {name} --tp {group.tp} --pp {group.pp} --gen-tp {group.gen_tp} "
-            f"--gen-pp {group.gen_pp} --device {group.device} "
-            "--launcher env "
-            "--master-addr 127.0.0.1 "
-            f"--run-dir {shlex.quote(str(run_dir))}"
-            + (f"{keys} --client {name}" if keys else "")
-            + " &",
-            "pids+=($!)",
+            *step[:-1],
+            step[-1] + " &",
+            "pids+=($!)" + (f"; again[$!]={name}" if name in again else ""),
         ]
     return lines
+
+
+def group_step(
+    name: str,
+    group: Placed,
+    node: str,
+    connect: str,
+    run_dir: str | Path,
+    python: str,
+    keys: str,
+    options: str = "",
+) -> list[str]:
+    """The srun command (continued lines) that runs one group on ``node`` as a job step named
+    after the group (``squeue -s`` finds it by that name); ``options`` come first (``--jobid=J
+    --overlap``: a step started from outside the job)."""
+    roles = ",".join(group.roles)
+    return [
+        f"srun {options}--job-name={name} --nodes=1 --ntasks={group.nproc} --nodelist={node} "
+        "--exact \\",
+        f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
+        f"  --group {name} --tp {group.tp} --pp {group.pp} --gen-tp {group.gen_tp} "
+        f"--gen-pp {group.gen_pp} --device {group.device} "
+        "--launcher env "
+        "--master-addr 127.0.0.1 "
+        f"--run-dir {shlex.quote(str(run_dir))}" + (f"{keys} --client {name}" if keys else ""),
+    ]
 
 
 def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
