@@ -159,6 +159,26 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--json", action="store_true", help="print summary.json as one line")
     run.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run the controller as a child process and restart it with --resume when it dies "
+        "(deploy/supervise_cli.py)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --supervise: controller restarts allowed within --restart-window",
+    )
+    run.add_argument(
+        "--restart-window",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="with --supervise: the window --max-restarts counts restarts in",
+    )
+    run.add_argument(
         "--clusters",
         type=Path,
         metavar="SPEC",
@@ -192,6 +212,14 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
+    if args.supervise:
+        from deploy.supervise_cli import default_run_dir, supervise
+
+        if sys.argv[1:2] != [args.command]:
+            print(f"hybridflow {args.command}: --supervise runs from the command line")
+            return EXIT_BAD_INPUT
+        run_dir = args.run_dir or default_run_dir(args.experiment)
+        return supervise(sys.argv[1:], run_dir, args.max_restarts, args.restart_window)
     return run_experiment(RunOptions.from_args(args))
 
 
