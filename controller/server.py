@@ -31,8 +31,9 @@ import itertools
 import logging
 import signal
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -47,9 +48,6 @@ from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.security import CurveServer, HandshakeLog, HandshakeWatch, new_token, token_ok
 from transport.settings import Timeouts
 from transport.shm import ShmArena, ShmReader
-
-if TYPE_CHECKING:
-    from controller.supervisor import Supervisor
 
 log = logging.getLogger("hybridflow.controller")
 
@@ -66,6 +64,23 @@ UNREGISTERED_LIMITS = HeaderLimits(
 )
 DRAIN_BUDGET = 256  # messages per reader callback: a flood must not starve timers and calls
 BACKLOG_RETRY_S = 0.002  # how soon a group's backlog is offered to ZeroMQ again
+
+
+class Supervision(Protocol):
+    """What the controller asks of its supervisor (``controller/supervisor.py``): to hear of
+    each death (returning words to add to its cause when the group will not be restarted), to
+    hold calls while a group restarts, and whether a failed call may be sent again."""
+
+    armed: bool
+    restore: dict[str, Callable[[], Awaitable[None]]]  # per group: bring its state back
+
+    def died(self, name: str, rank: int | None, cause: str) -> str | None: ...
+
+    async def serving(self, name: str) -> None: ...
+
+    async def recovered(self, name: str) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -146,7 +161,9 @@ class Controller:
         self.role_group = {role: g.name for g in groups for role in g.roles}
         self.by_identity: dict[bytes, Group] = {}
         self.local_groups: set[str] = set()
-        self.supervisor: Supervisor | None = None  # restarts dead groups (controller/supervisor.py)
+        self.supervisor: Supervision | None = (
+            None  # restarts dead groups (controller/supervisor.py)
+        )
         self.rejections = Rejections(log)
         # a cut connection's queue holds at most ~controller_queue messages; twice that from a
         # cut-off identity means it is sending on another connection

@@ -300,10 +300,7 @@ class Trainer:
 
     def saved_step_on_disk(self) -> int:
         """The global step of the newest complete checkpoint (0: none)."""
-        found = checkpoints(self.ckpt_dir)
-        if not found:
-            return 0
-        return int(json.loads((found[-1] / "controller.json").read_text())["global_step"])
+        return newest_step(self.ckpt_dir) or 0
 
     @property
     def global_step(self) -> int:
@@ -802,3 +799,11 @@ def checkpoints(folder: Path) -> list[Path]:
         for p in folder.iterdir()
         if p.is_dir() and p.name.startswith("step_") and "." not in p.name
     )
+
+
+def newest_step(folder: Path) -> int | None:
+    """The global step of the newest complete checkpoint under ``folder`` (None: there is none)."""
+    found = checkpoints(folder)
+    if not found:
+        return None
+    return int(json.loads((found[-1] / "controller.json").read_text())["global_step"])

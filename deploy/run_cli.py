@@ -53,7 +53,7 @@ from controller.metrics import (
 from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.supervisor import Supervisor
-from controller.trainer import Sink, Snapshots, Trainer, checkpoints
+from controller.trainer import Sink, Snapshots, Trainer, checkpoints, newest_step
 from deploy.clusters import ClusterSpec, check_spec, load_spec
 from deploy.experiment import (
     Experiment,
@@ -441,11 +441,7 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
 
 def _resume_step(run_dir: Path) -> int | None:
     """The global step of the newest checkpoint (None: there is none)."""
-    found = checkpoints(run_dir / "checkpoints")
-    if not found:
-        return None
-    saved = json.loads((found[-1] / "controller.json").read_text())
-    return int(saved["global_step"])
+    return newest_step(run_dir / "checkpoints")
 
 
 def _sinks(exp: Experiment, run_dir: Path, resume_step: int | None) -> list[Sink]:
@@ -463,7 +459,8 @@ async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) 
     async with _session(run, opts) as controller, AsyncExitStack() as stack:
         ready = time.perf_counter() - start
         roles = Roles.placed(controller)
-        supervisor = controller.supervisor
+        found = controller.supervisor  # the sessions give every controller one
+        supervisor = found if isinstance(found, Supervisor) else None
         resume = opts.resume
         snapshots = _snapshots(run.exp, supervisor, stack)
         with live:

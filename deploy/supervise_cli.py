@@ -194,10 +194,9 @@ class Supervision:
 
 
 def _checkpoint_step(run_dir: Path) -> int | None:
-    # the run CLI's own lookup (imported here: the supervisor itself stays light)
-    from deploy.run_cli import _resume_step
+    from controller.trainer import newest_step  # imported here: the supervisor stays light
 
-    return _resume_step(run_dir)
+    return newest_step(run_dir / "checkpoints")
 
 
 def supervise(argv: Sequence[str], run_dir: Path, max_restarts: int, window_s: float) -> int:
