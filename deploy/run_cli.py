@@ -212,14 +212,10 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_experiment_command(args: argparse.Namespace) -> int:
-    if args.supervise:
-        from deploy.supervise_cli import default_run_dir, supervise
+    if args.supervise:  # this command again, as a child restarted when it dies
+        from deploy.supervise_cli import supervise_command
 
-        if sys.argv[1:2] != [args.command]:
-            print(f"hybridflow {args.command}: --supervise runs from the command line")
-            return EXIT_BAD_INPUT
-        run_dir = args.run_dir or default_run_dir(args.experiment)
-        return supervise(sys.argv[1:], run_dir, args.max_restarts, args.restart_window)
+        return supervise_command(args, sys.argv)
     return run_experiment(RunOptions.from_args(args))
 
 
