@@ -51,7 +51,8 @@ def test_each_group_kind_killed_once_and_the_run_equals_the_undisturbed_one(
     found = events(tmp_path / "run")
     faults = [(e["group"], e["rank"]) for e in found if e["event"] == "fault"]
     assert faults == [("gen", 0), ("score", 0), ("main", 1), ("main", 0)]
-    recovered = [(e["event"], e["group"]) for e in found if e["event"] != "fault"]
+    # in any order: under load a kill can land while the group killed before it still restarts
+    recovered = sorted((e["event"], e["group"]) for e in found if e["event"] != "fault")
     assert recovered == [
         ("restart", "gen"),
         ("restart", "score"),
