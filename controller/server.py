@@ -235,6 +235,12 @@ class Controller:
                     raise
                 group.backlog.append(encoded)
                 self._offer_backlogs_soon()
+            except zmq.ZMQError as exc:
+                if group is None or exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                # its connection is gone and its death not yet reported: the call waits for
+                # that report (or its timeout), as one sent a moment earlier would
+                log.debug("group %r unreachable; its death is reported on its own", group.spec.name)
         assert self._loop is not None
         if not self._drain_pending:  # a send can swallow the FD's edge
             self._drain_pending = True
