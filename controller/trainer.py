@@ -33,7 +33,6 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -55,6 +54,7 @@ from controller.rollouts import (
     staleness_metrics,
 )
 from controller.scoring import scores, stashed
+from controller.snapshots import Snapshot, Snapshots
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch
@@ -240,30 +240,6 @@ def _epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool) -> tuple[int
     if shuffle:
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
     return tuple(order)
-
-
-@dataclass
-class Snapshot:
-    """An in-memory snapshot: the controller's part of a checkpoint (``controller.json``'s
-    fields) and the batches generated ahead; the roles' parts are in shared memory under
-    ``Snapshots.folder``."""
-
-    state: dict[str, Any]
-    pending: dict[int, TensorBatch]
-
-    @property
-    def step(self) -> int:
-        return int(self.state["global_step"])
-
-
-@dataclass
-class Snapshots:
-    """Where the trained roles' snapshots go (a folder in shared memory, one per role) and the
-    newest complete one; outlives a trainer, so the one after a rollback finds it."""
-
-    folder: Path
-    every: int
-    latest: Snapshot | None = None
 
 
 class Trainer:

@@ -52,8 +52,9 @@ from controller.metrics import (
 )
 from controller.placement import GroupSpec
 from controller.server import Controller
+from controller.snapshots import Snapshots
 from controller.supervisor import Supervisor
-from controller.trainer import Sink, Snapshots, Trainer, checkpoints, newest_step
+from controller.trainer import Sink, Trainer, checkpoints, newest_step
 from deploy.clusters import ClusterSpec, check_spec, load_spec
 from deploy.experiment import (
     Experiment,
