@@ -21,6 +21,7 @@ from roles.engines.generation.serve import make_engine, serve
 from roles.engines.generation.vllm import VLLMEngine
 from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.modeling.logprob import token_entropy, token_log_probs
+from roles.modeling.lora import merged_state
 from roles.modeling.losses import aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
 from roles.modeling.text import encode_rows
@@ -61,6 +62,9 @@ class Reference(EngineRole):
         self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
     ) -> TensorBatch:
         """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
+        return self._log_probs(batch, temperature, entropy)
+
+    def _log_probs(self, batch: TensorBatch, temperature: float, entropy: bool) -> TensorBatch:
         batch.require_tensors(INPUT_IDS, ATTENTION_MASK)
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
@@ -85,6 +89,12 @@ class Actor(Reference):
         super().__init__(ctx, **config)
         self.hybrid: HybridEngine | None = None
         self.vllm: VLLMEngine | None = None  # generator vllm: built by the first generate
+        if self.engine.cfg.lora is not None and ctx.layout.resharded:
+            raise ValueError(
+                f"lora: the actor generates at its training layout with adapters; placement "
+                f"gen_tp={ctx.layout.generation_tp} / gen_pp={ctx.layout.generation_pp} reshards, "
+                "which does not carry LoRA layers yet - drop gen_tp and gen_pp"
+            )
         if self.engine.cfg.generator == "vllm":
             if not self.engine.generates_in_place:  # vLLM reads the weights from full_weights
                 raise ValueError(
@@ -103,6 +113,15 @@ class Actor(Reference):
                 )
             if ctx.layout.resharded:  # else built by the first generate: many never generate
                 self.hybrid = self._hybrid()
+
+    @endpoint(DP_SPLIT)
+    def compute_ref_log_prob(
+        self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
+    ) -> TensorBatch:
+        """``compute_log_prob`` of the base model: this actor with its LoRA adapters switched
+        off, the reference of a LoRA run (no second copy of the model is loaded)."""
+        with self.engine.base_weights():
+            return self._log_probs(batch, temperature, entropy)
 
     def _hybrid(self) -> HybridEngine:
         bucket = int(self.engine.cfg.reshard_bucket_mb * 1e6)
@@ -162,7 +181,11 @@ class Actor(Reference):
         engine = self._vllm_engine()
         with optimizer_offloaded(offload) as offloaded:
             with self.engine.full_weights() as module:
-                engine.load_weights(whole_weights(module))
+                lora = self.engine.cfg.lora
+                # vLLM runs no adapters here: it takes W0 + s·BA, merged from the pristine base
+                engine.load_weights(
+                    whole_weights(module) if lora is None else merged_weights(module, lora.scaling)
+                )
             loaded = time.perf_counter() - start
             out = serve(engine, self.tokenizer, batch, sampling, version)
             released = engine.release(weights=True)
@@ -290,6 +313,12 @@ def whole_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
     for name, param in module.named_parameters():
         yield name, param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def merged_weights(module: torch.nn.Module, scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight in plain Hugging Face names with the LoRA adapters merged in."""
+    params = {name: param.detach() for name, param in module.named_parameters()}
+    yield from merged_state(params, scaling).items()
 
 
 def _nll(

@@ -56,10 +56,15 @@ class EngineRole(WeightSource, WeightSink, Role):
         """This rank's pieces (``TrainingEngine.held_pieces``), read without autograd."""
         with torch.no_grad():
             if self._send_shards():
-                yield self.engine.held_pieces()
+                yield self._synced(self.engine.held_pieces())
                 return
             with self.engine.full_weights():
-                yield self.engine.held_pieces()
+                yield self._synced(self.engine.held_pieces())
+
+    def _synced(self, pieces: dict[str, Any]) -> dict[str, Any]:
+        """The pieces a weight sync carries: all, or with LoRA only the adapters."""
+        names = self.engine.synced_names()
+        return pieces if names is None else {k: v for k, v in pieces.items() if k in names}
 
     def weight_specs(self) -> list[dict[str, Any]]:
         shards = self._send_shards()
@@ -71,7 +76,7 @@ class EngineRole(WeightSource, WeightSink, Role):
                 "dp_dim": p.dp_dim if shards else None,
                 "stage": p.pp_stage,
             }
-            for name, p in self.engine.param_layout().items()
+            for name, p in self._synced(self.engine.param_layout()).items()
         ]
 
     def weight_dtype(self) -> torch.dtype:

@@ -38,6 +38,7 @@ from roles.engines.generation.interface import (
     check_prompts,
     sample_seed,
 )
+from roles.modeling.lora import effective_weight, is_lora_layer
 from roles.modeling.text import segment_positions
 from transport.device import in_host_memory
 
@@ -48,11 +49,22 @@ ACCELERATOR_CHECK_EVERY = 16
 
 
 class NativeEngine(GenerationEngine):
-    def __init__(self, model: Any, eos_token_id: int, check_every: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        eos_token_id: int,
+        check_every: int | None = None,
+        lora_at_runtime: bool = False,
+    ) -> None:
         """``check_every``: decode steps between the host's looks at which samples are still
         live (to stop early and to compact the caches). Each look is one device-to-host
         synchronisation; on the host itself it costs nothing, so ``None`` means every step on
-        the host and every ``ACCELERATOR_CHECK_EVERY`` steps on an accelerator."""
+        the host and every ``ACCELERATOR_CHECK_EVERY`` steps on an accelerator.
+
+        A model with LoRA layers (``roles/modeling/lora.py``) generates with each adapted
+        weight merged per call, ``W0 + s·BA`` from the untouched base, into the fused matrices
+        this engine builds anyway; ``lora_at_runtime`` instead runs PEFT's layers as modules
+        (``x W0ᵀ + s·(x Aᵀ) Bᵀ`` at every step; ``python -m bench.lora`` times both)."""
         if check_every is not None and check_every < 1:
             raise GenerationError(f"check_every must be >= 1, got {check_every}")
         self.model = model
@@ -68,6 +80,7 @@ class NativeEngine(GenerationEngine):
         )
         self.context = int(config.max_position_embeddings)
         self.eos = eos_token_id
+        self.lora_at_runtime = lora_at_runtime
 
     @torch.no_grad()
     def generate(
@@ -167,18 +180,30 @@ class NativeEngine(GenerationEngine):
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            biases = [p.bias for p in projections]
+            biases = [_bias(p) for p in projections]
+            runtime = self.lora_at_runtime and any(
+                is_lora_layer(p) for p in (*projections, mlp.gate_proj, mlp.up_proj)
+            )
+            weights = [effective_weight(p) for p in projections]
+            merged_out = [  # adapted row-parallel projections, merged (tp is 1 with adapters)
+                None if self.lora_at_runtime or not is_lora_layer(p) else effective_weight(p)
+                for p in (attn.o_proj, mlp.down_proj)
+            ]
             self.fused.append(
                 Fused(
-                    qkv=torch.cat([_local(p.weight) for p in projections]).to(cast),
+                    qkv=None if runtime else torch.cat(weights).to(cast),
                     qkv_bias=torch.cat([_local(b) for b in biases])
                     if biases[0] is not None
                     else None,
-                    split=[_local(p.weight).shape[0] for p in projections],
-                    gate_up=torch.cat(
-                        [_local(mlp.gate_proj.weight), _local(mlp.up_proj.weight)]
+                    split=[w.shape[0] for w in weights],
+                    gate_up=None
+                    if runtime
+                    else torch.cat(
+                        [effective_weight(mlp.gate_proj), effective_weight(mlp.up_proj)]
                     ).to(cast),
                     norms=(rms(layer.input_layernorm), rms(layer.post_attention_layernorm)),
+                    o=None if merged_out[0] is None else merged_out[0].to(cast),
+                    down=None if merged_out[1] is None else merged_out[1].to(cast),
                 )
             )
 
@@ -188,7 +213,11 @@ class NativeEngine(GenerationEngine):
         """q, k, v ``[B, heads, S, head_dim]`` of this rank's heads, rotary applied."""
         fused = self.fused[index]
         h = fused.norms[0](x)
-        q, k, v = F.linear(h, fused.qkv, fused.qkv_bias).split(fused.split, dim=-1)
+        if fused.qkv is None:  # LoRA applied at run time: PEFT's layers as modules
+            attn = self.base.layers[index].self_attn
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            q, k, v = F.linear(h, fused.qkv, fused.qkv_bias).split(fused.split, dim=-1)
         shape = (*h.shape[:-1], -1, self.head_dim)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
         heads = q.shape[1]
@@ -198,9 +227,14 @@ class NativeEngine(GenerationEngine):
     def _finish_layer(self, index: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         layer, fused = self.base.layers[index], self.fused[index]
         out = attended.transpose(1, 2).reshape(*x.shape[:-1], -1)
-        x = x + layer.self_attn.o_proj(out)
-        gate, up = F.linear(fused.norms[1](x), fused.gate_up).chunk(2, dim=-1)
-        return x + layer.mlp.down_proj(F.silu(gate) * up)
+        x = x + (layer.self_attn.o_proj(out) if fused.o is None else F.linear(out, fused.o))
+        h = fused.norms[1](x)
+        if fused.gate_up is None:
+            gate, up = layer.mlp.gate_proj(h), layer.mlp.up_proj(h)
+        else:
+            gate, up = F.linear(h, fused.gate_up).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return x + (layer.mlp.down_proj(act) if fused.down is None else F.linear(act, fused.down))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.model.lm_head(self.base.norm(x))
@@ -307,11 +341,17 @@ class NativeEngine(GenerationEngine):
 
 @dataclass
 class Fused:
-    qkv: torch.Tensor
+    qkv: torch.Tensor | None  # None: LoRA at run time, the projections run as modules
     qkv_bias: torch.Tensor | None
     split: list[int]
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | None
     norms: tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+    o: torch.Tensor | None = None  # a LoRA-merged o_proj / down_proj weight (else: the module)
+    down: torch.Tensor | None = None
+
+
+def _bias(proj: Any) -> torch.Tensor | None:
+    return proj.base_layer.bias if is_lora_layer(proj) else proj.bias
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from roles.modeling.lora import LoraSettings
 from roles.runtime.device import Precision
 from transport.training import OptimConfig
 
@@ -70,4 +71,10 @@ class EngineConfig(BaseModel):
     )
     optim: OptimConfig | None = Field(
         default_factory=OptimConfig, description="null for frozen weights (reference, reward)"
+    )
+    lora: LoraSettings | None = Field(
+        None,
+        description="train low-rank adapters instead of the weights (PEFT's LoRA layers; fsdp "
+        "backend, tp 1): the base stays frozen, the optimizer holds only the adapters, weight "
+        "syncs carry only them, and an actor's reference is itself with adapters off",
     )

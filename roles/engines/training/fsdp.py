@@ -47,6 +47,16 @@ from roles.engines.training.common import (
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
 from roles.engines.training.snapshot import RankSnapshots, fill
+from roles.modeling.lora import (
+    adapter_dropout,
+    adapter_folder,
+    adapters_disabled,
+    attach,
+    injected_names,
+    is_adapter,
+    merged_state,
+    write_adapter_folder,
+)
 from roles.modeling.text import block_causal_mask, segment_positions
 from roles.runtime.device import attention_kernel, group_dtype
 from transport.batch import TensorBatch
@@ -65,6 +75,8 @@ class FSDPEngine(TrainingEngine):
         # on the rank's device before it is split or an optimizer sees it (a no-op on the host)
         self.module = load_module(cfg, head).to(self.device.device)
         self.model_config = self.module.config
+        if cfg.lora is not None:
+            self._attach_lora()
         self.mesh: DeviceMesh | None = None
         if self.world > 1:
             self.mesh = init_device_mesh(
@@ -83,8 +95,12 @@ class FSDPEngine(TrainingEngine):
         """A fresh AdamW and schedule (e.g. when an RL stage follows an SFT stage); the weights
         stay, the optimizer moments and the schedule's position start over."""
         self.cfg = self.cfg.model_copy(update={"optim": optim})
-        self.module.requires_grad_(True)
-        params = list(self.module.parameters())
+        if self.cfg.lora is None:
+            self.module.requires_grad_(True)
+        else:  # the adapters (and a critic's new head): the base stays frozen
+            for name, param in self.module.named_parameters():
+                param.requires_grad_(self._trained(name))
+        params = [p for p in self.module.parameters() if p.requires_grad]
         # Plain tensors (one rank, replicate mode): the fused kernel, ~3x faster than the loop.
         # DTensors of different meshes (tp-split and tp-whole) need the per-tensor loop.
         plain = not any(isinstance(p, DTensor) for p in params)
@@ -98,6 +114,38 @@ class FSDPEngine(TrainingEngine):
             foreach=None if plain else False,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim.lr_factor)
+
+    # -- LoRA (roles/modeling/lora.py) ---------------------------------------------------------
+
+    def _attach_lora(self) -> None:
+        """PEFT's LoRA layers into the model before it is sharded, seeded alike on every rank
+        (A is random, B zero: the model is the base model until the first step)."""
+        if self.tp > 1:
+            raise EngineError(
+                f"lora: adapters train at tp=1 (got tp={self.tp}); the tensor-parallel plan "
+                "does not split LoRA layers yet - use dp ranks instead"
+            )
+        torch.manual_seed(self.cfg.seed)
+        attach(self.module, self.cfg.lora)  # type: ignore[arg-type]
+        for name, param in self.module.named_parameters():
+            param.requires_grad_(self._trained(name))
+
+    def _trained(self, name: str) -> bool:
+        """Whether a parameter trains in a LoRA run: the adapters, and a token head (a critic's
+        or reward model's new value head has no base to keep)."""
+        return is_adapter(name) or (self.head == "token" and name.startswith("score."))
+
+    def synced_names(self) -> set[str] | None:
+        if self.cfg.lora is None:
+            return None
+        return {name for name, _ in self.module.named_parameters() if is_adapter(name)}
+
+    @contextmanager
+    def base_weights(self) -> Iterator[torch.nn.Module]:
+        if self.cfg.lora is None:
+            raise EngineError("this engine has no lora adapters to switch off")
+        with adapters_disabled(self.module) as module:
+            yield module
 
     # -- parallelism ---------------------------------------------------------------------------
 
@@ -210,16 +258,9 @@ class FSDPEngine(TrainingEngine):
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         sharded = self.dp > 1 and self.cfg.dp_mode == "fsdp"
-        for i, (micro, real) in enumerate(micro_batches):
-            if sharded:  # reduce-scatter gradients once, after the last micro-batch
-                self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)  # type: ignore[operator]
-            micro = trim(micro)
-            loss, metrics = loss_fn(self._forward(micro), micro, tokens, seqs)
-            # FSDP averages gradients over dp, the replicate all-reduce sums them
-            (loss * ((self.dp if sharded else 1.0) if real else 0.0)).backward()
-            if real:
-                for name, value in {"loss": loss, **metrics}.items():
-                    totals[name] = totals.get(name, 0.0) + value.detach().float()
+        dropout = self.cfg.lora is not None and self.cfg.lora.dropout > 0
+        with adapter_dropout(self.module) if dropout else nullcontext():
+            self._accumulate(micro_batches, loss_fn, tokens, seqs, totals, sharded)
         if self.dp > 1 and not sharded:
             self._all_reduce_gradients()
         grad_norm = self._clip_gradients()
@@ -233,6 +274,27 @@ class FSDPEngine(TrainingEngine):
         result = self.sum_over_dp(totals)
         result.update(grad_norm=grad_norm, lr=float(lr), tokens=tokens, seqs=seqs)
         return result
+
+    def _accumulate(
+        self,
+        micro_batches: list[tuple[TensorBatch, bool]],
+        loss_fn: LossFn,
+        tokens: float,
+        seqs: float,
+        totals: dict[str, torch.Tensor],
+        sharded: bool,
+    ) -> None:
+        """Forward and backward of every micro-batch, gradients summed in place."""
+        for i, (micro, real) in enumerate(micro_batches):
+            if sharded:  # reduce-scatter gradients once, after the last micro-batch
+                self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)  # type: ignore[operator]
+            micro = trim(micro)
+            loss, metrics = loss_fn(self._forward(micro), micro, tokens, seqs)
+            # FSDP averages gradients over dp, the replicate all-reduce sums them
+            (loss * ((self.dp if sharded else 1.0) if real else 0.0)).backward()
+            if real:
+                for name, value in {"loss": loss, **metrics}.items():
+                    totals[name] = totals.get(name, 0.0) + value.detach().float()
 
     def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         return sum_over_dp(values, self._dp_group(), self.device.device)
@@ -302,6 +364,7 @@ class FSDPEngine(TrainingEngine):
             [self.optimizer] if self.optimizer else [],
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
+            options=self._state_options(),
         )
         self._take_extra(torch.load(rank_file(folder, rank), weights_only=True))
 
@@ -324,6 +387,7 @@ class FSDPEngine(TrainingEngine):
             [self.optimizer] if self.optimizer else [],
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
+            options=self._state_options(),
         )
         self._take_extra(extra)
         return self.step
@@ -368,29 +432,58 @@ class FSDPEngine(TrainingEngine):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         optimizers = [self.optimizer] if self.optimizer else []
-        model_state, optim_state = get_state_dict(self.module, optimizers)
+        model_state, optim_state = get_state_dict(
+            self.module, optimizers, options=self._state_options()
+        )
         return (
             {"model": model_state, "optim": optim_state} if optimizers else {"model": model_state}
         )
+
+    def _state_options(self) -> Any:
+        """With LoRA a checkpoint holds what trains (the adapters, their optimizer state): the
+        frozen base is the model folder's, loaded at build."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = self.cfg.lora is not None
+        # (loading: not strict, since the frozen names are absent; engine.json already names
+        # the lora settings a checkpoint was written with, and a mismatch is refused)
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def _sched_state(self) -> dict[str, Any] | None:
         return self.scheduler.state_dict() if self.scheduler else None
 
     def _describe(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "dp_mode": self.cfg.dp_mode, "head": self.head}
+        found = {"dp": self.dp, "tp": self.tp, "dp_mode": self.cfg.dp_mode, "head": self.head}
+        if self.cfg.lora is not None:  # a LoRA checkpoint holds adapters only
+            found["lora"] = self.cfg.lora.model_dump(mode="json")
+        return found
 
     def export(self, path: str | Path) -> None:
         """The full weights as a plain Hugging Face folder (safetensors + config + tokenizer),
-        gathered to rank 0 and written aside, then renamed into place."""
-        full = self.full_state()
+        gathered to rank 0 and written aside, then renamed into place. With LoRA the folder
+        holds the merged weights, and a PEFT adapter folder is written beside it
+        (``NAME-adapter``, ``roles/modeling/lora.py``)."""
+        raw = self._gathered()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
-            write_hf_folder(path, full, self.model_config, self.cfg.model)
+            write_hf_folder(path, self._plain(raw), self.model_config, self.cfg.model)
+            if self.cfg.lora is not None:
+                write_adapter_folder(adapter_folder(path), raw, self.cfg.lora, self.cfg.model)
         self._barrier()
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every weight whole, on rank 0 (an empty dict elsewhere); a collective. A tied output
-        embedding is left out, as ``save_pretrained`` does."""
+        embedding is left out, as ``save_pretrained`` does; LoRA adapters are merged in (plain
+        Hugging Face names)."""
+        return self._plain(self._gathered())
+
+    def _plain(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.cfg.lora is None or not full:
+            return full
+        return merged_state(full, self.cfg.lora.scaling)
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the module whole on rank 0, in its own names (adapters apart)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # gathered into host memory: rank 0 must not hold a second whole copy on its device
@@ -410,9 +503,13 @@ class FSDPEngine(TrainingEngine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         own = set(self.module.state_dict())
+        if self.cfg.lora is not None:  # plain names onto the wrapped layers' base weights
+            state = injected_names(state, own)
         picked: dict[str, Any] = {k: v for k, v in state.items() if k in own}
         tied = getattr(self.model_config, "tie_word_embeddings", False)
         missing = own - set(picked) - ({"lm_head.weight"} if tied else set())
+        if self.cfg.lora is not None:  # base weights alone leave the adapters as they are
+            missing = {n for n in missing if not is_adapter(n)}
         if not picked or (strict and (missing or len(picked) != len(state))):
             raise EngineError(
                 f"weights do not fit this model: {len(picked)} of {len(state)} names match, "

@@ -17,6 +17,8 @@ a batch plus a function of the model's output, and get tensors back.
 * ``snapshot`` / ``restore_snapshot`` the state ``save`` holds, copied into files in shared
   memory that outlive the rank (``snapshot.py``): a restarted rank rolls back one step cheaply.
   Only the fsdp engine has them; the default refuses.
+* LoRA (``cfg.lora``, fsdp only): ``synced_names`` the adapters a weight sync carries,
+  ``base_weights`` the model with them switched off (the reference of a LoRA run).
 
 Output kinds: an ``lm`` engine returns logits ``[B, T, V]``; a ``token`` engine (critic, reward
 model) returns one scalar per position ``[B, T]``.
@@ -126,6 +128,16 @@ class TrainingEngine(ABC):
 
     @abstractmethod
     def export(self, path: str | Path) -> None: ...
+
+    def synced_names(self) -> set[str] | None:
+        """The parameters a weight sync carries (None: all of them). With LoRA only the
+        adapters: a generator holds the same frozen base from the model folder."""
+        return None
+
+    def base_weights(self) -> AbstractContextManager[torch.nn.Module]:
+        """The model with its LoRA adapters switched off for the block (the reference of a
+        LoRA run); engines without adapters refuse."""
+        raise NotImplementedError(f"{type(self).__name__} has no lora adapters to switch off")
 
     @abstractmethod
     def full_state(self) -> dict[str, torch.Tensor]:
