@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from controller import advantages as adv
 from controller.clients import (
     ActorClient,
+    BaseModelClient,
     CriticClient,
     EngineClient,
     EnvClient,
@@ -257,9 +258,11 @@ class Roles:
     env: EnvClient | None = None  # tools or an environment, for multi-turn rollouts
 
     @classmethod
-    def placed(cls, controller: Controller) -> Roles:
+    def placed(cls, controller: Controller, reference_in_actor: bool = False) -> Roles:
         """Clients for the roles the controller's placement names, by their names in an
-        experiment (``actor``, ``reward``, ``rollout``, ...); absent optional roles are None."""
+        experiment (``actor``, ``reward``, ``rollout``, ...); absent optional roles are None.
+        ``reference_in_actor``: a LoRA run without a reference role, whose reference is the
+        actor with its adapters off (``BaseModelClient``)."""
 
         def optional(kind: type[C], name: str) -> C | None:
             return kind(controller, name) if name in controller.role_group else None
@@ -268,7 +271,8 @@ class Roles:
             actor=ActorClient(controller, "actor"),
             reward=RewardClient(controller, "reward"),
             rollout=optional(RolloutClient, "rollout"),
-            reference=optional(ReferenceClient, "reference"),
+            reference=optional(ReferenceClient, "reference")
+            or (BaseModelClient(controller, "actor") if reference_in_actor else None),
             critic=optional(CriticClient, "critic"),
             cost=optional(RewardClient, "cost"),
             cost_critic=optional(CriticClient, "cost_critic"),
@@ -283,7 +287,8 @@ class Roles:
         """The model-holding roles a trainer configures, re-bases and checkpoints, by name."""
         found = {
             "actor": self.actor,
-            "reference": self.reference,
+            # the base-model reference of a LoRA run is the actor: configured and saved once
+            "reference": None if isinstance(self.reference, BaseModelClient) else self.reference,
             "critic": self.critic,
             "cost_critic": self.cost_critic,
         }

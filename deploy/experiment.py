@@ -506,6 +506,8 @@ def _check_stages(exp: Experiment) -> None:
         if not isinstance(stage, RLStage):
             continue
         missing = stage.algorithm.needed_roles() - set(exp.roles)
+        if reference_in_actor(exp):  # a LoRA actor with its adapters off is the reference
+            missing.discard("reference")
         if missing:
             raise ExperimentError(
                 f"stages.{i} ({stage.algorithm.name}): needs role(s) {sorted(missing)}; "
@@ -568,6 +570,17 @@ def _kl_hint(stage: RLStage, missing: set[str]) -> str:
     if "reference" in missing:
         return " (kl.coef > 0 needs a 'reference'; or set algorithm.kl.coef: 0)"
     return ""
+
+
+def reference_in_actor(exp: Experiment) -> bool:
+    """Whether the reference is the actor itself with its LoRA adapters switched off: the actor
+    has ``lora:`` and no ``reference`` role is defined (a defined one is used as it is)."""
+    actor = exp.roles.get("actor")
+    return (
+        "reference" not in exp.roles
+        and actor is not None
+        and actor.settings().get("lora") is not None
+    )
 
 
 def checkpointed_roles(exp: Experiment) -> list[str]:

@@ -95,6 +95,8 @@ def _role_spec(
             path = model_path(exp, cfg.model, run_dir)
             model_config, _ = check_model_dir(path)
             settings["model"] = str(path.resolve())
+        if cls == ROLE_CLASSES["rollout"]:
+            _rollout_lora(exp, role, settings)
         if cls == ROLE_CLASSES["env"] and "tokenizer" not in settings:
             # the env tokenizes observations as the generator does: with the actor's tokenizer
             actor = exp.roles["actor"].model
@@ -105,6 +107,24 @@ def _role_spec(
     engine = check_role_settings(role, cls, settings)
     check_role_in_group(exp, role, cls, gname, group, engine, model_config)
     return RoleSpec(cls=cls, config=settings)
+
+
+def _rollout_lora(exp: Experiment, role: str, settings: dict[str, Any]) -> None:
+    """A rollout group of a LoRA actor holds the same adapters (over the base from its model
+    folder) and takes only them at each weight sync: the actor's ``lora`` goes into its
+    settings. The serving engines hold their own weights and run no adapters here."""
+    lora = exp.roles["actor"].settings().get("lora") if "actor" in exp.roles else None
+    if lora is None:
+        return
+    engine = settings.get("engine", "native")
+    if engine not in ("native", "hf"):
+        raise ExperimentError(
+            f"roles.{role}.engine: {engine!r} with a LoRA actor is not built (a rollout group "
+            "would have to keep a pristine base beside the engine's weights to merge into); "
+            "use engine: native, or generate in the actor's group with roles.actor.generator: "
+            "vllm, which loads merged weights"
+        )
+    settings["lora"] = lora
 
 
 def check_role_in_group(
@@ -131,6 +151,8 @@ def check_role_in_group(
     if engine is None:
         return
     _check_pipeline(role, gname, group, engine, model_config)
+    if engine.lora is not None:
+        _check_lora(role, cls, gname, group, engine, model_config)
     if cls == ROLE_CLASSES["actor"]:
         if "rollout" not in exp.roles and engine.generator != "vllm":
             _check_generation_stage(gname, group)
@@ -168,6 +190,42 @@ def _check_generator(role: str, gname: str, group: GroupConfig, engine: EngineCo
             f"{layout.dp} needs the weights whole over dp; set roles.{role}.dp_mode: replicate "
             f"or gen_tp equal to tp={layout.tp}"
         )
+
+
+def _check_lora(
+    role: str, cls: str, gname: str, group: GroupConfig, engine: EngineConfig, model_config: Any
+) -> None:
+    """What a role with ``lora:`` needs: a role that trains, the fsdp backend at tp 1, the
+    actor generating at its training layout, and target modules the model has."""
+    from roles.modeling.lora import check_targets  # roles code (transformers)
+
+    where = f"roles.{role}.lora"
+    if engine.optim is None:
+        raise ExperimentError(
+            f"{where}: a {role} does not train, so adapters would stay zero; drop lora (a "
+            "LoRA actor with no reference role defined is its own reference, adapters off)"
+        )
+    if engine.backend != "fsdp":
+        raise ExperimentError(
+            f"{where}: the {engine.backend} engine has no LoRA (megatron-core 0.16 has no "
+            "adapter layers of its own; its LoRA lives in Megatron-Bridge/NeMo, not a "
+            f"dependency here); set roles.{role}.backend: fsdp"
+        )
+    if group.tp > 1:
+        raise ExperimentError(
+            f"{where}: adapters train at tp=1 (placement.{gname}.tp={group.tp}); the "
+            "tensor-parallel plan does not split LoRA layers yet - use dp ranks (nproc) instead"
+        )
+    if cls == ROLE_CLASSES["actor"] and (group.gen_tp not in (0, 1) or group.gen_pp > 1):
+        raise ExperimentError(
+            f"{where}: the actor generates with its adapters at its training layout; "
+            f"placement.{gname}.gen_tp/gen_pp reshard, which does not carry LoRA layers yet"
+        )
+    if model_config is not None:
+        try:
+            check_targets(engine.lora, model_config)
+        except ValueError as exc:
+            raise ExperimentError(f"{where}.{exc}") from None
 
 
 def _check_generation_stage(gname: str, group: GroupConfig) -> None:

@@ -65,6 +65,7 @@ from deploy.experiment import (
     parse,
     prepare_models,
     read_data,
+    reference_in_actor,
 )
 from deploy.groups import build_groups
 from deploy.keys_cli import server_files
@@ -455,7 +456,7 @@ async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) 
     start = time.perf_counter()
     async with _session(run, opts) as controller, AsyncExitStack() as stack:
         ready = time.perf_counter() - start
-        roles = Roles.placed(controller)
+        roles = Roles.placed(controller, reference_in_actor(run.exp))
         found = controller.supervisor  # the sessions give every controller one
         supervisor = found if isinstance(found, Supervisor) else None
         resume = opts.resume

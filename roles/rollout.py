@@ -28,6 +28,7 @@ from roles.base import Role, RoleContext
 from roles.engines.generation.interface import GenerationEngine, ServingEngine
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
 from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB
+from roles.modeling.lora import LoraSettings, attach, is_adapter
 from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
 from roles.modeling.text import pad_rows
 from roles.runtime.device import Precision, group_dtype, peak_memory_bytes, reset_peak_memory
@@ -46,6 +47,11 @@ class RolloutConfig(BaseModel):
     engine: EngineName = "native"
     dtype: Precision = Field(
         "auto", description="weights' dtype while generating (auto: roles/runtime/device.py)"
+    )
+    lora: LoraSettings | None = Field(
+        None,
+        description="the actor's LoRA settings (set by hybridflow run for a LoRA actor): the "
+        "same adapters over the base from the model folder; weight syncs carry only them",
     )
     kv_cache_mb: float = Field(
         DEFAULT_KV_CACHE_MB,
@@ -97,6 +103,14 @@ class Rollout(WeightSink, Role):
 
     def _build_module_engine(self) -> None:
         model = load_causal_lm(self.cfg.model, dtype=self.dtype.torch_dtype)
+        if self.cfg.lora is not None:
+            if self.cfg.engine not in ("native", "hf") or self.ctx.layout.tp > 1:
+                raise ValueError(
+                    f"lora: a rollout group runs adapters with engine native or hf at tp=1 "
+                    f"(got engine={self.cfg.engine!r}, tp={self.ctx.layout.tp})"
+                )
+            attach(model, self.cfg.lora)  # B = 0 until the first sync: the base model
+            model.requires_grad_(False)
         # (a no-op on the host)
         self.model = model.to(self.ctx.device.device).eval()  # type: ignore[arg-type]
         layout = self.ctx.layout
@@ -170,7 +184,10 @@ class Rollout(WeightSink, Role):
         return self.ctx.layout
 
     def sink_names(self) -> set[str]:
-        return {name for name, _ in self.model.named_parameters()}
+        names = {name for name, _ in self.model.named_parameters()}
+        if self.cfg.lora is not None:  # the base is the model folder's and never changes
+            return {name for name in names if is_adapter(name)}
+        return names
 
     def sink_splits(self) -> dict[str, int]:
         from torch.distributed.tensor import DTensor

@@ -32,6 +32,20 @@ class ReferenceClient(EngineClient):
 
 
 class ActorClient(ReferenceClient):
+    async def compute_ref_log_prob(
+        self,
+        batch: TensorBatch,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        """``compute_log_prob`` of the actor with its LoRA adapters switched off: the base
+        model, the reference of a LoRA run."""
+        return await self._call(
+            Transfer.DP_SPLIT, "compute_ref_log_prob", batch, temperature, entropy, timeout=timeout
+        )
+
     async def generate(
         self,
         batch: TensorBatch,
@@ -98,3 +112,21 @@ class ActorClient(ReferenceClient):
         return await self._call(
             Transfer.DP_REDUCED, "sft_eval", batch, response_only, pack, timeout=timeout
         )
+
+
+class BaseModelClient(ReferenceClient):
+    """The reference of a LoRA run: the actor's own group, asked with its adapters switched off
+    (``Actor.compute_ref_log_prob``), so no second copy of the model is loaded. A program takes
+    it wherever it takes a ``ReferenceClient``; trainers do not configure or checkpoint it (it is
+    the actor)."""
+
+    async def compute_log_prob(
+        self,
+        batch: TensorBatch,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        actor = ActorClient(self.controller, self.role)
+        return await actor.compute_ref_log_prob(batch, temperature, entropy, timeout=timeout)
