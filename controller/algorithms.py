@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from controller import advantages as adv
 from controller.clients import (
     ActorClient,
-    BaseModelClient,
     CriticClient,
     EngineClient,
     EnvClient,
@@ -241,6 +240,24 @@ class AlgorithmConfig(BaseModel):
 
 C = TypeVar("C", bound=RoleClient)
 R = TypeVar("R")
+
+
+class BaseModelClient(ReferenceClient):
+    """The reference of a LoRA run: the actor's own group, asked with its adapters switched off
+    (``Actor.compute_ref_log_prob``), so no second copy of the model is loaded. A program takes
+    it wherever it takes a ``ReferenceClient``; trainers do not configure or checkpoint it (it is
+    the actor)."""
+
+    async def compute_log_prob(
+        self,
+        batch: TensorBatch,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        actor = ActorClient(self.controller, self.role)
+        return await actor.compute_ref_log_prob(batch, temperature, entropy, timeout=timeout)
 
 
 @dataclass

@@ -110,6 +110,7 @@ class RolloutPipeline:
         self.gate = WeightGate()  # weight pushes to the rollout group vs. its generation calls
         self.version = 0  # policy version of the actor's weights (see the module docstring)
         self.synced = 0  # policy version a separate rollout group holds
+        self.sync_bytes = 0  # what the last sync moved into the rollout group's rank 0
         self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch out or done
         self._spans: dict[int, tuple[float, float]] = {}  # step -> when its batch generated
         self._stage: StageRollouts | None = None
@@ -220,7 +221,8 @@ class RolloutPipeline:
             await self.drain()
         try:
             async with self.gate.push():
-                await self.weights.push(rollout, version)
+                pushed = await self.weights.push(rollout, version)
+            self.sync_bytes = int(pushed.get("received", {}).get("bytes", 0))
         except WeightSyncError:  # the rollout group died during the push, and was restarted?
             supervisor = rollout.controller.supervisor
             if supervisor is None or not await supervisor.recovered(self._rollout_group):

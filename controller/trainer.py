@@ -421,7 +421,9 @@ class Trainer:
                 self.pipeline.trained()  # the actor's weights are now this step's
                 if not cfg.max_staleness:
                     async with timer("sync"):
+                        self.pipeline.sync_bytes = 0
                         await self.pipeline.sync()
+                    metrics["sync/bytes"] = self.pipeline.sync_bytes  # rank 0's, 0: no sync
                 record = self._rl_record(stage, k, rollout, metrics, start)
                 if k % self.cfg.log_samples.every == 0:
                     await self._rollout_samples(stage.name, rollout.batch)

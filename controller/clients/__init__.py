@@ -5,7 +5,7 @@ protocol before sending); each other file mirrors the role file it speaks to und
 ``tests/controller/test_contract.py`` pairs every client with its role class(es).
 """
 
-from controller.clients.actor import ActorClient, BaseModelClient, ReferenceClient
+from controller.clients.actor import ActorClient, ReferenceClient
 from controller.clients.base import ProtocolMismatchError, RoleClient
 from controller.clients.critic import CriticClient
 from controller.clients.demo import LinearRegressorClient
@@ -17,7 +17,6 @@ from controller.clients.weights import WeightSinkClient, WeightSourceClient
 
 __all__ = [
     "ActorClient",
-    "BaseModelClient",
     "CriticClient",
     "EngineClient",
     "EnvClient",

@@ -112,21 +112,3 @@ class ActorClient(ReferenceClient):
         return await self._call(
             Transfer.DP_REDUCED, "sft_eval", batch, response_only, pack, timeout=timeout
         )
-
-
-class BaseModelClient(ReferenceClient):
-    """The reference of a LoRA run: the actor's own group, asked with its adapters switched off
-    (``Actor.compute_ref_log_prob``), so no second copy of the model is loaded. A program takes
-    it wherever it takes a ``ReferenceClient``; trainers do not configure or checkpoint it (it is
-    the actor)."""
-
-    async def compute_log_prob(
-        self,
-        batch: TensorBatch,
-        temperature: float = 1.0,
-        entropy: bool = False,
-        *,
-        timeout: float | None = None,
-    ) -> TensorBatch:
-        actor = ActorClient(self.controller, self.role)
-        return await actor.compute_ref_log_prob(batch, temperature, entropy, timeout=timeout)

@@ -199,3 +199,37 @@ def test_the_merged_export_and_the_peft_folder_give_the_trained_model(
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
     torch.testing.assert_close(_hf_log_probs(adapted, batch), trained, atol=1e-5, rtol=0)
+
+
+def test_the_native_generator_merges_as_peft_computes(model: Path) -> None:
+    """Adapters merged into the generator's fused weights per call, PEFT's layers run at every
+    step, and the trainer-side module itself agree on greedy tokens and log-probs; the merge
+    leaves the base weights untouched."""
+    from roles.engines.generation.native import NativeEngine
+    from roles.modeling.lora import LoraSettings, attach
+    from roles.modeling.models import load_causal_lm, load_tokenizer
+    from transport.sampling import SamplingConfig
+
+    module, tokenizer = load_causal_lm(model).eval(), load_tokenizer(model)
+    torch.manual_seed(0)
+    attach(module, LoraSettings(rank=4, alpha=8))
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 0.05)
+    base = {n: p.clone() for n, p in module.named_parameters() if "base_layer" in n}
+    prompts = [[tokenizer.bos_token_id, *tokenizer.encode(p)] for p in PROMPTS]
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    merged = NativeEngine(module, tokenizer.eos_token_id).generate(prompts, sampling)
+    runtime = NativeEngine(module, tokenizer.eos_token_id, lora_at_runtime=True)
+    at_runtime = runtime.generate(prompts, sampling)
+    for a, b in zip(merged, at_runtime, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(
+            torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0
+        )
+    assert all(torch.equal(p, base[n]) for n, p in module.named_parameters() if n in base)
+    # and the module's own forward (the trainer's) picks the same first tokens
+    with torch.no_grad():
+        firsts = [int(module(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    assert firsts == [s.tokens[0] for s in merged]
