@@ -95,8 +95,6 @@ def _role_spec(
             path = model_path(exp, cfg.model, run_dir)
             model_config, _ = check_model_dir(path)
             settings["model"] = str(path.resolve())
-        if cls == ROLE_CLASSES["rollout"]:
-            _rollout_lora(exp, role, settings)
         if cls == ROLE_CLASSES["env"] and "tokenizer" not in settings:
             # the env tokenizes observations as the generator does: with the actor's tokenizer
             actor = exp.roles["actor"].model
@@ -104,6 +102,8 @@ def _role_spec(
                 settings["tokenizer"] = str(model_path(exp, actor, run_dir).resolve())
     except (ValueError, ValidationError) as exc:
         raise ExperimentError(f"roles.{role}: {_short(exc)}") from None
+    if cls == ROLE_CLASSES["rollout"]:
+        _rollout_lora(exp, role, settings)
     engine = check_role_settings(role, cls, settings)
     check_role_in_group(exp, role, cls, gname, group, engine, model_config)
     return RoleSpec(cls=cls, config=settings)
