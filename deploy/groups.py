@@ -199,7 +199,9 @@ def _check_lora(
     actor generating at its training layout, and target modules the model has."""
     from roles.modeling.lora import check_targets  # roles code (transformers)
 
-    where = f"roles.{role}.lora"
+    lora, where = engine.lora, f"roles.{role}.lora"
+    if lora is None:
+        return
     if engine.optim is None:
         raise ExperimentError(
             f"{where}: a {role} does not train, so adapters would stay zero; drop lora (a "
@@ -223,7 +225,7 @@ def _check_lora(
         )
     if model_config is not None:
         try:
-            check_targets(engine.lora, model_config)
+            check_targets(lora, model_config)
         except ValueError as exc:
             raise ExperimentError(f"{where}.{exc}") from None
 

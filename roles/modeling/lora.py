@@ -50,8 +50,8 @@ class LoraSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int = Field(16, ge=1, description="r, the adapters' inner dimension")
-    alpha: float = Field(
-        32.0, gt=0, description="the update is scaled by alpha / rank (PEFT's lora_alpha)"
+    alpha: int = Field(
+        32, ge=1, description="the update is scaled by alpha / rank (PEFT's lora_alpha)"
     )
     dropout: float = Field(
         0.0,
@@ -190,11 +190,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def is_lora_layer(proj: torch.nn.Module) -> bool:
+def is_lora_layer(proj: Any) -> bool:
     return hasattr(proj, "lora_A") and hasattr(proj, "base_layer")
 
 
-def effective_weight(proj: torch.nn.Module) -> torch.Tensor:
+def effective_weight(proj: Any) -> torch.Tensor:
     """The weight ``proj`` computes with: its own for a plain linear layer; for a LoRA layer a
     new tensor ``W0 + s · B A`` from the untouched base (or ``W0`` itself, adapters off)."""
     if not is_lora_layer(proj):

@@ -192,7 +192,7 @@ class NativeEngine(GenerationEngine):
             self.fused.append(
                 Fused(
                     qkv=None if runtime else torch.cat(weights).to(cast),
-                    qkv_bias=torch.cat([_local(b) for b in biases])
+                    qkv_bias=torch.cat([_local(b) for b in biases if b is not None])
                     if biases[0] is not None
                     else None,
                     split=[w.shape[0] for w in weights],

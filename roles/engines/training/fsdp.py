@@ -453,7 +453,12 @@ class FSDPEngine(TrainingEngine):
         return self.scheduler.state_dict() if self.scheduler else None
 
     def _describe(self) -> dict[str, Any]:
-        found = {"dp": self.dp, "tp": self.tp, "dp_mode": self.cfg.dp_mode, "head": self.head}
+        found: dict[str, Any] = {
+            "dp": self.dp,
+            "tp": self.tp,
+            "dp_mode": self.cfg.dp_mode,
+            "head": self.head,
+        }
         if self.cfg.lora is not None:  # a LoRA checkpoint holds adapters only
             found["lora"] = self.cfg.lora.model_dump(mode="json")
         return found
