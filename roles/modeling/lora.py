@@ -126,6 +126,11 @@ def attach(module: torch.nn.Module, settings: LoraSettings) -> int:
     import peft
 
     peft.inject_adapter_in_model(settings.peft_config(), module)
+    for layer in lora_layers(module):
+        # PEFT casts each layer's input to the adapters' dtype (fp32 master weights) before
+        # the low-rank product: under a bf16 autocast that is a copy of every activation, cast
+        # straight back by the autocast. Off: the same numbers, without the copies.
+        layer.cast_input_dtype_enabled = False
     count = 0
     for name, param in module.named_parameters():
         adapter = is_adapter(name)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from controller.clients import ActorClient, ReferenceClient, RolloutClient
+from controller.clients import ActorClient, CriticClient, ReferenceClient, RolloutClient
 from controller.sync import WeightSync
 from deploy.session import local_session
 from roles.modeling.logprob import token_log_probs
@@ -84,6 +84,16 @@ async def scenario(c: Any, root: Path) -> dict[str, Any]:
     out["loaded_at"] = await actor.load(str(ckpt))
     out["replayed"] = await train(actor, range(4, 6), logp)
     out["export"] = await actor.export(str(root / "export" / "actor"))
+    # a critic with its own adapters: the value head trains whole, the base stays
+    critic = CriticClient(c, "critic")
+    values = (await critic.compute_values(batch))["values"]
+    for _ in range(2):
+        await critic.update_critic(batch.union(TensorBatch.from_dict({"values": values})))
+    out["critic"] = {
+        "values": values,
+        "after": (await critic.compute_values(batch))["values"],
+        "layout": await critic.param_layout(),
+    }
     out["trained"] = (await actor.compute_log_prob(batch))["log_probs"]
     return out
 
@@ -108,6 +118,7 @@ def recorded(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
             base_one=("roles.actor:Reference", frozen),
         ),
         group("r", 1, rollout=("roles.rollout:Rollout", {"model": str(model), "lora": LORA})),
+        group("c", 1, critic=("roles.critic:Critic", lora)),
     ]
 
     async def main() -> dict[str, Any]:
@@ -233,3 +244,10 @@ def test_the_native_generator_merges_as_peft_computes(model: Path) -> None:
     with torch.no_grad():
         firsts = [int(module(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
     assert firsts == [s.tokens[0] for s in merged]
+
+
+def test_a_critic_trains_its_adapters_and_its_value_head(recorded: dict[str, Any]) -> None:
+    critic = recorded["critic"]
+    assert (critic["after"] - critic["values"]).abs().max() > 1e-3
+    trained = [n for n in critic["layout"] if is_adapter(n) or n.startswith("score.")]
+    assert any(n.startswith("score.") for n in trained) and any(is_adapter(n) for n in trained)

@@ -407,18 +407,22 @@ RUNS = {
     "actor": COLOCATED,
     # the actor trains at tp 2; vLLM generates at tp 2 on the same two ranks
     "actor-tp2": [*COLOCATED, "placement.main.tp=2"],
+    # LoRA adapters: vLLM runs none here, it loads the merged weights before each generation
+    "actor-lora": [*COLOCATED, "roles.actor.lora={rank: 8, alpha: 16}"],
 }
+EXTENDED_RUNS = ("actor-tp2", "actor")  # actor-lora covers the colocated path too
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "where",
-    [pytest.param(w, marks=[pytest.mark.extended] if w == "actor-tp2" else []) for w in RUNS],
+    [pytest.param(w, marks=[pytest.mark.extended] if w in EXTENDED_RUNS else []) for w in RUNS],
 )
 def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_path: Path) -> None:
     """The quickstart's quick run (SFT, then GRPO) with vLLM as a rollout group of its own, or
-    colocated in the actor (at tp 1 and tp 2); in fp32 its log-probs are the trainer's within
-    the bound, so it generated from the actor's current weights at every step."""
+    colocated in the actor (at tp 1 and tp 2, and with LoRA adapters merged into the weights
+    vLLM loads); in fp32 its log-probs are the trainer's within the bound, so it generated from
+    the actor's current weights at every step."""
     from tests.deploy.test_run import job, quick_argv, records
 
     assert job(quick_argv("quickstart.yaml", tmp_path, RUNS[where])) == 0

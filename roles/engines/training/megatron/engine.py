@@ -99,6 +99,11 @@ class MegatronEngine(TrainingEngine):
     generates_in_place = False
 
     def __init__(self, cfg: EngineConfig, ctx: RoleContext, head: Head = "lm") -> None:
+        if cfg.lora is not None:
+            raise EngineError(
+                "lora: the megatron engine has no LoRA (megatron-core 0.16 has no adapter layers "
+                "of its own); use backend: fsdp"
+            )
         self.cfg, self.head, self.step = cfg, head, 0
         self.layout, self.rank = ctx.layout, ctx.rank
         self.device = ctx.device
