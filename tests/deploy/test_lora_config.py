@@ -5,41 +5,16 @@ the actor's adapters). The quickstart's config on its tiny model, with overrides
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
-from deploy.experiment import ExperimentError, check, parse, prepare_models, reference_in_actor
-from deploy.groups import build_groups
+from deploy.experiment import ExperimentError, check, parse, reference_in_actor
+from tests.deploy.test_pipeline_placement import base, error_of, groups_of, run_dir
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+__all__ = ["run_dir"]  # the module fixture: the quickstart's tiny model, made once
+
 LORA = "roles.actor.lora={rank: 8, alpha: 16}"
 KL = "stages.1.algorithm.kl={coef: 0.01, mode: loss}"
-
-
-def base() -> dict[str, Any]:
-    raw: dict[str, Any] = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
-    return raw
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("run")
-    prepare_models(parse(base()), path)
-    return path
-
-
-def groups_of(run_dir: Path, *overrides: str) -> list[Any]:
-    exp = parse(base(), list(overrides))
-    check(exp)
-    return build_groups(exp, run_dir)
-
-
-def error_of(run_dir: Path, *overrides: str) -> str:
-    with pytest.raises(ExperimentError) as info:
-        groups_of(run_dir, *overrides)
-    return str(info.value)
 
 
 def test_a_lora_actor_is_its_own_reference(run_dir: Path) -> None:

@@ -353,19 +353,12 @@ class FSDPEngine(TrainingEngine):
 
     def load(self, path: str | Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         folder = open_checkpoint(path, rank, self._describe())
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder))
-        set_state_dict(
-            self.module,
-            [self.optimizer] if self.optimizer else [],
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
-            options=self._state_options(),
-        )
+        self._set_state(state)
         self._take_extra(torch.load(rank_file(folder, rank), weights_only=True))
 
     def snapshot(self, folder: Path, step: int) -> int:
@@ -377,11 +370,18 @@ class FSDPEngine(TrainingEngine):
     def restore_snapshot(self, folder: Path, step: int) -> int:
         """The snapshot of ``step`` back into this engine (a restarted one too), as ``load``
         restores a checkpoint; returns the engine's step."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         tensors, extra = self._snapshots_in(folder).read(step, self._describe())
         state = self._state()
         fill(state, tensors, extra.pop("leaves"))
+        self._set_state(state)
+        self._take_extra(extra)
+        return self.step
+
+    def _set_state(self, state: dict[str, Any]) -> None:
+        """A state of ``_state``'s shape (filled from a checkpoint or snapshot) into the module
+        and optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(
             self.module,
             [self.optimizer] if self.optimizer else [],
@@ -389,8 +389,6 @@ class FSDPEngine(TrainingEngine):
             optim_state_dict=state.get("optim", {}),
             options=self._state_options(),
         )
-        self._take_extra(extra)
-        return self.step
 
     def _snapshots_in(self, folder: Path) -> RankSnapshots:
         """This rank's snapshots under ``folder``, with the files mapped so far (kept)."""
