@@ -64,6 +64,42 @@ def matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
         torch.set_num_threads(threads)
 
 
+def _busy_core(dtype: str, n: int, seconds: float, start: Any, out: Any, slot: int) -> None:
+    """One process of ``matmul_peak_cores``: warm up, wait for the others, multiply for
+    ``seconds``, report this process's GFLOP/s in ``out[slot]``."""
+    torch.set_num_threads(1)
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
+    a @ b
+    start.wait()
+    products, began = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - began) < seconds:
+        a @ b
+        products += 1
+    out[slot] = 2 * n**3 * products / elapsed / 1e9
+
+
+def matmul_peak_cores(dtype: str, cores: int = 2, n: int = 1024, seconds: float = 3.0) -> float:
+    """GFLOP/s of ``cores`` one-thread processes multiplying ``n``^3 products at the same time,
+    summed: the host's matmul limit with every core busy (shared caches and memory bandwidth
+    make it less than ``cores`` x ``matmul_peak``)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(cores), ctx.Array("d", cores)
+    procs = [
+        ctx.Process(target=_busy_core, args=(dtype, n, seconds, start, out, i))
+        for i in range(cores)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"matmul_peak_cores: a process ended with {proc.exitcode}")
+    return float(sum(out))
+
+
 def prompt_tokens(model_dir: Path, prompts: list[str]) -> list[int]:
     from roles.modeling.models import load_tokenizer
 

@@ -75,6 +75,9 @@ class GroupSpec(BaseModel):
     name: str
     roles: dict[str, RoleSpec]
     nproc: int = Field(1, ge=1, description="ranks in the group")
+    threads: int = Field(
+        1, ge=1, description="intra-op threads of each rank (torch.set_num_threads, OpenMP)"
+    )
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     gen_tp: int = Field(

@@ -61,6 +61,7 @@ def role_argv(group: GroupSpec, address: str, run_dir: str | None, keys: str | N
     """The arguments of ``hybridflow`` that start one group and join the controller."""
     argv = ["role", ",".join(group.roles), "--connect", address, "--group", group.name]
     argv += ["--nproc", str(group.nproc), "--tp", str(group.tp), "--pp", str(group.pp)]
+    argv += ["--threads", str(group.threads)] if group.threads > 1 else []
     argv += ["--gen-tp", str(group.gen_tp)] if group.gen_tp else []
     argv += ["--gen-pp", str(group.gen_pp)] if group.gen_pp else []
     argv += ["--fanout", group.fanout, "--device", group.device]

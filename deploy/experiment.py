@@ -123,6 +123,13 @@ class GroupConfig(BaseModel):
 
     roles: list[str]
     nproc: int = Field(1, ge=1)
+    threads: int = Field(
+        1,
+        ge=1,
+        description="intra-op threads of each rank; on a CPU host, nproc x threads of all groups "
+        "should not exceed its cores (one rank x 2 threads trains a small model faster than 2 "
+        "ranks x 1: no gradient all-reduce, one optimizer)",
+    )
     tp: int = Field(1, ge=1)
     pp: int = Field(
         1, ge=1, description="pipeline stages of the group's engine roles (needs backend: megatron)"

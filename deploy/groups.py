@@ -52,6 +52,7 @@ def group_spec(gname: str, group: GroupConfig, roles: dict[str, RoleSpec]) -> Gr
             name=gname,
             roles=roles,
             nproc=group.nproc,
+            threads=group.threads,
             tp=group.tp,
             pp=group.pp,
             gen_tp=group.gen_tp,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from controller.placement import GroupSpec
 from roles.runtime.device import check_device
-from roles.runtime.env import RankEnv, RankPlace, inherited_threads
+from roles.runtime.env import RankEnv, RankPlace
 from transport.channel import spare_port
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
@@ -181,7 +181,7 @@ class LocalLauncher:
             self.controller_address,
             self.token,
             self.socket_dir,
-            threads=inherited_threads(env),
+            threads=str(spec.threads),
             parent_pid=os.getpid(),
         )
         env.update(started.to_env())

@@ -47,7 +47,13 @@ from deploy.keys_cli import client_files
 from deploy.local import LocalLauncher, group_rank_env
 from deploy.terminal import add_device_option, console, run_async
 from roles.runtime.coordinator import fanout_path
-from roles.runtime.env import RankPlace, RankVar, curve_env, inherited_threads
+from roles.runtime.env import (
+    RankPlace,
+    RankVar,
+    curve_env,
+    inherited_threads,
+    thread_count,
+)
 from roles.runtime.status import ENDED, JOINED, STATUS_ENV, TO_STDERR, StatusInbox, describe
 from transport.channel import split_tcp
 from transport.device import DeviceKind
@@ -65,6 +71,7 @@ class RoleOptions:
     group: str
     connect: str
     nproc: int = 1
+    threads: int | None = None  # None: OMP_NUM_THREADS of the environment, else 1
     tp: int = 1
     pp: int = 1
     gen_tp: int = 0
@@ -89,6 +96,7 @@ class RoleOptions:
             group=args.group or "+".join(roles),
             connect=args.connect,
             nproc=args.nproc,
+            threads=args.threads,
             tp=args.tp,
             pp=args.pp,
             gen_tp=args.gen_tp,
@@ -114,6 +122,11 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
         "--connect", required=True, help="controller address, e.g. ipc:///tmp/x or tcp://HOST:PORT"
     )
     role.add_argument("--nproc", type=int, default=1, help="ranks of this group on this host")
+    role.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads of each rank (placement threads; default: OMP_NUM_THREADS, else 1)",
+    )
     role.add_argument("--tp", type=int, default=1, help="tensor-parallel size (placement tp)")
     role.add_argument("--pp", type=int, default=1, help="pipeline stages (placement pp)")
     role.add_argument(
@@ -229,7 +242,7 @@ def run_as_rank(opts: RoleOptions) -> int:
         opts.connect,
         token=opts.token or env.get(RankVar.TOKEN, ""),
         socket_dir=Path(opts.socket_dir or env.get(RankVar.SOCKET_DIR, "/tmp")),
-        threads=inherited_threads(env),
+        threads=str(opts.threads) if opts.threads else inherited_threads(env),
     )
     env.update(started.to_env())
     rank.main()
@@ -243,6 +256,7 @@ def _group_spec(opts: RoleOptions) -> GroupSpec:
         name=opts.group,
         roles={r: RoleSpec(cls="unset:Unset") for r in opts.roles},
         nproc=opts.nproc,
+        threads=opts.threads or thread_count(inherited_threads(dict(os.environ))),
         tp=opts.tp,
         pp=opts.pp,
         gen_tp=opts.gen_tp,

@@ -119,6 +119,11 @@ class RankEnv:
     threads: str = "1"  # OpenMP's value as is (a count, or a list for nested levels)
     parent_pid: int | None = None  # None: no launcher process to die with
 
+    @property
+    def intra_op_threads(self) -> int:
+        """``threads`` as torch's intra-op thread count: OpenMP's first level, at least 1."""
+        return thread_count(self.threads)
+
     def to_env(self) -> dict[str, str]:
         env: dict[RankVar, str] = {
             RankVar.THREADS: self.threads,
@@ -165,6 +170,13 @@ def curve_env(secret: Path, server_key: Path) -> dict[str, str]:
     """The variables that make a group's coordinator a CURVE client of the controller: its own
     secret key file and the controller's public key file (``hybridflow keys``)."""
     return _named({RankVar.CURVE_SECRET: str(secret), RankVar.CURVE_SERVER_KEY: str(server_key)})
+
+
+def thread_count(threads: str) -> int:
+    """OpenMP's thread setting (a count, or a list for nested levels) as one count: its first
+    level, at least 1."""
+    head = threads.split(",")[0].strip()
+    return max(1, int(head)) if head.isdigit() else 1
 
 
 def inherited_threads(env: Mapping[str, str]) -> str:

@@ -71,8 +71,8 @@ def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store, RankDevice
 
 def main() -> None:
     die_with_parent()
-    torch.set_num_threads(int(os.environ.get("HYBRIDFLOW_THREADS", "1")))
     env = GroupEnv.from_env()
+    torch.set_num_threads(env.intra_op_threads)
     logging.basicConfig(
         level=os.environ.get("HYBRIDFLOW_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {env.group}[{env.rank}] %(levelname)s %(name)s: %(message)s",
