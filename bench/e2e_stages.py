@@ -97,7 +97,7 @@ def matmul_peak_cores(dtype: str, cores: int = 2, n: int = 1024, seconds: float 
         proc.join(timeout=120)
         if proc.exitcode != 0:
             raise RuntimeError(f"matmul_peak_cores: a process ended with {proc.exitcode}")
-    return float(sum(out))
+    return float(sum(out[:]))
 
 
 def prompt_tokens(model_dir: Path, prompts: list[str]) -> list[int]:
@@ -132,7 +132,8 @@ def stage_report(
     """Median seconds per stage, and the update's / generation's FLOP rate per rank.
 
     ``prompt_lengths``: one per prompt of a step, each sampled ``samples`` times; ``ranks``:
-    role ("actor", "rollout") -> ranks doing that role's compute."""
+    role ("actor", "rollout") -> cores doing that role's compute (ranks x intra-op threads; the
+    per-"rank" rates are then per core)."""
     steps = _steps(run_dir)
     found: dict[str, Any] = {"step_s": statistics.median(r["time/step_s"] for r in steps)}
     response = statistics.median(r["train/response/tokens"] for r in steps)

@@ -24,14 +24,20 @@ Runs, in turn:
   says which and why), same ranks, pi_old from the generator's log-probs (the behaviour policy, no
   recompute). Run on-policy (k = 0, both ranks generate then train) and, for each k of
   ``--max-staleness 1,2`` (``--overlap``: 1), with one rank training while a second generates the
-  next k batches (up to k steps off-policy); the fastest is "best" (``best_by_staleness`` has all);
+  next k batches (up to k steps off-policy), and on-policy with one rank of ``--threads`` intra-op
+  threads (placement ``threads``: no gradient all-reduce, one optimizer); the fastest is "best"
+  (``best_by_layout`` has all);
 - **hybridflow_vllm** (``--vllm``) — best's settings with vLLM generating (the rollout rank's
   engine at the largest k, or the actor's colocated generator); pi_old is then vLLM's own
   log-probs.
 
 Where the time goes: ``stages`` has, per runner, each stage's median seconds and, for the update
 and generation, the FLOP rate per rank against the core's matmul peak measured in the same run
-(``bench/e2e_stages.py``); ``projection_4_ranks`` carries the measured core-seconds to 4 ranks
+(``bench/e2e_stages.py``). **The machine's limit**: ``limit`` has, per runner, the step's FLOPs
+(update + generation as the stage report counts them) at the matmul rate of every core at once
+(``matmul_peak_cores``: ``--threads`` one-thread processes multiplying together; shared caches
+and memory make it at most ``--threads`` x one core's), the step time and tok/s that rate allows,
+and ``frac`` = measured tok/s / that; ``limit_frac`` is the best runner's. ``projection_4_ranks`` carries the measured core-seconds to 4 ranks
 (arithmetic, not a run; its assumptions are in that module's docstring).
 
 Tokens = response-mask tokens (EOS included; TRL's completion mask counts the same), time =
@@ -54,7 +60,7 @@ from typing import Any, Literal
 
 import yaml
 
-from bench.e2e_stages import matmul_peak, project, prompt_tokens, stage_report
+from bench.e2e_stages import matmul_peak, matmul_peak_cores, project, prompt_tokens, stage_report
 from bench.generate import Shape
 from deploy.terminal import add_device_option
 from roles.runtime.device import DeviceError, check_device
@@ -113,6 +119,7 @@ def experiment(
     best: bool,
     vllm: bool = False,
     staleness: int = 0,
+    wide: bool = False,
 ) -> dict[str, Any]:
     # on-policy: fp32, the exact recompute; best: the dtype this machine runs fastest (auto)
     actor: dict[str, Any] = {
@@ -135,6 +142,8 @@ def experiment(
         "reward": {"function": "roles.rules:arithmetic_reward"},
     }
     placement: dict[str, Any] = {"main": {"roles": ["actor", "reward"], "nproc": args.threads}}
+    if wide:  # one rank with every core as intra-op threads: no gradient all-reduce
+        placement["main"] |= {"nproc": 1, "threads": args.threads}
     if best:
         # pi_old stays the generator's log-probs: under bf16 they differ from a recompute by
         # rounding, so the ratio is taken against the behaviour policy as sampled (one forward
@@ -224,10 +233,10 @@ def stages_of(
     found = {}
     for name, result in runners.items():
         config = yaml.safe_load((result["run_dir"] / "config.yaml").read_text())
-        ranks: dict[str, int] = {}
+        ranks: dict[str, int] = {}  # cores per role: ranks x intra-op threads
         for spec in config["placement"].values():
             for role in spec["roles"]:
-                ranks[role] = spec["nproc"]
+                ranks[role] = spec["nproc"] * spec.get("threads", 1)
         found[name] = stage_report(
             result["run_dir"], shape, lengths, 8, ranks, peak[result["dtype"]]
         )
@@ -255,6 +264,35 @@ def run_trl_side(
         bf16=bf16,
         gpu=gpu,
     )
+
+
+WIDE = -1  # best_runs' key of the on-policy runner with 1 rank x every core as threads
+
+
+def _runner(k: int) -> str:
+    return "best_wide" if k == WIDE else f"best_k{k}"
+
+
+def _layout(k: int, threads: int) -> str:
+    if k == WIDE:
+        return f"on-policy, 1 rank x {threads} threads"
+    if k == 0:
+        return f"on-policy, {threads} ranks x 1 thread"
+    return f"max_staleness {k}, 1 training + 1 rollout rank"
+
+
+def _limit(stages: dict[str, Any], cores_gflops: float, run: dict[str, Any]) -> dict[str, float]:
+    """The runner's step against the host's limit: its FLOPs (update + generation, as the stage
+    report counts them) at the matmul rate of every core at once."""
+    gflop = stages["update"]["gflop"] + stages["generate"]["gflop"]
+    step = gflop / cores_gflops
+    limit_tok_s = run["tokens_per_step"] / step
+    return {
+        "gflop": round(gflop, 1),
+        "step_s": round(step, 4),
+        "tok_s": round(limit_tok_s, 1),
+        "frac": round(run["tok_s"] / limit_tok_s, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]  # again at the end; the best
+        all_cores = (  # every core at once (the limit of a step), again at the end; the best
+            [] if on_gpu else [{d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")}]
+        )
         start = time.perf_counter()
         log(f"SFT checkpoint: {args.size} model, {args.sft_steps} steps ...")
         model = sft_checkpoint(work, args.size, args.sft_steps, args.device)
@@ -341,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
             config = experiment(model, data, args, best=True, staleness=k)
             best_runs[k] = run_hybridflow(work, f"best-k{k}", config)
             log(f"  {best_runs[k]['step_s_median']:.2f} s/step, {best_runs[k]['tok_s']:.0f} tok/s")
+        if args.threads > 1 and not on_gpu:  # the thread layout: 1 rank x every core
+            log(f"hybridflow best, on-policy, 1 rank x {args.threads} threads ...")
+            config = experiment(model, data, args, best=True, wide=True)
+            best_runs[WIDE] = run_hybridflow(work, "best-wide", config)
+            log(
+                f"  {best_runs[WIDE]['step_s_median']:.2f} s/step, {best_runs[WIDE]['tok_s']:.0f} tok/s"
+            )
         best_k = max(best_runs, key=lambda k: best_runs[k]["tok_s"])
         best = best_runs[best_k]
         with_vllm = None
@@ -353,7 +401,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  {with_vllm['step_s_median']:.2f} s/step, {with_vllm['tok_s']:.0f} tok/s")
         peaks.append({d: matmul_peak(d) for d in ("fp32", "bf16")})
         peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
-        runners = {"hybridflow": hf} | {f"best_k{k}": r for k, r in best_runs.items()}
+        if not on_gpu:
+            all_cores.append({d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")})
+        cores_peak = (
+            {d: max(p[d] for p in all_cores) for d in ("fp32", "bf16")} if all_cores else {}
+        )
+        runners = {"hybridflow": hf} | {_runner(k): r for k, r in best_runs.items()}
         runners |= {"vllm": with_vllm} if with_vllm is not None else {}
         # the stage report's FLOP rates are against the host's matmul peak
         stages = {} if on_gpu else stages_of(runners, model, rows[: args.prompts], peak)
@@ -404,12 +457,27 @@ def main(argv: list[str] | None = None) -> int:
             "best": round(best["reward_second_half"], 4),
             "trl": round(statistics.fmean(trl["reward_per_step"][args.steps // 2 :]), 4),
         },
-        "best_config": best["dtype"]
-        + (f", max_staleness {best_k} (rollout rank)" if best_k else ", on-policy"),
+        "best_config": best["dtype"] + ", " + _layout(best_k, args.threads),
         "best_by_staleness": {
             k: {"tok_s": round(r["tok_s"], 1), "step_s": round(r["step_s_median"], 3)}
             for k, r in best_runs.items()
+            if k != WIDE
         },
+        "best_by_layout": {
+            _layout(k, args.threads): round(r["tok_s"], 1) for k, r in best_runs.items()
+        },
+        # the step's FLOPs (the stage report's) at the matmul rate of every core at once
+        "peak_gflops_all_cores": {d: round(v, 1) for d, v in cores_peak.items()},
+        "limit": {
+            name: _limit(stages[name], cores_peak[r["dtype"]], r)
+            for name, r in runners.items()
+            if name in stages and cores_peak
+        },
+        "limit_frac": round(
+            _limit(stages[_runner(best_k)], cores_peak[best["dtype"]], best)["frac"], 3
+        )
+        if not on_gpu
+        else None,
         "dtype": {"hybridflow": hf["dtype"], "best": best["dtype"], "trl": "fp32"},
         "peak_memory_gib": {
             name: r["peak_memory_gib"] for name, r in runners.items() if r["peak_memory_gib"]
@@ -424,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         "stages": stages,
         "projection_4_ranks": projection,
         "split_s": {"hybridflow": hf["split_s"]}
-        | {f"best_k{k}": r["split_s"] for k, r in best_runs.items()},
+        | {_runner(k): r["split_s"] for k, r in best_runs.items()},
     }
     if with_vllm is not None:
         report.update(
