@@ -16,11 +16,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
+#: the policy-gradient term (docs/algorithms.md has each formula and its source)
+PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo"]
 
 
 class PolicyLossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    kind: PolicyKind = Field(
+        "ppo",
+        description="the policy-gradient term: ppo (token-level clipped ratio), gspo / "
+        "gspo-token (the sequence's geometric-mean ratio, clipped per sequence; Zheng et al. "
+        "2025), cispo (the clipped ratio as a stop-gradient weight on log pi; MiniMax-M1)",
+    )
+    custom: str | None = Field(
+        None,
+        description="a policy-gradient term of your own, as package.module:function (replaces "
+        "kind; roles/modeling/losses.py says what it takes and returns)",
+    )
     clip_ratio_low: float = Field(0.2, description="ratio floor is 1 - clip_ratio_low")
     clip_ratio_high: float | None = Field(
         None, description="ratio ceiling is 1 + clip_ratio_high; null: same as clip_ratio_low"

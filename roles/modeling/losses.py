@@ -14,26 +14,33 @@ tokens that count (response tokens, not prompt or padding). The settings (`Polic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transport.training import AggMode, KLKind, PolicyLossConfig, ValueLossConfig
+from roles.base import import_path
+from transport.training import AggMode, KLKind, PolicyKind, PolicyLossConfig, ValueLossConfig
 
 __all__ = [  # the loss settings are the controller's too: they live in transport/training.py
     "AggMode",
     "KLKind",
+    "PolicyKind",
     "PolicyLossConfig",
     "PolicyTerms",
     "ValueLossConfig",
     "aggregate",
     "bradley_terry_loss",
+    "cispo_terms",
     "count",
     "entropy_from_logits",
+    "gspo_terms",
     "kl_penalty",
+    "load_policy_term",
     "policy_loss",
     "ppo_policy_terms",
     "truncated_is_weight",
@@ -134,6 +141,124 @@ def ppo_policy_terms(
     return PolicyTerms(loss=loss, ratio=ratio, clipped=clipped, dual_clipped=dual_clipped)
 
 
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """[B]: the mean over each row's counted tokens of log(pi / pi_old), i.e. the log of the
+    geometric mean of the token ratios (0 for a row with no counted token)."""
+    keep = mask.bool()
+    log_ratio = torch.where(keep, logp - old_logp, torch.zeros((), dtype=logp.dtype))
+    return log_ratio.sum(-1) / keep.sum(-1).clamp(min=1).to(logp.dtype)
+
+
+def gspo_terms(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    token_level: bool = False,
+) -> PolicyTerms:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): the importance ratio of a whole response,
+
+        s_i = (pi(y_i | x) / pi_old(y_i | x)) ^ (1 / |y_i|) = exp(mean_t log(pi_t / pi_old_t)),
+
+    clipped per sequence: loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)),
+    A_i being the row's advantage (the mean over its tokens: GRPO's are equal along a row).
+    Every token of row i carries loss_i, so ``seq-mean-token-mean`` gives the paper's mean over
+    responses. ``token_level`` is GSPO-token: s_i,t = sg[s_i] * pi_t / sg[pi_t] (the value of
+    s_i, the gradient of one token) with the token's own advantage A_i,t; with equal
+    advantages along a row it equals GSPO in value and gradient."""
+    keep = mask.bool()
+    seq = sequence_log_ratio(logp, old_logp, mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    if token_level:
+        ratio = (seq.detach()[:, None] + logp - logp.detach()).exp()
+        adv = advantages
+    else:
+        ratio = seq.exp()[:, None].expand_as(logp)
+        zero = torch.zeros((), dtype=advantages.dtype)
+        row_adv = torch.where(keep, advantages, zero).sum(-1) / keep.sum(-1).clamp(min=1)
+        adv = row_adv[:, None].expand_as(logp)
+    unclipped = -adv * ratio
+    clipped_loss = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    nothing = torch.zeros_like(keep)
+    return PolicyTerms(
+        loss=loss, ratio=ratio, clipped=clipped_loss > unclipped, dual_clipped=nothing
+    )
+
+
+def cispo_terms(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> PolicyTerms:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update,
+
+        loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A_t * log pi_t,  r_t = pi_t / pi_old_t,
+
+    so every token keeps a gradient (PPO drops those whose ratio left the trust region); the
+    paper aggregates over all tokens of the batch (``token-mean``) and sets no lower bound
+    (``clip_ratio_low: 1``). ``clipped`` marks tokens whose weight was cut."""
+    ratio = (logp - old_logp).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = -weight * advantages * logp
+    return PolicyTerms(
+        loss=loss,
+        ratio=ratio,
+        clipped=weight != ratio,
+        dual_clipped=torch.zeros_like(ratio, dtype=torch.bool),
+    )
+
+
+#: a policy-gradient term of a user's own (``PolicyLossConfig.custom``): (logp, old_logp,
+#: advantages, mask, cfg) -> the per-token loss [B, T] to aggregate by ``cfg.agg``, or
+#: (that loss, {metric name: per-token values [B, T]}), each metric reported as a token mean
+PolicyTermFn = Callable[..., Tensor | tuple[Tensor, dict[str, Tensor]]]
+
+
+@cache
+def load_policy_term(path: str) -> PolicyTermFn:
+    """The function at ``package.module:function``; ValueError saying what is wrong."""
+    found: PolicyTermFn = import_path(path, "policy loss", "function", callable)
+    return found
+
+
+def _custom_terms(
+    path: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    out = load_policy_term(path)(logp, old_logp, advantages, mask, cfg)
+    loss, metrics = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss, Tensor) or loss.shape != logp.shape:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(
+            f"policy loss {path} returned {shape}; it must return the per-token loss with the "
+            f"shape of logp {tuple(logp.shape)} (and optionally a dict of per-token metrics)"
+        )
+    return loss, metrics
+
+
+def policy_terms(
+    kind: PolicyKind,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: PolicyLossConfig,
+) -> PolicyTerms:
+    """The per-token policy-gradient term of ``kind`` with ``cfg``'s clip ranges."""
+    low, high = cfg.clip_ratio_low, cfg.clip_high
+    if kind == "ppo":
+        return ppo_policy_terms(logp, old_logp, advantages, low, high, cfg.dual_clip)
+    if kind in ("gspo", "gspo-token"):
+        return gspo_terms(logp, old_logp, advantages, mask, low, high, kind == "gspo-token")
+    if kind == "cispo":
+        return cispo_terms(logp, old_logp, advantages, low, high)
+    raise ValueError(f"kind={kind!r} is not one of {get_args(PolicyKind)}")
+
+
 def truncated_is_weight(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     """Per-token min(pi_old / pi_rollout, cap), no gradient: truncated importance sampling (TIS),
     which reweights tokens the generator sampled from its own, slightly different distribution
@@ -197,14 +322,19 @@ def policy_loss(
     def agg(values: Tensor, mode: AggMode = cfg.agg) -> Tensor:
         return aggregate(values, mask, mode, tokens, seqs)
 
-    terms = ppo_policy_terms(
-        logp, old_logp, advantages, cfg.clip_ratio_low, cfg.clip_high, cfg.dual_clip
-    )
-    per_token, extra = terms.loss, {}
+    extra: dict[str, Tensor] = {}
+    if cfg.custom is not None:
+        per_token, custom = _custom_terms(cfg.custom, logp, old_logp, advantages, mask, cfg)
+        extra = {name: agg(v.detach().float(), "token-mean") for name, v in custom.items()}
+        nothing = torch.zeros_like(mask, dtype=torch.bool)
+        terms = PolicyTerms(per_token, (logp - old_logp).detach().exp(), nothing, nothing)
+    else:
+        terms = policy_terms(cfg.kind, logp, old_logp, advantages, mask, cfg)
+    per_token = terms.loss
     if cap is not None and rollout_logp is not None:
         weight = truncated_is_weight(old_logp, rollout_logp, cap)
         per_token = per_token * weight
-        extra = {"tis_weight": agg(weight, "token-mean")}
+        extra["tis_weight"] = agg(weight, "token-mean")
         extra["tis_capped_frac"] = agg((weight >= cap).float(), "token-mean")
     loss = agg(per_token)
     metrics = {

@@ -1,0 +1,100 @@
+"""GSPO, GSPO-token, CISPO and a policy loss by import path, against hand-computed values.
+
+One batch throughout: two responses after a one-token prompt (column 0 is not counted).
+Row 0: token ratios pi / pi_old = 2 and 0.5 (their geometric mean s_0 = 1); row 1: one token
+of ratio 1.5 (s_1 = 1.5)."""
+
+from __future__ import annotations
+
+import math
+
+import pydantic
+import pytest
+import torch
+
+from roles.modeling.losses import PolicyLossConfig, policy_loss, sequence_log_ratio
+
+log = math.log
+OLD = torch.tensor([[-1.0, log(0.25), log(0.8)], [-1.0, log(0.6), -3.0]])
+LOGP = torch.tensor([[-1.0, log(0.5), log(0.4)], [-1.0, log(0.9), -3.0]])
+MASK = torch.tensor([[0, 1, 1], [0, 1, 0]])
+TOKENS, SEQS = 3.0, 2.0
+
+
+def close(grad: torch.Tensor, expected: list[list[float]]) -> bool:
+    return torch.allclose(grad, torch.tensor(expected), atol=1e-6)
+
+
+def run(cfg: PolicyLossConfig, advantages: torch.Tensor) -> tuple[float, dict, torch.Tensor]:
+    logp = LOGP.clone().requires_grad_(True)
+    loss, metrics = policy_loss(logp, OLD, advantages, MASK, cfg, TOKENS, SEQS)
+    loss.backward()
+    assert logp.grad is not None
+    return loss.item(), metrics, logp.grad
+
+
+def test_the_sequence_ratio_is_the_geometric_mean_of_the_token_ratios() -> None:
+    assert sequence_log_ratio(LOGP, OLD, MASK).exp().tolist() == pytest.approx([1.0, 1.5])
+
+
+def test_gspo_clips_a_whole_response() -> None:
+    """A = +1 on both rows, eps 0.2: s_0 = 1 is inside [0.8, 1.2], loss_0 = -1; s_1 = 1.5 is
+    clipped, loss_1 = max(-1.5, -1.2) = -1.2 with no gradient. seq-mean-token-mean: the mean
+    over responses, (-1 - 1.2) / 2. Gradient of loss_0 = -s_0 * exp(mean log ratio): each of
+    its 2 tokens gets -s_0 / 2, then / 2 responses."""
+    cfg = PolicyLossConfig(kind="gspo", agg="seq-mean-token-mean")
+    loss, metrics, grad = run(cfg, torch.ones(2, 3))
+    assert loss == pytest.approx(-1.1)
+    assert close(grad, [[0.0, -0.25, -0.25], [0.0, 0.0, 0.0]])
+    assert metrics["pg_clipfrac"].item() == pytest.approx(1 / 3)  # row 1's one token
+    # A = -1: s_1 = 1.5 is not clipped from above for a negative advantage (max takes 1.5)
+    loss, _, grad = run(cfg, -torch.ones(2, 3))
+    assert loss == pytest.approx((1.0 + 1.5) / 2)
+    assert close(grad, [[0.0, 0.25, 0.25], [0.0, 0.75, 0.0]])
+
+
+def test_gspo_token_equals_gspo_with_equal_advantages_and_weights_tokens_otherwise() -> None:
+    seq = PolicyLossConfig(kind="gspo", agg="seq-mean-token-mean")
+    tok = PolicyLossConfig(kind="gspo-token", agg="seq-mean-token-mean")
+    even = torch.tensor([[9.0, 1.0, 1.0], [9.0, -1.0, 9.0]])  # columns 0 and 2 of row 1 not counted
+    a, b = run(seq, even), run(tok, even)
+    assert a[0] == pytest.approx(b[0]) and torch.allclose(a[2], b[2])
+    # row 0 advantages 1 and 3, s_0 = 1 (unclipped): token losses -1, -3, the row's mean -2;
+    # each token's gradient is its own -A * s_0 / 2 tokens / 2 responses
+    uneven = torch.tensor([[0.0, 1.0, 3.0], [0.0, -1.0, 0.0]])
+    loss, _, grad = run(tok, uneven)
+    assert loss == pytest.approx((-2.0 + 1.5) / 2)
+    assert grad[0].tolist() == pytest.approx([0.0, -0.25, -0.75])
+
+
+def test_cispo_weights_log_pi_by_the_clipped_ratio_without_its_gradient() -> None:
+    """No lower bound (clip_ratio_low 1), upper 1 + 0.28: weights 2 -> 1.28, 0.5, 1.5 -> 1.28;
+    A = +1 on row 0, -1 on row 1; token-mean over the 3 tokens of -w * A * log pi."""
+    cfg = PolicyLossConfig(kind="cispo", clip_ratio_low=1.0, clip_ratio_high=0.28)
+    advantages = torch.tensor([[0.0, 1.0, 1.0], [0.0, -1.0, 0.0]])
+    loss, metrics, grad = run(cfg, advantages)
+    expected = (-1.28 * log(0.5) - 0.5 * log(0.4) + 1.28 * log(0.9)) / 3
+    assert loss == pytest.approx(expected)
+    assert close(grad, [[0.0, -1.28 / 3, -0.5 / 3], [0.0, 1.28 / 3, 0.0]])
+    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 3)
+    # unlike PPO, a token whose ratio left the range keeps a gradient: PPO drops row 0's first
+    _, _, ppo = run(PolicyLossConfig(clip_ratio_high=0.28, dual_clip=None), advantages)
+    assert ppo[0, 1].item() == 0.0 and ppo[0, 2].item() == pytest.approx(-0.5 / 3)
+
+
+def test_a_policy_loss_by_import_path() -> None:
+    cfg = PolicyLossConfig(custom="tests.fixtures.losses:reinforce")
+    advantages = torch.tensor([[0.0, 1.0, 2.0], [0.0, -1.0, 0.0]])
+    loss, metrics, grad = run(cfg, advantages)
+    assert loss == pytest.approx((-log(0.5) - 2 * log(0.4) + log(0.9)) / 3)
+    assert close(grad, [[0.0, -1 / 3, -2 / 3], [0.0, 1 / 3, 0.0]])
+    assert metrics["advantage"].item() == pytest.approx(2 / 3)  # token mean of 1, 2, -1
+    with pytest.raises(ValueError, match="wrong_shape returned \\(\\); it must return"):
+        run(PolicyLossConfig(custom="tests.fixtures.losses:wrong_shape"), advantages)
+    with pytest.raises(ValueError, match="has no function 'nothing'"):
+        run(PolicyLossConfig(custom="tests.fixtures.losses:nothing"), advantages)
+
+
+def test_unknown_kinds_are_refused_by_field() -> None:
+    with pytest.raises(pydantic.ValidationError, match="kind"):
+        PolicyLossConfig(kind="grpo")  # type: ignore[arg-type]
