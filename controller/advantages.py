@@ -23,6 +23,14 @@ Estimators (r = sequence score, r_t = per-token reward, V_t = critic value befor
   inside r_t; no critic, no groups. The -baseline variant first subtracts the group mean of r
   (no std division), then adds the KL penalties, takes the return-to-go (gamma = 1) and whitens.
 
+Reward shaping: ``overlong_penalty`` (DAPO's soft overlong punishment, Yu et al. 2025, eq. 13)
+adds to a response's score, with L = its length, L_max the generation limit and L_cache the
+buffer before it:
+      0                                  if L <= L_max - L_cache
+      ((L_max - L_cache) - L) / L_cache  if L_max - L_cache < L <= L_max
+      -1                                 if L > L_max
+times a factor (1 in the paper).
+
 KL controllers set kl_coef between steps: FixedKL keeps it; AdaptiveKL (Ziegler et al. 2019)
 moves it proportionally towards a target KL, measured by ``kl_measure`` in the unit the config
 names: the KL summed over each response (``sequence``) or its mean per response token (``token``,
@@ -174,6 +182,17 @@ def _check_groups(scores: Tensor, group: Tensor, response_mask: Tensor) -> Tenso
     if group.is_floating_point():
         raise ValueError(f"group must be an int tensor of prompt ids, got dtype {group.dtype}")
     return _float(scores)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache: int, factor: float = 1.0) -> Tensor:
+    """[B]: DAPO's soft overlong penalty of responses of ``lengths`` tokens (module docstring)."""
+    if not 0 < cache <= max_len:
+        raise ValueError(f"cache={cache} must be in 1..max_len={max_len}")
+    start = max_len - cache
+    over = lengths.float() - start
+    penalty = torch.where(over > 0, -over / cache, torch.zeros_like(over))
+    penalty = torch.where(lengths > max_len, torch.full_like(over, -1.0), penalty)
+    return factor * penalty
 
 
 def grpo(

@@ -107,6 +107,34 @@ class SafeConfig(BaseModel):
     ptx_coef: float = Field(0.0, ge=0, description="weight of a pretraining (SFT) loss step")
 
 
+class DynamicSampling(BaseModel):
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose samples all scored alike give
+    GRPO no gradient; they are dropped and more prompts are drawn until the step has
+    ``prompts_per_step`` informative groups or ``max_rounds`` extra rounds were drawn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rounds: int = Field(
+        3,
+        ge=0,
+        description="extra generation rounds a step may draw (each prompts_per_step prompts); at "
+        "the cap the step trains on the informative groups it has",
+    )
+
+
+class OverlongShaping(BaseModel):
+    """DAPO's soft overlong punishment (controller/advantages.py: overlong_penalty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache: int = Field(
+        ge=1,
+        description="L_cache: responses longer than max_new_tokens - cache tokens lose up to "
+        "factor points, linearly, reaching -factor at max_new_tokens",
+    )
+    factor: float = Field(1.0, gt=0, description="the penalty at the limit")
+
+
 class AlgorithmConfig(BaseModel):
     """What one RL step does. The policy loss (``loss``) and value loss (``value_loss``) travel
     to the roles as they are (``transport/training.py``; computed in ``roles/modeling/losses.py``)."""
@@ -156,6 +184,14 @@ class AlgorithmConfig(BaseModel):
         None, description="generate chunk_tokens per call; weight updates may land in between"
     )
     safe: SafeConfig | None = None
+    dynamic_sampling: DynamicSampling | None = Field(
+        None,
+        description="DAPO: drop prompt groups whose rewards are all equal and draw more prompts "
+        "(grpo, rloo, reinforce_pp_baseline); null: off",
+    )
+    overlong: OverlongShaping | None = Field(
+        None, description="DAPO: soft penalty on responses near max_new_tokens; null: off"
+    )
 
     @model_validator(mode="after")
     def _staleness(self) -> AlgorithmConfig:
@@ -179,6 +215,16 @@ class AlgorithmConfig(BaseModel):
             raise ValueError(
                 f"algorithm {self.name!r} compares samples of the same prompt: set n >= 2 "
                 f"(got n={self.n})"
+            )
+        if self.dynamic_sampling is not None and self.name not in GROUPED:
+            raise ValueError(
+                f"dynamic_sampling drops groups of samples of one prompt that scored alike; "
+                f"algorithm {self.name!r} has no such groups (use one of {list(GROUPED)})"
+            )
+        if self.overlong is not None and self.overlong.cache > self.max_new_tokens:
+            raise ValueError(
+                f"overlong.cache={self.overlong.cache} must be at most max_new_tokens="
+                f"{self.max_new_tokens} (the penalty starts cache tokens before the limit)"
             )
         if self.name == "safe_rlhf" and self.safe is None:
             self.safe = SafeConfig()
@@ -437,6 +483,22 @@ async def scored(
     return await on(timer, role, "compute_reward", scores(role, batch))
 
 
+async def rewarded(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, timer: Timer | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The reward role's ``scores``, plus the overlong penalty when ``cfg.overlong`` is set
+    (``reward/overlong_penalty``: its batch mean)."""
+    score, extras = await scored(roles.reward, batch, timer)
+    if cfg.overlong is not None:
+        lengths = batch.tensors["response_mask"].sum(-1)
+        penalty = adv.overlong_penalty(
+            lengths, cfg.max_new_tokens, cfg.overlong.cache, cfg.overlong.factor
+        )
+        score = score + penalty
+        extras["reward/overlong_penalty"] = float(penalty.mean())
+    return score, extras
+
+
 def kl_of(old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
     """Per-token k1 estimate log pi_old - log pi_ref on response tokens (None without ref)."""
     return None if ref is None else (old - ref) * mask
@@ -576,7 +638,7 @@ async def ppo_step(
             old_log_probs(roles, batch, cfg, t),
             log_probs(roles.reference, batch, cfg.temperature, t),
             values(roles.critic, batch, t),
-            scored(roles.reward, batch, t),
+            rewarded(roles, batch, cfg, t),
         )
     kl = kl_of(old, ref, mask)
     reward_kl = state.kl.value if cfg.kl.mode == "reward" else 0.0
@@ -611,7 +673,7 @@ async def remax_step(
         old, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
             log_probs(roles.reference, batch, cfg.temperature, t),
-            scored(roles.reward, batch, t),
+            rewarded(roles, batch, cfg, t),
         )
     kl = kl_of(old, ref, mask)
     advantages = adv.remax(score, baseline, mask)
@@ -635,7 +697,7 @@ async def safe_rlhf_step(
             log_probs(roles.reference, batch, cfg.temperature, t),
             values(roles.critic, batch, t),
             values(roles.cost_critic, batch, t),
-            scored(roles.reward, batch, t),
+            rewarded(roles, batch, cfg, t),
             scored(need(roles.cost, "cost"), batch, t),
         )
     kl = kl_of(old, ref, mask)
@@ -683,7 +745,7 @@ async def group_step(
         old, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
             log_probs(roles.reference, batch, cfg.temperature, t),
-            scored(roles.reward, batch, t),
+            rewarded(roles, batch, cfg, t),
         )
     kl = kl_of(old, ref, mask)
     coef = state.kl.value if (cfg.kl.mode == "reward" and kl is not None) else 0.0

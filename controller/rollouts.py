@@ -13,6 +13,10 @@ estimates advantages and learns:
   calls take turns;
 * **weight syncs** to a separate rollout group (``sync``; rank to rank, ``controller/sync.py``);
 * **ReMax's greedy baseline**, generated and scored right after the samples, on their weights;
+* **dynamic sampling** (DAPO, ``AlgorithmConfig.dynamic_sampling``): the batch is scored as it
+  is generated, groups whose samples all scored alike are dropped and more prompts are generated
+  (on the same weights, seeded per round) until ``prompts_per_step`` informative groups are in or
+  ``max_rounds`` extra rounds were drawn; generated ahead like any batch under ``max_staleness``;
 * **policy versions**, in one unit defined here.
 
 **Policy version.** The policy version of a set of actor weights is the number of training steps
@@ -54,10 +58,11 @@ from controller.agent import (
     run_trajectories,
 )
 from controller.algorithms import AlgorithmConfig, Roles, Timer, with_columns
-from controller.scoring import scores
-from controller.streaming import Generator, WeightGate, stream
+from controller.scoring import ask, scores, stash, stashed
+from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch
+from transport.columns import SCORES
 from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
 
@@ -84,6 +89,8 @@ class StageRollouts:
     steps: int
     seed: int
     prompts: Callable[[int], TensorBatch]
+    #: prompts of extra round r >= 1 of step k (dynamic sampling); None: the stage draws none
+    more: Callable[[int, int], TensorBatch] | None = None
 
 
 @dataclass
@@ -292,25 +299,68 @@ class RolloutPipeline:
             await self.sync()
         version = self.held
         began = time.perf_counter()
-        if self.agent is not None:
-            batch = await self._trajectories(
-                prompts, cfg.sampling(request_seed(plan.seed, k, -1)), version
-            )
-        else:
-            batch = await stream(
-                self.roles,
-                prompts,
-                cfg.sampling(request_seed(plan.seed, k, -1)),
-                sub_batches=cfg.stream_chunks,
-                partial=cfg.partial_rollout,
-                min_version=version,
-                gate=self.gate,
-            )
+        batch = await self._generate(prompts, cfg, request_seed(plan.seed, k, -1), version)
+        if cfg.dynamic_sampling is not None:
+            batch = await self._informative(batch, plan, k, version)
         if cfg.greedy_baseline:
             baseline = await self._greedy_baseline(batch, cfg, k, version)
             batch = with_columns(batch, remax_baseline=baseline)
         self._spans[k] = (began, time.perf_counter())
         return stamp(batch, version)
+
+    async def _generate(
+        self, prompts: TensorBatch, cfg: AlgorithmConfig, seed: int, version: int
+    ) -> TensorBatch:
+        if self.agent is not None:
+            return await self._trajectories(prompts, cfg.sampling(seed), version)
+        return await stream(
+            self.roles,
+            prompts,
+            cfg.sampling(seed),
+            sub_batches=cfg.stream_chunks,
+            partial=cfg.partial_rollout,
+            min_version=version,
+            gate=self.gate,
+        )
+
+    async def _informative(
+        self, batch: TensorBatch, plan: StageRollouts, k: int, version: int
+    ) -> TensorBatch:
+        """Dynamic sampling: the first ``prompts_per_step`` groups (by ``uid``) whose scores are
+        not all equal, from ``batch`` and up to ``max_rounds`` further rounds of prompts; the
+        first round's batch as it is when no group was informative. The scores stay in the
+        batch (``controller/scoring.py``), so the step does not ask for them again."""
+        cfg, reward = plan.cfg, self.roles.reward
+        if cfg.dynamic_sampling is None or plan.more is None:
+            raise RuntimeError("dynamic sampling needs the stage's extra prompts (plan.more)")
+        want, first = cfg.prompts_per_step, batch
+        kept: list[TensorBatch] = []
+        groups = drawn = informative = rounds = 0
+        for r in range(cfg.dynamic_sampling.max_rounds + 1):
+            if r:
+                seed = request_seed(plan.seed, k, -1 - r)
+                batch = await self._generate(plan.more(k, r), cfg, seed, version)
+            rounds += 1
+            found = stashed(batch, reward.role) or (await ask(reward, batch)).tensors
+            stash(batch, reward.role, found)
+            uids = [int(u) for u in batch.non_tensors["uid"]]
+            useful = informative_groups(found[SCORES].float(), uids)
+            drawn += len(set(uids))
+            informative += len(useful)
+            taken = useful[: want - groups]
+            if taken:
+                kept.append(renumbered(batch, taken, groups, version))
+                groups += len(taken)
+            if groups >= want:
+                break
+        out = concat_padded(kept) if kept else first
+        out.meta["dynamic"] = {
+            "rollout/dynamic/rounds": float(rounds),
+            "rollout/dynamic/drawn_groups": float(drawn),
+            "rollout/dynamic/informative_frac": informative / max(drawn, 1),
+            "rollout/dynamic/kept_groups": float(groups),
+        }
+        return out
 
     async def _greedy_baseline(
         self, batch: TensorBatch, cfg: AlgorithmConfig, k: int, version: int
@@ -325,6 +375,28 @@ class RolloutPipeline:
             greedy = await self.generator.generate(prompts, sampling, version)
         base, _ = await scores(self.roles.reward, greedy)
         return base[index_of(batch, greedy)]
+
+
+def informative_groups(score: torch.Tensor, uids: Sequence[int]) -> list[int]:
+    """The uids, in order of first appearance, whose rows' scores are not all equal."""
+    low: dict[int, float] = {}
+    high: dict[int, float] = {}
+    for uid, value in zip(uids, score.tolist(), strict=True):
+        low[uid] = min(low.get(uid, value), value)
+        high[uid] = max(high.get(uid, value), value)
+    return [uid for uid in low if high[uid] > low[uid]]
+
+
+def renumbered(batch: TensorBatch, uids: Sequence[int], offset: int, version: int) -> TensorBatch:
+    """The rows of groups ``uids``, their uids renumbered ``offset``, ``offset`` + 1, ... in
+    that order (rounds of dynamic sampling each number their prompts from 0)."""
+    new = {uid: offset + i for i, uid in enumerate(uids)}
+    rows = [i for i, u in enumerate(batch.non_tensors["uid"]) if int(u) in new]
+    part = batch.index(rows)
+    part.non_tensors["uid"] = [new[int(u)] for u in part.non_tensors["uid"]]
+    part.meta.setdefault("weight_version", version)
+    part.meta.setdefault("last_weight_version", part.meta["weight_version"])
+    return part
 
 
 def _done(batch: TensorBatch) -> asyncio.Future[TensorBatch]:

@@ -406,6 +406,8 @@ class Trainer:
             stage.steps,
             seed,
             lambda k: self._prompts(rows, cfg.prompts_per_step, seed, k, stage.shuffle),
+            # dynamic sampling's extra rounds: other draws of the data, one seed per round
+            lambda k, r: self._prompts(rows, cfg.prompts_per_step, seed + 104729 * r, k, True),
         )
         restored, self.restored = self.restored, {}
         async with self.pipeline.stage(plan, restored):
@@ -454,6 +456,7 @@ class Trainer:
             record["time/reshard_s"] = float(rollout.batch.meta["reshard_s"])
         record.update(memory)
         record.update(rollout.batch.meta.get("agent", {}))
+        record.update(rollout.batch.meta.get("dynamic", {}))
         return record
 
     def _timeline(

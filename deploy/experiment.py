@@ -512,6 +512,15 @@ def _check_stages(exp: Experiment) -> None:
     for i, stage in enumerate(exp.stages):
         if not isinstance(stage, RLStage):
             continue
+        custom = stage.algorithm.loss.custom
+        if custom is not None:  # imported here too, so a bad path fails before any rank starts
+            # roles code: the function the actor's ranks will import
+            from roles.modeling.losses import load_policy_term
+
+            try:
+                load_policy_term(custom)
+            except ValueError as exc:
+                raise ExperimentError(f"stages.{i}.algorithm.loss.custom: {exc}") from None
         missing = stage.algorithm.needed_roles() - set(exp.roles)
         if reference_in_actor(exp):  # a LoRA actor with its adapters off is the reference
             missing.discard("reference")
