@@ -184,6 +184,14 @@ def _check_groups(scores: Tensor, group: Tensor, response_mask: Tensor) -> Tenso
     return _float(scores)
 
 
+def reverse_kl(student: Tensor, teacher: Tensor, response_mask: Tensor) -> Tensor:
+    """[B, T]: log pi_student - log pi_teacher of each sampled response token (0 elsewhere),
+    the per-token estimate of KL(student || teacher) on-policy distillation minimises."""
+    return torch.where(
+        response_mask.bool(), student - teacher, torch.zeros((), dtype=student.dtype)
+    )
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, cache: int, factor: float = 1.0) -> Tensor:
     """[B]: DAPO's soft overlong penalty of responses of ``lengths`` tokens (module docstring)."""
     if not 0 < cache <= max_len:

@@ -51,7 +51,9 @@ from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
 from transport.training import PolicyLossConfig, ValueLossConfig
 
-Name = Literal["ppo", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf"]
+Name = Literal[
+    "ppo", "grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "safe_rlhf", "distill"
+]
 GROUPED = ("grpo", "rloo", "reinforce_pp_baseline")  # need n >= 2 samples per prompt
 WITH_CRITIC = ("ppo", "safe_rlhf")
 
@@ -184,6 +186,12 @@ class AlgorithmConfig(BaseModel):
         None, description="generate chunk_tokens per call; weight updates may land in between"
     )
     safe: SafeConfig | None = None
+    distill_coef: float = Field(
+        1.0,
+        gt=0,
+        description="distill: the advantage of a sampled token is -distill_coef x (log pi_student "
+        "- log pi_teacher), the per-token reverse KL to the teacher role",
+    )
     dynamic_sampling: DynamicSampling | None = Field(
         None,
         description="DAPO: drop prompt groups whose rewards are all equal and draw more prompts "
@@ -279,6 +287,8 @@ class AlgorithmConfig(BaseModel):
             needed.add("critic")
         if self.name == "safe_rlhf":
             needed |= {"cost", "cost_critic"}
+        if self.name == "distill":
+            needed.add("teacher")
         if self.kl.coef:
             needed.add("reference")
         return needed
@@ -315,6 +325,7 @@ class Roles:
     reward: RewardClient
     rollout: RolloutClient | None = None
     reference: ReferenceClient | None = None
+    teacher: ReferenceClient | None = None  # on-policy distillation (algorithm distill)
     critic: CriticClient | None = None
     cost: RewardClient | None = None
     cost_critic: CriticClient | None = None
@@ -336,6 +347,7 @@ class Roles:
             rollout=optional(RolloutClient, "rollout"),
             reference=optional(ReferenceClient, "reference")
             or (BaseModelClient(controller, "actor") if reference_in_actor else None),
+            teacher=optional(ReferenceClient, "teacher"),
             critic=optional(CriticClient, "critic"),
             cost=optional(RewardClient, "cost"),
             cost_critic=optional(CriticClient, "cost_critic"),
@@ -771,6 +783,31 @@ async def group_step(
     return summarize(batch, score, kl, **extras, **metrics, **_group_stats(solved, group))
 
 
+async def distill_step(
+    roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, state: State, step: int
+) -> dict[str, Any]:
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the student
+    samples, the teacher role scores the sampled tokens, and each token's advantage is the
+    negative per-token reverse KL, -coef x (log pi_student - log pi_teacher), no discounting; the
+    update is the configured policy loss. The reward role's scores are reported, not trained on."""
+    t = state.timer()
+    mask = batch.tensors["response_mask"]
+    async with t("prepare"):
+        old, teacher, ref, (score, extras) = await asyncio.gather(
+            old_log_probs(roles, batch, cfg, t),
+            log_probs(need(roles.teacher, "teacher"), batch, cfg.temperature, t),
+            log_probs(roles.reference, batch, cfg.temperature, t),
+            rewarded(roles, batch, cfg, t),
+        )
+    reverse_kl = adv.reverse_kl(old, teacher, mask)
+    advantages = -cfg.distill_coef * reverse_kl
+    batch = with_columns(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages)
+    async with t("update"):
+        metrics = await learn(roles, batch, cfg, state, step)
+    metrics["distill/reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
+    return summarize(batch, score, kl_of(old, ref, mask), **extras, **metrics)
+
+
 def _group_stats(solved: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
     """Fractions of prompts whose samples all scored alike (no learning signal there)."""
     _, index = torch.unique(group, return_inverse=True)
@@ -799,4 +836,5 @@ STEPS: dict[str, Step] = {
     "rloo": group_step,
     "reinforce_pp": group_step,
     "reinforce_pp_baseline": group_step,
+    "distill": distill_step,
 }

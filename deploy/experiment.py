@@ -67,6 +67,7 @@ from transport.training import OptimConfig
 ROLE_CLASSES = {
     "actor": "roles.actor:Actor",
     "reference": "roles.actor:Reference",
+    "teacher": "roles.actor:Teacher",
     "critic": "roles.critic:Critic",
     "cost_critic": "roles.critic:Critic",
     "rollout": "roles.rollout:Rollout",
@@ -75,12 +76,15 @@ ROLE_CLASSES = {
     "env": "roles.env:EnvRole",
 }
 RULE_CLASS = "roles.reward:RuleReward"
+JUDGE_CLASS = "roles.judge:JudgeReward"  # an LLM as the reward (roles/judge.py)
 #: role classes whose state nothing in training changes: a group of only these restarts alone
 STATELESS = (
     ROLE_CLASSES["rollout"],
     ROLE_CLASSES["reward"],
     RULE_CLASS,
+    JUDGE_CLASS,
     ROLE_CLASSES["env"],
+    ROLE_CLASSES["teacher"],
 )
 CHECKPOINTED = ("actor", "reference", "critic", "cost_critic")  # the reference may be re-based
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from controller.placement import GroupSpec, RestartPolicy, RoleSpec, check_placement
 from deploy.experiment import (
+    JUDGE_CLASS,
     ROLE_CLASSES,
     RULE_CLASS,
     STATELESS,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 def build_groups(exp: Experiment, run_dir: Path) -> list[GroupSpec]:
     """Placement → the GroupSpecs the launcher starts; role settings checked with the roles'
     own config classes, so a typo fails here, not in a rank."""
+    _check_teacher(exp, run_dir)
     groups = []
     for gname, group in placement(exp).items():
         specs = {role: _role_spec(exp, role, gname, group, run_dir) for role in group.roles}
@@ -77,6 +79,33 @@ def restart_policy(roles: dict[str, RoleSpec], given: RestartPolicy | None) -> d
     elif given.max == 0:
         given = None
     return {"stateful": stateful, "restart": given}
+
+
+def _check_teacher(exp: Experiment, run_dir: Path) -> None:
+    """A teacher scores the student's tokens by id: both models must read ids the same way
+    (the same vocabulary, the same special tokens); sizes may differ."""
+    teacher, actor = exp.roles.get("teacher"), exp.roles.get("actor")
+    if teacher is None or actor is None or teacher.model is None or actor.model is None:
+        return
+    # roles code (transformers): loaded only when a run's groups are built
+    from roles.modeling.models import load_tokenizer
+
+    paths = {
+        r: model_path(exp, m, run_dir)
+        for r, m in (("actor", actor.model), ("teacher", teacher.model))
+    }
+    found = {r: load_tokenizer(str(p)) for r, p in paths.items()}
+    vocab = {r: t.get_vocab() for r, t in found.items()}
+    special = {r: (t.bos_token_id, t.eos_token_id, t.pad_token_id) for r, t in found.items()}
+    if vocab["actor"] != vocab["teacher"] or special["actor"] != special["teacher"]:
+        differ = sorted(set(vocab["actor"].items()) ^ set(vocab["teacher"].items()))[:3]
+        raise ExperimentError(
+            f"roles.teacher.model: the teacher {teacher.model!r} ({paths['teacher']}) and the "
+            f"actor {actor.model!r} ({paths['actor']}) have different tokenizers (vocabularies "
+            f"of {len(vocab['teacher'])} and {len(vocab['actor'])} tokens, special ids "
+            f"{special['teacher']} and {special['actor']}; e.g. {differ}): a teacher scores "
+            "the student's token ids, so both must share one tokenizer"
+        )
 
 
 def _role_spec(
@@ -286,6 +315,14 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
         except ValueError as exc:
             raise ExperimentError(f"roles.{role}: {exc}") from None
         return None
+    if cls == JUDGE_CLASS:
+        from roles.judge import JudgeConfig
+
+        try:
+            JudgeConfig.model_validate(settings)
+        except ValidationError as exc:
+            raise ExperimentError(explain(exc, JudgeConfig, f"roles.{role}")) from None
+        return None
     if cls == ROLE_CLASSES["env"]:
         try:
             env = EnvConfig.model_validate(settings)
@@ -300,7 +337,7 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
         if cls == ROLE_CLASSES["rollout"]:
             RolloutConfig.model_validate(settings)
         elif cls in ROLE_CLASSES.values():
-            if role in ("reference", "reward", "cost"):
+            if role in ("reference", "teacher", "reward", "cost"):
                 settings.setdefault("optim", None)  # scoring only
             return EngineConfig.model_validate(settings)
     except ValidationError as exc:

@@ -80,6 +80,13 @@ class Reference(EngineRole):
         return TensorBatch.from_dict({LOG_PROBS: out})
 
 
+class Teacher(Reference):
+    """On-policy distillation's teacher: a frozen model, of any size, with the student's
+    tokenizer, whose log-probs of the student's sampled tokens are the training signal
+    (``controller/algorithms.py``: ``distill_step``). Nothing trains or re-bases it, so a restart
+    loses nothing (its weights come from its model folder)."""
+
+
 class Actor(Reference):
     """The policy: log-probs, PPO updates, supervised fine-tuning, checkpoints and export."""
 

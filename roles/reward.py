@@ -60,7 +60,8 @@ def text_rows(batch: TensorBatch, tokenizer: Any) -> tuple[list[str], list[str]]
     return decode_rows(tokenizer, batch)
 
 
-def _metadata(batch: TensorBatch, row: int) -> dict[str, Any]:
+def metadata(batch: TensorBatch, row: int) -> dict[str, Any]:
+    """Row ``row``'s columns other than prompt and response (a ``metadata`` map flattened)."""
     skip = {"prompt", "response"}
     meta = {k: v[row] for k, v in batch.non_tensors.items() if k not in skip}
     nested = meta.pop("metadata", None)
@@ -83,7 +84,7 @@ class RuleReward(Role):
         prompts, responses = text_rows(batch, self.tokenizer)
         scores, extras = [], []
         for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-            result = self._call(row, prompt, response, _metadata(batch, row))
+            result = self._call(row, prompt, response, metadata(batch, row))
             scores.append(result.pop("score"))
             extras.append(result)
         columns = {"scores": torch.tensor(scores, dtype=torch.float32)}

@@ -60,6 +60,23 @@ class RolloutConfig(BaseModel):
     )
 
 
+def vllm_engine(
+    model_dir: str, tokenizer: Any, dtype: torch.dtype, tp: int, kv_cache_mb: float
+) -> GenerationEngine:
+    """A vLLM engine over the weights of ``model_dir`` (it loads its own copy)."""
+    from roles.engines.generation.vllm import VLLMEngine
+
+    config = load_config(model_dir)
+    return VLLMEngine(
+        model_dir,
+        tp=tp,
+        kv_cache_mb=kv_cache_mb,
+        dtype=dtype,
+        eos_token_id=tokenizer.eos_token_id,
+        context=int(config.max_position_embeddings),
+    )
+
+
 class StaleWeightsError(RuntimeError):
     """The rollout holds an older weight version than the controller asked to generate with."""
 
@@ -95,10 +112,12 @@ class Rollout(WeightSink, Role):
             gpu = self.ctx.device.device.index or 0
             self.engine = SGLangEngine(self.cfg.model, gpu=gpu, **common)
             return
-        from roles.engines.generation.vllm import VLLMEngine
-
-        self.engine = VLLMEngine(
-            self.cfg.model, tp=self.ctx.layout.tp, kv_cache_mb=self.cfg.kv_cache_mb, **common
+        self.engine = vllm_engine(
+            self.cfg.model,
+            self.tokenizer,
+            self.dtype.torch_dtype,
+            self.ctx.layout.tp,
+            self.cfg.kv_cache_mb,
         )
 
     def _build_module_engine(self) -> None:
