@@ -373,6 +373,36 @@ def test_rollout_groups_synced_through_reshard_generate_what_the_actor_does(
     assert gaps.max() < LOGPROB_BOUND_MAX and gaps.mean() < LOGPROB_BOUND_MEAN
 
 
+def test_a_judge_served_by_vllm_scores_as_the_native_one(model_dir: Path) -> None:
+    """The same judge (the briefly SFT'd tiny model, which answers with runs of 1s) on two engines in two
+    groups: greedy verdicts, so equal scores and equal malformed counts."""
+    from controller.clients import RewardClient
+
+    judge = {
+        "model": str(model_dir),
+        "template": "{prompt}",
+        "verdict": {"kind": "number", "low": 0, "high": 100000},
+        "max_new_tokens": 4,
+    }
+    placement = [
+        group("n", 1, native=("roles.judge:JudgeReward", judge)),
+        group("v", 1, served=("roles.judge:JudgeReward", {**judge, "engine": "vllm"})),
+    ]
+    rows = TensorBatch.from_dict(non_tensors={"prompt": TEXTS, "response": [""] * len(TEXTS)})
+
+    async def main() -> list[TensorBatch]:
+        async with local_session(placement, VLLM_TIMEOUTS) as c:
+            return [
+                await RewardClient(c, name).compute_reward(rows) for name in ("native", "served")
+            ]
+
+    native, served = run(main)
+    assert torch.equal(native["scores"], served["scores"])
+    assert torch.equal(native["reward/judge_malformed"], served["reward/judge_malformed"])
+    print("judge verdicts:", native["scores"].tolist(), native["reward/judge_malformed"].tolist())
+    assert native["reward/judge_malformed"].sum() < len(TEXTS)  # it answers with numbers
+
+
 def test_the_engine_names_the_extra_when_vllm_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
