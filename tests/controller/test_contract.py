@@ -43,11 +43,12 @@ from controller.clients import (
     WeightSourceClient,
 )
 from controller.server import Controller
-from roles.actor import Actor, Reference
+from roles.actor import Actor, Reference, Teacher
 from roles.critic import Critic
 from roles.demo import LinearRegressor
 from roles.engine_role import EngineRole
 from roles.env import EnvRole
+from roles.judge import JudgeReward
 from roles.reward import ModelReward, RuleReward
 from roles.rollout import Rollout
 from roles.runtime.endpoint import DP_RAGGED, ONE_TO_ALL, endpoint, endpoints_of
@@ -73,9 +74,11 @@ from transport.protocol import Transfer
 CONTRACT: list[tuple[type[RoleClient], type]] = [
     (EngineClient, EngineRole),
     (ReferenceClient, Reference),
+    (ReferenceClient, Teacher),
     (ActorClient, Actor),
     (CriticClient, Critic),
     (RewardClient, RuleReward),
+    (RewardClient, JudgeReward),
     (RewardModelClient, ModelReward),
     (RolloutClient, Rollout),
     (WeightSinkClient, WeightSink),
