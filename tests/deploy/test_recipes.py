@@ -35,6 +35,25 @@ def test_the_dapo_example_samples_dynamically_and_shapes_long_answers(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_dynamic_sampling_rounds_are_generated_ahead_with_a_rollout_group(tmp_path: Path) -> None:
+    """max_staleness 1 with a rollout group: step k+1's batch, extra rounds included, is
+    generated while step k trains; each step still trains on up to 32 informative groups."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "stages.1.algorithm.max_staleness=1",
+        "roles.rollout={model: base}",
+        "placement={main: {roles: [actor, reward], nproc: 1}, gen: {roles: [rollout], nproc: 1}}",
+    ]
+    assert job(quick_argv("dapo.yaml", run_dir, overrides)) == 0
+    rows = rl_rows(run_dir, "dapo")
+    assert len(rows) == 6
+    assert all(r["rollout/dynamic/kept_groups"] <= 32 for r in rows)
+    assert all(r["rollout/dynamic/rounds"] >= 1 for r in rows)
+    assert any(r["train/staleness_max"] == 1 for r in rows)  # trained on a batch made ahead
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "loss",
     [
