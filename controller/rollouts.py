@@ -57,7 +57,8 @@ from controller.agent import (
     AgentRollout,
     run_trajectories,
 )
-from controller.algorithms import AlgorithmConfig, Roles, Timer, with_columns
+from controller.algorithm_config import AlgorithmConfig
+from controller.algorithms import Roles, Timer, with_columns
 from controller.scoring import ask, scores, stash, stashed
 from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError

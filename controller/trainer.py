@@ -40,7 +40,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.agent import AgentConfig
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State, first_rows
+from controller.algorithm_config import AlgorithmConfig
+from controller.algorithms import STEPS, Roles, State, first_rows
 from controller.clients import EngineClient
 from controller.metrics import Sample, sample_sinks
 from controller.rollouts import (

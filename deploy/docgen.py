@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from controller.algorithms import AlgorithmConfig
+from controller.algorithm_config import AlgorithmConfig
 from controller.data import KEYS
 from controller.tasks import PARAMETERS, TASKS
 from controller.trainer import RLStage, SFTStage

@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from controller.advantages import overlong_penalty
-from controller.algorithms import AlgorithmConfig
+from controller.algorithm_config import AlgorithmConfig
 from controller.rollouts import RolloutPipeline, StageRollouts, informative_groups
 from transport.batch import TensorBatch
 

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from controller.advantages import kl_measure
-from controller.algorithms import KLConfig
+from controller.algorithm_config import KLConfig
 
 # two rows: 2 response tokens (0.2 + 0.4), 4 response tokens (4 x 0.3); 9.0 sits outside the mask
 KL = torch.tensor([[0.2, 0.4, 9.0, 9.0], [0.3, 0.3, 0.3, 0.3]])

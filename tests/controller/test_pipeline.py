@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from controller.algorithms import STEPS, AlgorithmConfig, Roles, State
+from controller.algorithm_config import AlgorithmConfig
+from controller.algorithms import STEPS, Roles, State
 from controller.clients import ActorClient, RewardClient, RolloutClient
 from controller.sync import WeightSync
 from controller.tasks import arithmetic

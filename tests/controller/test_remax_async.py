@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from controller.algorithms import AlgorithmConfig
+from controller.algorithm_config import AlgorithmConfig
 from controller.scoring import scores
 from controller.trainer import RLStage, Trainer, TrainerConfig
 from deploy.session import local_session

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from controller.algorithms import AlgorithmConfig
+from controller.algorithm_config import AlgorithmConfig
 from controller.rollouts import (
     StalenessError,
     check_staleness,

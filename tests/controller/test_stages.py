@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from controller.algorithms import AlgorithmConfig, Roles
+from controller.algorithm_config import AlgorithmConfig
+from controller.algorithms import Roles
 from controller.clients import ActorClient, ReferenceClient, RewardClient
 from controller.trainer import RLStage, Trainer, TrainerConfig
 from deploy.session import local_session
