@@ -10,7 +10,7 @@ when a rank receives them, with errors that name the field.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -18,6 +18,8 @@ AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
 #: the policy-gradient term (docs/algorithms.md has each formula and its source)
 PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo"]
+#: kinds whose objective is a mean over responses: their default ``agg`` is seq-mean-token-mean
+SEQUENCE_KINDS = ("gspo", "gspo-token")
 
 
 class PolicyLossConfig(BaseModel):
@@ -44,7 +46,11 @@ class PolicyLossConfig(BaseModel):
     entropy_coef: float = Field(0.0, description="weight of the entropy bonus")
     kl_coef: float = Field(0.0, description="weight of KL-to-reference; needs ref_log_probs")
     kl_type: KLKind = Field("k3", description="KL estimator, see kl_penalty")
-    agg: AggMode = Field("token-mean", description="how per-token terms become one number")
+    agg: AggMode = Field(
+        "token-mean",
+        description="how per-token terms become one number; unset with kind gspo / gspo-token: "
+        "seq-mean-token-mean (the mean over responses, as the GSPO paper and verl)",
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
@@ -58,6 +64,16 @@ class PolicyLossConfig(BaseModel):
         "and weight each token by the behaviour weight pi_prox / pi_behav (pi_behav = the "
         "generator's log-probs), capped at tis_cap when that is set, uncapped otherwise",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_default_agg(cls, data: Any) -> Any:
+        """GSPO's objective is a mean over responses of a sequence-level term: its own default
+        aggregation is ``seq-mean-token-mean``, not the token mean that weights long responses
+        more. An ``agg`` given explicitly wins."""
+        if isinstance(data, dict) and "agg" not in data and data.get("kind") in SEQUENCE_KINDS:
+            return {**data, "agg": "seq-mean-token-mean"}
+        return data
 
     @field_validator("clip_ratio_low", "clip_ratio_high", "kl_coef")
     @classmethod

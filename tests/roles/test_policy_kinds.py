@@ -98,3 +98,21 @@ def test_a_policy_loss_by_import_path() -> None:
 def test_unknown_kinds_are_refused_by_field() -> None:
     with pytest.raises(pydantic.ValidationError, match="kind"):
         PolicyLossConfig(kind="grpo")  # type: ignore[arg-type]
+
+
+def test_gspo_defaults_to_the_mean_over_responses_and_an_explicit_agg_wins() -> None:
+    """At pi = pi_old every token's loss is -A of its response. Rows of 2 and 1 counted tokens
+    with A = 1 and 4: the mean over responses is -(1 + 4) / 2 = -2.5 (the paper's objective);
+    the token mean would weigh row 0 twice, -(1 + 1 + 4) / 3 = -2."""
+    advantages = torch.tensor([[0.0, 1.0, 1.0], [0.0, 4.0, 0.0]])
+    for kind in ("gspo", "gspo-token"):
+        cfg = PolicyLossConfig(kind=kind)
+        assert cfg.agg == "seq-mean-token-mean"
+        assert PolicyLossConfig.model_validate({"kind": kind}).agg == "seq-mean-token-mean"
+        loss, _ = policy_loss(OLD, OLD, advantages, MASK, cfg, TOKENS, SEQS)
+        assert loss.item() == pytest.approx(-2.5)
+        explicit = PolicyLossConfig(kind=kind, agg="token-mean")
+        loss, _ = policy_loss(OLD, OLD, advantages, MASK, explicit, TOKENS, SEQS)
+        assert loss.item() == pytest.approx(-2.0)
+    assert PolicyLossConfig(kind="ppo").agg == "token-mean"
+    assert PolicyLossConfig(kind="cispo").agg == "token-mean"
