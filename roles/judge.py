@@ -9,8 +9,9 @@ score. The design's "swap serving backends per role" applied to rewards: ``engin
   (``{answer}``); ``chat: true`` wraps it as one user message in the judge's chat template;
 * ``verdict``: ``{kind: number, low: 0, high: 10}`` takes the first number of the judge's
   answer, which must lie in [low, high], scaled to [0, 1]; ``{kind: choice, choices: {"yes": 1,
-  "no": 0}}`` takes the first word of the answer that is one of the choices (case-insensitive;
-  quote yes and no in YAML, which reads them bare as booleans);
+  "no": 0}}`` takes the first choice the answer holds, as written (case-insensitive, spaces and
+  punctuation included, never inside a longer word, the longest of those at one place: ``not
+  sure`` before ``not``); quote yes and no in YAML, which reads them bare as booleans;
 * a verdict that does not parse (no number, a number out of range, no choice word) scores
   ``malformed`` (0 by default) and is counted: ``reward/judge_malformed`` is 1 on that row, so
   its batch mean is the fraction of malformed verdicts. The judge answers greedily, one batched
@@ -23,7 +24,7 @@ import re
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from roles.base import Role, RoleContext
 from roles.engines.generation.serve import EngineName, make_engine, serve
@@ -36,7 +37,6 @@ from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_WORD = re.compile(r"[a-z0-9_]+")
 
 
 class Verdict(BaseModel):
@@ -46,8 +46,11 @@ class Verdict(BaseModel):
     low: float = Field(0.0, description="number: the lowest valid verdict (scored 0)")
     high: float = Field(1.0, description="number: the highest valid verdict (scored 1)")
     choices: dict[str, float] = Field(
-        default_factory=dict, description="choice: word -> score, e.g. {yes: 1, no: 0}"
+        default_factory=dict,
+        description="choice: text -> score, e.g. {yes: 1, no: 0, 'not sure': 0.5}; matched as "
+        "written (case-insensitive), not inside a longer word, the longest at a place first",
     )
+    _choice: re.Pattern[str] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _complete(self) -> Verdict:
@@ -56,6 +59,10 @@ class Verdict(BaseModel):
         if self.kind == "choice" and not self.choices:
             raise ValueError("verdict kind choice needs choices, e.g. {yes: 1.0, no: 0.0}")
         self.choices = {k.lower(): v for k, v in self.choices.items()}
+        if self.choices:  # the longest first, so "not sure" is found before "not"
+            texts = sorted(self.choices, key=len, reverse=True)
+            either = "|".join(re.escape(t) for t in texts)
+            self._choice = re.compile(rf"(?<!\w)(?:{either})(?!\w)")
         return self
 
     def parse(self, text: str) -> float | None:
@@ -68,9 +75,8 @@ class Verdict(BaseModel):
             if not self.low <= value <= self.high:
                 return None
             return (value - self.low) / (self.high - self.low)
-        return next(
-            (self.choices[w] for w in _WORD.findall(text.lower()) if w in self.choices), None
-        )
+        found = self._choice.search(text.lower()) if self._choice is not None else None
+        return None if found is None else self.choices[found.group()]
 
 
 class JudgeConfig(BaseModel):

@@ -28,6 +28,17 @@ def test_choice_verdicts_are_the_first_choice_word() -> None:
     assert v.parse("maybe") is None
 
 
+def test_choices_with_spaces_and_punctuation_match_as_written_longest_first() -> None:
+    v = Verdict(kind="choice", choices={"not sure": 0.5, "not": 0.0, "yes!": 1.0, "A)": 0.25})
+    assert v.parse("I am NOT SURE about it") == 0.5  # the longer choice at the same place
+    assert v.parse("not at all") == 0.0
+    assert v.parse("yes! definitely") == 1.0
+    assert v.parse("yes, definitely") is None  # "yes!" is the choice, not "yes"
+    assert v.parse("answer: a) the first") == 0.25
+    assert v.parse("nothing sure") is None  # a choice inside a longer word is not one
+    assert v.parse("surely not sure") == 0.5  # the first choice in the answer wins
+
+
 def test_bad_settings_are_refused_by_field() -> None:
     base = {"model": "m", "template": "{prompt}"}
     with pytest.raises(ValidationError, match="needs choices"):
