@@ -391,11 +391,11 @@ async def _one(
         if t.done_at_start:
             t.finish = "done"
             return
-        part = 0
-        text = ""  # the turn so far (a turn goes on after a stop token that closes no call)
+        part = used = 0  # a turn goes on after a stop token that closes no call: its pieces
+        text = ""  # and the tokens and text of the turn so far
         while True:
-            budget = min(sampling.max_new_tokens, cfg.max_total_tokens - t.length)
-            if budget <= 0:
+            budget = min(sampling.max_new_tokens - used, cfg.max_total_tokens - t.length)
+            if budget <= 0:  # only at a turn's start: a continuation checks before it goes on
                 t.finish = "length"
                 return
             tokens, lps, got, finish, version = await server.turn(
@@ -403,11 +403,17 @@ async def _one(
             )
             t.extend(tokens, lps, version)
             text += got
+            used += len(tokens)
             last = tokens[-1] if tokens else None
             if finish == "stop" and last in spec.call_stop_token_ids and not spec.stateful:
                 if not text.endswith(spec.call_close) and last != spec.eos_token_id:
-                    part += 1  # e.g. a '>' that closes no call: the same turn goes on
-                    continue
+                    # e.g. a '>' that closes no call: the same turn goes on, within what is
+                    # left of the turn's max_new_tokens and the trajectory's max_total_tokens
+                    left = min(sampling.max_new_tokens - used, cfg.max_total_tokens - t.length)
+                    if left > 0:
+                        part += 1
+                        continue
+                    finish = "length"  # the turn is cut at its limit, as one that ran out
             t.turns += 1
             t.texts.append(text)
             t.segments.append(("sampled", text))
@@ -435,7 +441,7 @@ async def _one(
             if t.turns >= cfg.max_turns:
                 t.finish = "turns"
                 return
-            text, part = "", 0
+            text, part, used = "", 0, 0
     finally:
         t.seconds = time.perf_counter() - t.began
         server.leave()
