@@ -117,7 +117,10 @@ class RolloutPipeline:
         self._sessions = 0  # env sessions opened so far: each trajectory gets a new one
         self.gate = WeightGate()  # weight pushes to the rollout group vs. its generation calls
         self.version = 0  # policy version of the actor's weights (see the module docstring)
-        self.synced = 0  # policy version a separate rollout group holds
+        # policy version a separate rollout group holds; None: not known (a new pipeline, e.g.
+        # after a rollback, whose group may hold a failed attempt's weights): the first sync
+        # pushes whatever the group says it holds
+        self.synced: int | None = None
         self.sync_bytes = 0  # what the last sync moved into the rollout group's rank 0
         self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch out or done
         self._spans: dict[int, tuple[float, float]] = {}  # step -> when its batch generated
@@ -151,7 +154,11 @@ class RolloutPipeline:
     @property
     def held(self) -> int:
         """The policy version of the weights the generator samples from now."""
-        return self.synced if self.roles.rollout is not None else self.version
+        if self.roles.rollout is None:
+            return self.version
+        if self.synced is None:
+            raise RuntimeError("the rollout group's weights are not known before the first sync")
+        return self.synced
 
     @property
     def switch(self) -> bool:
@@ -235,7 +242,7 @@ class RolloutPipeline:
             supervisor = rollout.controller.supervisor
             if supervisor is None or not await supervisor.recovered(self._rollout_group):
                 raise
-            if self.synced >= version:
+            if self.synced is not None and self.synced >= version:
                 return  # its restore gave it these weights (or newer)
             async with self.gate.push():
                 await self.weights.push(rollout, version)

@@ -712,7 +712,7 @@ class Trainer:
         """Take the controller's part of a checkpoint or snapshot; the stage and step to go on
         from."""
         stage, stage_step = int(saved["stage"]), int(saved["stage_step"])
-        # a rollout group starts from the initial weights: version 0, synced before it generates
+        # the rollout group gets these weights at the first sync (it always pushes)
         self.pipeline.version = int(saved["global_step"])
         self.resumed_state = saved["algorithm"]
         self.validations = list(saved["validations"])

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from pydantic import ValidationError
 
 from controller.algorithm_config import AlgorithmConfig
 from controller.rollouts import (
+    RolloutPipeline,
     StalenessError,
     check_staleness,
     load_pending,
@@ -80,3 +84,45 @@ def test_pending_batches_round_trip_exactly(tmp_path: Path) -> None:
             assert got.tensors[name].dtype == tensor.dtype and got.tensors[name].equal(tensor)
         assert got.non_tensors == original.non_tensors and got.meta == original.meta
     assert load_pending(tmp_path / "none") == (None, {})
+
+
+class Rollout:
+    """A rollout group's client as the pipeline sees it: which weights it holds."""
+
+    role = "rollout"
+    controller = SimpleNamespace(supervisor=None)
+
+    def __init__(self, holds: int) -> None:
+        self.holds = holds
+
+
+class Pushes:
+    """WeightSync's push, recorded: the actor's version ``version`` into ``target``."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+
+    async def push(self, target: Rollout, version: int, strict: bool = True) -> dict[str, Any]:
+        self.pushed.append(version)
+        target.holds = version
+        return {}
+
+
+def test_a_fresh_pipeline_pushes_before_its_first_batch_whatever_the_rollout_group_holds() -> None:
+    """After a rollback with nothing to roll back to, a new pipeline starts at version 0 while
+    the rollout group still holds the failed attempt's weights (version 3): the first sync must
+    push, or rows stamped 0 would be sampled from version 3."""
+    rollout, weights = Rollout(holds=3), Pushes()
+    roles = SimpleNamespace(rollout=rollout, actor=None)
+    pipeline = RolloutPipeline(roles, weights)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        await pipeline.sync()
+        assert weights.pushed == [0] and rollout.holds == 0 and pipeline.held == 0
+        await pipeline.sync()  # known to hold version 0 now: nothing to push
+        assert weights.pushed == [0]
+        pipeline.trained()
+        await pipeline.sync()
+        assert weights.pushed == [0, 1] and pipeline.held == 1
+
+    asyncio.run(main())
