@@ -192,14 +192,22 @@ def reverse_kl(student: Tensor, teacher: Tensor, response_mask: Tensor) -> Tenso
     )
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, cache: int, factor: float = 1.0) -> Tensor:
-    """[B]: DAPO's soft overlong penalty of responses of ``lengths`` tokens (module docstring)."""
-    if not 0 < cache <= max_len:
+def overlong_penalty(
+    lengths: Tensor, max_len: int | Tensor, cache: int, factor: float = 1.0
+) -> Tensor:
+    """[B]: DAPO's soft overlong penalty of responses of ``lengths`` tokens (module docstring).
+    ``max_len``: the limit, one for the batch or one per row (a multi-turn row's budget of
+    sampled tokens); a row whose limit is under ``cache`` has its whole budget as the window."""
+    if isinstance(max_len, int) and not 0 < cache <= max_len:
         raise ValueError(f"cache={cache} must be in 1..max_len={max_len}")
-    start = max_len - cache
+    if cache < 1:
+        raise ValueError(f"cache={cache} must be >= 1")
+    limit = torch.as_tensor(max_len, dtype=torch.float32).expand(lengths.shape)
+    start = (limit - cache).clamp(min=0)
+    window = (limit - start).clamp(min=1)
     over = lengths.float() - start
-    penalty = torch.where(over > 0, -over / cache, torch.zeros_like(over))
-    penalty = torch.where(lengths > max_len, torch.full_like(over, -1.0), penalty)
+    penalty = torch.where(over > 0, -over / window, torch.zeros_like(over))
+    penalty = torch.where(lengths > limit, torch.full_like(over, -1.0), penalty)
     return factor * penalty
 
 

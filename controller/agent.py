@@ -69,6 +69,9 @@ from transport.sampling import SamplingConfig
 NOT_ECHOED = ("prompt_ids",)
 #: the text columns a trajectory adds to its row (besides ``response``, ``finish``, ``request``)
 TRAJECTORY_COLUMNS = ("transcript", "segments", "env_reward", "turns", "tool_calls", "seconds")
+#: [B] a trajectory's budget of sampled tokens: max_total_tokens less its prompt and observation
+#: tokens (the limit DAPO's overlong shaping measures a multi-turn row against)
+SAMPLE_BUDGET = "sample_budget"
 
 
 class AgentConfig(BaseModel):
@@ -373,7 +376,7 @@ async def run_trajectories(
             task.cancel()
     elapsed = time.perf_counter() - began
     await setup.env.close([t.session for t in trajectories])
-    batch = _batch(trajectories, prompts, server.pad_id or 0)
+    batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
     batch.meta["agent"] = agent_metrics(trajectories, elapsed, server, desk)
     return batch
 
@@ -452,13 +455,17 @@ def _rows(prompts: TensorBatch) -> list[dict[str, Any]]:
     return [{c: prompts.non_tensors[c][i] for c in names} for i in range(len(prompts))]
 
 
-def _batch(trajectories: list[Trajectory], prompts: TensorBatch, pad_id: int) -> TensorBatch:
+def _batch(
+    trajectories: list[Trajectory], prompts: TensorBatch, pad_id: int, max_total: int
+) -> TensorBatch:
     """Training rows: start then everything after it, right-padded; ``response_mask`` on the
-    sampled tokens only."""
+    sampled tokens only; ``SAMPLE_BUDGET`` the sampled tokens each trajectory had room for."""
     tensors = token_rows(
         [TokenRow(t.start, t.ids, t.sampled, t.log_probs, t.versions) for t in trajectories],
         pad_id,
     )
+    given = [t.length - sum(t.sampled) for t in trajectories]  # prompt and observations
+    tensors[SAMPLE_BUDGET] = torch.tensor([max_total - g for g in given], dtype=torch.long)
     columns = [c for c in prompts.non_tensors if c not in NOT_ECHOED]
     non_tensors: dict[str, list[Any]] = {
         c: [prompts.non_tensors[c][t.request] for t in trajectories] for c in columns

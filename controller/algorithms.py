@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from controller import advantages as adv
+from controller.agent import SAMPLE_BUDGET
 from controller.algorithm_config import AlgorithmConfig
 from controller.clients import (
     ActorClient,
@@ -255,16 +256,33 @@ async def rewarded(
     roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig, timer: Timer | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The reward role's ``scores``, plus the overlong penalty when ``cfg.overlong`` is set
-    (``reward/overlong_penalty``: its batch mean)."""
+    (``reward/overlong_penalty``: its batch mean). Every score a step compares goes through
+    here (ReMax's greedy baseline too), so all carry the same shaping."""
     score, extras = await scored(roles.reward, batch, timer)
-    if cfg.overlong is not None:
-        lengths = batch.tensors["response_mask"].sum(-1)
-        penalty = adv.overlong_penalty(
-            lengths, cfg.max_new_tokens, cfg.overlong.cache, cfg.overlong.factor
-        )
+    penalty = overlong(batch, cfg)
+    if penalty is not None:
         score = score + penalty
         extras["reward/overlong_penalty"] = float(penalty.mean())
     return score, extras
+
+
+def overlong(batch: TensorBatch, cfg: AlgorithmConfig) -> torch.Tensor | None:
+    """[B] DAPO's soft overlong penalty of each row (None when ``cfg.overlong`` is off). The
+    limit is ``max_new_tokens``, or for a multi-turn row its trajectory's budget of sampled
+    tokens (``SAMPLE_BUDGET``: ``max_total_tokens`` less its prompt and observations), since
+    ``max_new_tokens`` limits each turn, not the trajectory."""
+    if cfg.overlong is None:
+        return None
+    lengths = batch.tensors["response_mask"].sum(-1)
+    budget = batch.tensors.get(SAMPLE_BUDGET)
+    limit = cfg.max_new_tokens if budget is None else budget
+    return adv.overlong_penalty(lengths, limit, cfg.overlong.cache, cfg.overlong.factor)
+
+
+def reference(roles: Roles, cfg: AlgorithmConfig) -> ReferenceClient | None:
+    """The reference a step asks for log-probs: only when its KL reads them (``kl.coef`` > 0),
+    so a stage without KL runs no reference pass (a LoRA actor's adapters-off one included)."""
+    return roles.reference if cfg.kl.coef else None
 
 
 def kl_of(old: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
@@ -404,7 +422,7 @@ async def ppo_step(
     async with t("prepare"):  # the four calls overlap when the roles live in different groups
         old, ref, value, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
-            log_probs(roles.reference, batch, cfg.temperature, t),
+            log_probs(reference(roles, cfg), batch, cfg.temperature, t),
             values(roles.critic, batch, t),
             rewarded(roles, batch, cfg, t),
         )
@@ -440,7 +458,7 @@ async def remax_step(
     async with t("prepare"):
         old, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
-            log_probs(roles.reference, batch, cfg.temperature, t),
+            log_probs(reference(roles, cfg), batch, cfg.temperature, t),
             rewarded(roles, batch, cfg, t),
         )
     kl = kl_of(old, ref, mask)
@@ -462,7 +480,7 @@ async def safe_rlhf_step(
     async with t("prepare"):
         old, ref, value, cost_value, (score, extras), (cost, _) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
-            log_probs(roles.reference, batch, cfg.temperature, t),
+            log_probs(reference(roles, cfg), batch, cfg.temperature, t),
             values(roles.critic, batch, t),
             values(roles.cost_critic, batch, t),
             rewarded(roles, batch, cfg, t),
@@ -472,7 +490,8 @@ async def safe_rlhf_step(
     reward_kl = state.kl.value if (cfg.kl.mode == "reward" and kl is not None) else 0.0
     rewards = adv.token_rewards(score, mask, kl, reward_kl)
     r_adv, r_ret = adv.gae(rewards, value, mask, cfg.gamma, cfg.lam, cfg.whiten)
-    c_adv, c_ret = adv.gae(adv.token_rewards(cost, mask), cost_value, mask, cfg.gamma, cfg.lam)
+    cost_rewards = adv.token_rewards(cost, mask)
+    c_adv, c_ret = adv.gae(cost_rewards, cost_value, mask, cfg.gamma, cfg.lam, cfg.whiten)
     lam = state.lagrange
     advantages = (r_adv - lam * c_adv) / (1.0 + lam)
     batch = with_columns(
@@ -512,7 +531,7 @@ async def group_step(
     async with t("prepare"):
         old, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
-            log_probs(roles.reference, batch, cfg.temperature, t),
+            log_probs(reference(roles, cfg), batch, cfg.temperature, t),
             rewarded(roles, batch, cfg, t),
         )
     kl = kl_of(old, ref, mask)
@@ -552,16 +571,22 @@ async def distill_step(
         old, teacher, ref, (score, extras) = await asyncio.gather(
             old_log_probs(roles, batch, cfg, t),
             log_probs(need(roles.teacher, "teacher"), batch, cfg.temperature, t),
-            log_probs(roles.reference, batch, cfg.temperature, t),
+            log_probs(reference(roles, cfg), batch, cfg.temperature, t),
             rewarded(roles, batch, cfg, t),
         )
     reverse_kl = adv.reverse_kl(old, teacher, mask)
     advantages = -cfg.distill_coef * reverse_kl
+    kl = kl_of(old, ref, mask)
+    if kl is not None and cfg.kl.mode == "reward":  # a per-token penalty like the teacher's
+        advantages = advantages - state.kl.value * kl
     batch = with_columns(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages)
     async with t("update"):
         metrics = await learn(roles, batch, cfg, state, step)
+    if kl is not None:
+        state.kl.update(cfg.kl.measure(kl, mask), len(batch))
+        metrics["kl_coef"] = state.kl.value
     metrics["distill/reverse_kl"] = float(reverse_kl.sum() / mask.sum().clamp(min=1))
-    return summarize(batch, score, kl_of(old, ref, mask), **extras, **metrics)
+    return summarize(batch, score, kl, **extras, **metrics)
 
 
 def _group_stats(solved: torch.Tensor, group: torch.Tensor) -> dict[str, float]:

@@ -58,7 +58,7 @@ from controller.agent import (
     run_trajectories,
 )
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import Roles, Timer, with_columns
+from controller.algorithms import Roles, Timer, rewarded, with_columns
 from controller.scoring import ask, scores, stash, stashed
 from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError
@@ -381,7 +381,7 @@ class RolloutPipeline:
             greedy = await self._trajectories(prompts, sampling, version)
         else:
             greedy = await self.generator.generate(prompts, sampling, version)
-        base, _ = await scores(self.roles.reward, greedy)
+        base, _ = await rewarded(self.roles, greedy, cfg)  # shaped as the samples are
         return base[index_of(batch, greedy)]
 
 

@@ -566,6 +566,14 @@ def _check_agent(exp: Experiment) -> None:
                 f"stages.{i}.algorithm.stream_chunks: trajectories are served as they come "
                 "(trainer.agent); streaming sub-batches does not apply, set it to 1"
             )
+        overlong = stage.algorithm.overlong
+        if overlong is not None and overlong.cache >= agent.max_total_tokens:
+            raise ExperimentError(
+                f"stages.{i}.algorithm.overlong.cache={overlong.cache}: with trainer.agent the "
+                "penalty window lies below a trajectory's budget of sampled tokens "
+                f"(trainer.agent.max_total_tokens={agent.max_total_tokens} less its prompt and "
+                "observations); make it smaller"
+            )
         if stage.algorithm.partial_rollout is not None:
             raise ExperimentError(
                 f"stages.{i}.algorithm.partial_rollout: not supported with trainer.agent; "

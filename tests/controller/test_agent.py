@@ -100,6 +100,15 @@ def test_rows_are_sampled_and_observation_tokens_and_the_mask_is_the_sampled_one
         assert sum(k for k, _ in pieces) == turns  # one sampled run per turn
 
 
+def test_each_row_carries_its_budget_of_sampled_tokens(results: dict[str, Any]) -> None:
+    """max_total_tokens (96) less the prompt and observation tokens: what DAPO's overlong
+    shaping measures a trajectory's sampled tokens against."""
+    batch = results["env_continuous"]
+    given = batch.tensors["attention_mask"].sum(-1) - batch.tensors["response_mask"].sum(-1)
+    assert batch.tensors["sample_budget"].tolist() == (96 - given).tolist()
+    assert (batch.tensors["response_mask"].sum(-1) <= batch.tensors["sample_budget"]).all()
+
+
 def test_the_trainers_log_probs_equal_the_sampled_ones_on_the_masked_tokens(
     results: dict[str, Any],
 ) -> None:
