@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.agent import AgentConfig
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import STEPS, Roles, State, first_rows
+from controller.algorithms import STEPS, BaseModelClient, Roles, State, first_rows
 from controller.clients import EngineClient
 from controller.metrics import Sample, sample_sinks
 from controller.rollouts import (
@@ -370,10 +370,13 @@ class Trainer:
                 await self.clients[role].configure_optim(optim)
 
     async def _init_from_actor(self) -> None:
-        """The reference becomes the actor as it is now; critics take its backbone."""
-        targets = [r for r in ("reference", "critic", "cost_critic") if r in self.clients]
-        if not targets or self.global_step == 0:
+        """The reference becomes the actor as it is now; critics take its backbone. A LoRA
+        actor that is its own reference freezes a copy of its adapters as the reference's."""
+        if self.global_step == 0:
             return
+        if isinstance(self.roles.reference, BaseModelClient):
+            await self.roles.actor.rebase_reference()
+        targets = [r for r in ("reference", "critic", "cost_critic") if r in self.clients]
         for role in targets:  # rank to rank (or a copy inside a shared group): reshard/remote.py
             client = self.clients[role]
             await self.weights.push(client, self.global_step, strict=role == "reference")

@@ -384,6 +384,7 @@ def check(exp: Experiment) -> None:
         raise ExperimentError("roles: every experiment needs an 'actor'")
     _check_stages(exp)
     _check_agent(exp)
+    _check_lora_targets(exp)
     _check_settings(exp)
     _check_rule_settings(exp)
     _check_sglang(exp)
@@ -580,6 +581,50 @@ def _check_agent(exp: Experiment) -> None:
                 "a weight push waits for the generation call in flight and later turns of a "
                 "trajectory use the newer weights (token_versions records which)"
             )
+
+
+def _check_lora_targets(exp: Experiment) -> None:
+    """A LoRA actor hands on only its adapters: where an RL stage starts the reference and
+    critics from the actor (``init_from_actor`` after an earlier stage), a critic must hold the
+    actor's base model with adapters of the same shape, or what it took would not be the actor
+    (a plain model would take only the layers LoRA leaves alone). A reference role cannot (a
+    frozen role has no adapters): the LoRA actor is its own, re-based at the stage's start."""
+    starts = [
+        i
+        for i, stage in enumerate(exp.stages)
+        if i > 0 and isinstance(stage, RLStage) and stage.init_from_actor
+    ]
+    actor = exp.roles["actor"]
+    if not starts or actor.settings().get("lora") is None:
+        return
+    where = f"stages.{starts[0]} starts it from the LoRA actor (init_from_actor), which hands on"
+    apart = f"or set stages.{starts[0]}.init_from_actor: false"
+    if "reference" in exp.roles:
+        raise ExperimentError(
+            f"roles.reference: {where} its adapters only; drop the role (a LoRA actor is its "
+            f"own reference: its adapters as the stage starts) {apart}"
+        )
+    wanted = _lora_shape(actor)
+    for role in ("critic", "cost_critic"):
+        cfg = exp.roles.get(role)
+        if cfg is not None and (_lora_shape(cfg) != wanted or cfg.model != actor.model):
+            raise ExperimentError(
+                f"roles.{role}: {where} its adapters only; give it the actor's model "
+                f"({actor.model!r}) and lora block ({actor.settings()['lora']}) {apart}"
+            )
+
+
+def _lora_shape(cfg: RoleConfig) -> dict[str, Any] | None:
+    """What decides which adapter tensors a role holds and what they mean (not dropout)."""
+    from roles.modeling.lora import LoraSettings
+
+    raw = cfg.settings().get("lora")
+    if raw is None:
+        return None
+    try:
+        return LoraSettings.model_validate(raw).model_dump(exclude={"dropout"})
+    except ValidationError:  # refused by field where the role's settings are checked
+        return {"invalid": raw}
 
 
 def _check_settings(exp: Experiment) -> None:

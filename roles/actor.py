@@ -125,10 +125,18 @@ class Actor(Reference):
     def compute_ref_log_prob(
         self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
     ) -> TensorBatch:
-        """``compute_log_prob`` of the base model: this actor with its LoRA adapters switched
-        off, the reference of a LoRA run (no second copy of the model is loaded)."""
-        with self.engine.base_weights():
+        """``compute_log_prob`` of the reference of a LoRA run, this actor itself (no second copy
+        of the model is loaded): its adapters switched off (the base model), or once
+        ``rebase_reference`` ran, the adapters it froze."""
+        with self.engine.reference_weights():
             return self._log_probs(batch, temperature, entropy)
+
+    @endpoint(ONE_TO_ALL)
+    def rebase_reference(self) -> None:
+        """The adapters as they are now become the reference's (``compute_ref_log_prob``), at
+        an RL stage's start after an earlier stage trained them: the KL is then measured from
+        the model the stage starts from, as with a separate reference role."""
+        self.engine.rebase_reference()
 
     def _hybrid(self) -> HybridEngine:
         bucket = int(self.engine.cfg.reshard_bucket_mb * 1e6)

@@ -86,10 +86,15 @@ class EngineRole(WeightSource, WeightSink, Role):
         return Layout(dp=self.ctx.world_size)  # whole tensors; the engine cuts its own shards
 
     def sink_names(self) -> set[str]:
-        return set(self.engine.param_layout())
+        """What a weight sync into this role may fill: every parameter, or with LoRA the
+        adapters (the base stays the model folder's, as on the sending side)."""
+        names = self.engine.synced_names()
+        return set(self.engine.param_layout()) if names is None else names
 
     def adopt(self, staged: dict[str, torch.Tensor], strict: bool, version: int) -> None:
-        self.engine.load_full_state(staged, strict)
+        # ``accept`` held the offered names to ``sink_names`` already: a LoRA sink's strict
+        # sync is its adapters alone, which leaves its (frozen) base weights out
+        self.engine.load_full_state(staged, strict and self.engine.synced_names() is None)
 
     def sum_over_dp(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         return self.engine.sum_over_dp(values)

@@ -40,11 +40,16 @@ class ActorClient(ReferenceClient):
         *,
         timeout: float | None = None,
     ) -> TensorBatch:
-        """``compute_log_prob`` of the actor with its LoRA adapters switched off: the base
-        model, the reference of a LoRA run."""
+        """``compute_log_prob`` of the reference of a LoRA run: the actor with its adapters
+        switched off (the base model), or as ``rebase_reference`` froze them."""
         return await self._call(
             Transfer.DP_SPLIT, "compute_ref_log_prob", batch, temperature, entropy, timeout=timeout
         )
+
+    async def rebase_reference(self, *, timeout: float | None = None) -> None:
+        """A LoRA actor's adapters as they are now become its reference's (an RL stage's start
+        after SFT)."""
+        return await self._call(Transfer.ONE_TO_ALL, "rebase_reference", timeout=timeout)
 
     async def generate(
         self,

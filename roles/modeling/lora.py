@@ -16,6 +16,8 @@ What the rest of hybridflow uses:
 * ``attach`` — adapters into a module (training engines and the rollout role alike);
 * ``adapters_disabled`` — the base model for a block: the reference's log-probs in a LoRA run
   come from the actor this way, with no second copy of the model;
+* ``adapter_values`` / ``adapters_set_to`` — a frozen copy of the adapters, and the model
+  computing with it for a block: the reference once an earlier stage (SFT) trained them;
 * ``effective_weight`` — ``W0 + s · B A`` of one projection, computed afresh from the pristine
   base (what the native generator fuses per call: no merge drifts, nothing is un-merged);
 * ``merged_state`` — a state dict in plain Hugging Face names with every adapter merged (export,
@@ -168,6 +170,31 @@ def adapters_disabled(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for layer, was in zip(layers, before, strict=True):
             layer._disable_adapters = was
+
+
+def adapter_values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of this rank's adapter tensors (its local shards under FSDP), by name."""
+    return {n: _local(p).detach().clone() for n, p in module.named_parameters() if is_adapter(n)}
+
+
+@contextmanager
+def adapters_set_to(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The module computes with adapter ``values`` (``adapter_values`` of an earlier moment) for
+    the block, then gets its own back: a frozen copy of adapters as a second model over the same
+    base (the reference of a LoRA run after an SFT stage), at the cost of two small copies."""
+    held = {n: _local(p) for n, p in module.named_parameters() if is_adapter(n)}
+    if held.keys() != values.keys():
+        raise ValueError(f"{len(values)} saved adapters do not fit the {len(held)} of the model")
+    own = {n: t.detach().clone() for n, t in held.items()}
+    with torch.no_grad():
+        for n, t in held.items():
+            t.copy_(values[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, t in held.items():
+                t.copy_(own[n])
 
 
 @contextmanager

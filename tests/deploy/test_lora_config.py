@@ -84,3 +84,22 @@ def test_bad_lora_settings_are_refused_by_field(
     run_dir: Path, overrides: list[str], expected: str
 ) -> None:
     assert expected in error_of(run_dir, *overrides)
+
+
+def test_roles_started_from_a_lora_actor_must_hold_its_adapters(run_dir: Path) -> None:
+    """The quickstart's GRPO stage follows SFT and starts the reference and critics from the
+    actor: a LoRA actor hands on adapters only, so a reference role (frozen: no adapters) or a
+    critic without the actor's lora block is refused before any process starts."""
+    reference = ["roles.reference={model: base}", "placement.main.roles=[actor, reward, reference]"]
+    msg = error_of(run_dir, LORA, KL, *reference)
+    assert msg.startswith("roles.reference: stages.1 starts it from the LoRA actor")
+    assert "drop the role" in msg and "stages.1.init_from_actor: false" in msg
+    check(parse(base(), [LORA, KL, *reference, "stages.1.init_from_actor=false"]))
+    critic = ["stages.1.algorithm.name=ppo", "placement.main.roles=[actor, reward, critic]"]
+    plain = error_of(run_dir, LORA, "roles.critic={model: base}", *critic)
+    assert plain.startswith("roles.critic: stages.1 starts it from the LoRA actor")
+    other = "roles.critic={model: base, lora: {rank: 4, alpha: 16}}"
+    assert error_of(run_dir, LORA, other, *critic).startswith("roles.critic: stages.1")
+    same = "roles.critic={model: base, lora: {rank: 8, alpha: 16, dropout: 0.1}}"
+    [main] = groups_of(run_dir, LORA, same, *critic)
+    assert main.roles["critic"].config["lora"]["rank"] == 8

@@ -69,6 +69,14 @@ async def scenario(c: Any, root: Path) -> dict[str, Any]:
     out["one"] = await train(one, range(1, 4), logp)
     out["ref"] = (await actor.compute_ref_log_prob(batch))["log_probs"]
     out["base"] = (await base.compute_log_prob(batch))["log_probs"]
+    # an RL stage starts here (after "SFT"): the reference becomes the actor as it is now
+    await actor.rebase_reference()
+    out["rebased"] = (await actor.compute_ref_log_prob(batch))["log_probs"]
+    out["rebased_actor"] = (await actor.compute_log_prob(batch))["log_probs"]
+    # a separate reference with the same adapters takes the actor's, strictly
+    lora_ref = ReferenceClient(c, "lora_ref")
+    out["ref_sync"] = await WeightSync(actor, WeightSyncSettings()).push(lora_ref, 1, strict=True)
+    out["lora_ref"] = (await lora_ref.compute_log_prob(batch))["log_probs"]
     # adapter-only sync: the rollout group answers as the actor does
     settings = WeightSyncSettings(bucket_mb=1)
     out["sync"] = await WeightSync(actor, settings).push(rollout, 1)
@@ -81,7 +89,10 @@ async def scenario(c: Any, root: Path) -> dict[str, Any]:
     await actor.save(str(ckpt))
     out["ckpt"] = ckpt
     out["on"] = await train(actor, range(4, 6), logp)
+    out["ref_later"] = (await actor.compute_ref_log_prob(batch))["log_probs"]
+    await actor.rebase_reference()  # on the trained adapters; the checkpoint has the earlier
     out["loaded_at"] = await actor.load(str(ckpt))
+    out["ref_loaded"] = (await actor.compute_ref_log_prob(batch))["log_probs"]
     out["replayed"] = await train(actor, range(4, 6), logp)
     out["export"] = await actor.export(str(root / "export" / "actor"))
     # a critic with its own adapters: the value head trains whole, the base stays
@@ -118,7 +129,12 @@ def recorded(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
             base_one=("roles.actor:Reference", frozen),
         ),
         group("r", 1, rollout=("roles.rollout:Rollout", {"model": str(model), "lora": LORA})),
-        group("c", 1, critic=("roles.critic:Critic", lora)),
+        group(
+            "c",
+            1,
+            critic=("roles.critic:Critic", lora),
+            lora_ref=("roles.actor:Reference", {**frozen, "lora": LORA}),
+        ),
     ]
 
     async def main() -> dict[str, Any]:
@@ -138,6 +154,31 @@ def test_adapters_off_are_the_base_model_bitwise_after_training(recorded: dict[s
     assert torch.equal(recorded["ref"], recorded["base"])
     moved = (recorded["two"]["log_probs"] - recorded["base"]).abs().max()
     assert moved > 0.05  # the adapters did learn something
+
+
+def test_a_rebased_reference_is_the_actor_at_the_rl_stage_start_and_stays_there(
+    recorded: dict[str, Any],
+) -> None:
+    """After SFT the KL is measured from the SFT model: just after ``rebase_reference`` the
+    reference's log-probs are the actor's bitwise; they stay put while the actor trains on, and
+    a checkpoint written after the re-basing brings them back."""
+    assert torch.equal(recorded["rebased"], recorded["rebased_actor"])
+    assert not torch.equal(recorded["rebased"], recorded["ref"])  # not the base model
+    assert torch.equal(recorded["ref_later"], recorded["rebased"])
+    assert not torch.equal(recorded["on"]["log_probs"], recorded["rebased"])  # the actor moved
+    assert torch.equal(recorded["ref_loaded"], recorded["rebased"])
+
+
+def test_a_lora_reference_takes_the_actors_adapters_and_answers_as_it(
+    recorded: dict[str, Any],
+) -> None:
+    """A LoRA actor's push carries adapters only; a reference with the same lora block takes
+    them strictly (its base is the same model folder) and then computes what the actor does."""
+    received = recorded["ref_sync"]["received"]
+    assert 0 < received["bytes"] < 200_000  # adapters of a 0.6M model, not the whole of it
+    torch.testing.assert_close(
+        recorded["lora_ref"], recorded["rebased_actor"], atol=1e-5, rtol=0
+    )
 
 
 def test_one_rank_and_two_fsdp_ranks_train_alike(recorded: dict[str, Any]) -> None:

@@ -437,8 +437,13 @@ RUNS = {
     "actor": COLOCATED,
     # the actor trains at tp 2; vLLM generates at tp 2 on the same two ranks
     "actor-tp2": [*COLOCATED, "placement.main.tp=2"],
-    # LoRA adapters: vLLM runs none here, it loads the merged weights before each generation
-    "actor-lora": [*COLOCATED, "roles.actor.lora={rank: 8, alpha: 16}"],
+    # LoRA adapters: vLLM runs none here, it loads the merged weights before each generation;
+    # the KL's reference is the actor's adapters as SFT left them
+    "actor-lora": [
+        *COLOCATED,
+        "roles.actor.lora={rank: 8, alpha: 16}",
+        "stages.1.algorithm.kl={coef: 0.01, mode: loss}",
+    ],
 }
 EXTENDED_RUNS = ("actor-tp2", "actor")  # actor-lora covers the colocated path too
 
@@ -464,6 +469,8 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
         # fp32: pi_old / pi_rollout is 1 up to the engines' rounding, never near the cap
         assert all(abs(r["train/actor/tis_weight"] - 1) < 1e-4 for r in rl)
         assert all(r["train/actor/tis_capped_frac"] == 0 for r in rl)
+    if where == "actor-lora":  # the reference starts at the SFT model, not the base one
+        assert rl[0]["train/kl"] == 0.0
     gaps = [r["train/rollout/logprob_gap_max"] for r in rl]
     print(f"GRPO with vLLM ({where}): per-step max |log-prob gap| {max(gaps):.2e}")
     assert max(gaps) < LOGPROB_BOUND_MAX

@@ -50,7 +50,9 @@ from roles.engines.training.snapshot import RankSnapshots, fill
 from roles.modeling.lora import (
     adapter_dropout,
     adapter_folder,
+    adapter_values,
     adapters_disabled,
+    adapters_set_to,
     attach,
     injected_names,
     is_adapter,
@@ -86,6 +88,8 @@ class FSDPEngine(TrainingEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._snapshots: RankSnapshots | None = None  # the shared-memory files mapped so far
+        # LoRA: the adapters the reference computes with (rebase_reference); None: adapters off
+        self._reference: dict[str, torch.Tensor] | None = None
         if cfg.optim is not None:
             self.configure_optim(cfg.optim)
         else:
@@ -141,11 +145,20 @@ class FSDPEngine(TrainingEngine):
         return {name for name, _ in self.module.named_parameters() if is_adapter(name)}
 
     @contextmanager
-    def base_weights(self) -> Iterator[torch.nn.Module]:
+    def reference_weights(self) -> Iterator[torch.nn.Module]:
         if self.cfg.lora is None:
             raise EngineError("this engine has no lora adapters to switch off")
-        with adapters_disabled(self.module) as module:
-            yield module
+        if self._reference is None:
+            with adapters_disabled(self.module) as module:
+                yield module
+            return
+        with adapters_set_to(self.module, self._reference):
+            yield self.module
+
+    def rebase_reference(self) -> None:
+        if self.cfg.lora is None:
+            raise EngineError("this engine has no lora adapters to re-base a reference on")
+        self._reference = adapter_values(self.module)
 
     # -- parallelism ---------------------------------------------------------------------------
 
@@ -414,6 +427,7 @@ class FSDPEngine(TrainingEngine):
             "step": self.step,
             "scheduler": self._sched_state(),
             "fresh": fresh,
+            "reference_adapters": self._reference,
         }
         return state, extra
 
@@ -423,6 +437,7 @@ class FSDPEngine(TrainingEngine):
             self.optimizer.state.clear()  # saved before the first step (see _state_and_extra)
         torch.set_rng_state(extra["rng"])
         self.step = int(extra["step"])
+        self._reference = extra.get("reference_adapters")
         if self.scheduler is not None and extra["scheduler"] is not None:
             self.scheduler.load_state_dict(extra["scheduler"])
 

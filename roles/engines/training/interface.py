@@ -18,7 +18,8 @@ a batch plus a function of the model's output, and get tensors back.
   memory that outlive the rank (``snapshot.py``): a restarted rank rolls back one step cheaply.
   Only the fsdp engine has them; the default refuses.
 * LoRA (``cfg.lora``, fsdp only): ``synced_names`` the adapters a weight sync carries,
-  ``base_weights`` the model with them switched off (the reference of a LoRA run).
+  ``reference_weights`` the reference of a LoRA run (adapters off, or as ``rebase_reference``
+  froze them at an RL stage's start).
 
 Output kinds: an ``lm`` engine returns logits ``[B, T, V]``; a ``token`` engine (critic, reward
 model) returns one scalar per position ``[B, T]``.
@@ -134,10 +135,16 @@ class TrainingEngine(ABC):
         adapters: a generator holds the same frozen base from the model folder."""
         return None
 
-    def base_weights(self) -> AbstractContextManager[torch.nn.Module]:
-        """The model with its LoRA adapters switched off for the block (the reference of a
-        LoRA run); engines without adapters refuse."""
+    def reference_weights(self) -> AbstractContextManager[torch.nn.Module]:
+        """The reference of a LoRA run for the block: the adapters as ``rebase_reference``
+        froze them, or (never re-based) switched off, the base model; engines without adapters
+        refuse."""
         raise NotImplementedError(f"{type(self).__name__} has no lora adapters to switch off")
+
+    def rebase_reference(self) -> None:
+        """The adapters as they are now become the reference's (``reference_weights``): an RL
+        stage after SFT measures its KL from the SFT model. Kept in checkpoints and snapshots."""
+        raise NotImplementedError(f"{type(self).__name__} has no lora adapters to re-base")
 
     @abstractmethod
     def full_state(self) -> dict[str, torch.Tensor]:
