@@ -59,7 +59,7 @@ from controller.agent import (
 )
 from controller.algorithm_config import AlgorithmConfig
 from controller.algorithms import Roles, Timer, rewarded, with_columns
-from controller.scoring import ask, scores, stash, stashed
+from controller.scoring import ask, stash, stashed
 from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch

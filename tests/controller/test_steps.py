@@ -81,7 +81,9 @@ def trained_advantages(actor: Model) -> torch.Tensor:
     return batch.tensors["advantages"]
 
 
-def test_distill_applies_the_kl_to_the_reference_in_the_advantages_and_moves_its_controller() -> None:
+def test_distill_applies_the_kl_to_the_reference_in_the_advantages_and_moves_its_controller() -> (
+    None
+):
     """Per token: A = -distill_coef (log pi - log teacher) - kl.coef (log pi - log ref)."""
     old = torch.tensor([[0.0, -1.0, -2.0, -1.0], [0.0, -1.0, -1.0, 0.0]])
     teacher = torch.tensor([[0.0, -0.5, -2.0, -2.0], [0.0, -1.0, -3.0, 0.0]])

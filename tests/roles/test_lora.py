@@ -176,9 +176,7 @@ def test_a_lora_reference_takes_the_actors_adapters_and_answers_as_it(
     them strictly (its base is the same model folder) and then computes what the actor does."""
     received = recorded["ref_sync"]["received"]
     assert 0 < received["bytes"] < 200_000  # adapters of a 0.6M model, not the whole of it
-    torch.testing.assert_close(
-        recorded["lora_ref"], recorded["rebased_actor"], atol=1e-5, rtol=0
-    )
+    torch.testing.assert_close(recorded["lora_ref"], recorded["rebased_actor"], atol=1e-5, rtol=0)
 
 
 def test_one_rank_and_two_fsdp_ranks_train_alike(recorded: dict[str, Any]) -> None:
