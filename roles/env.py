@@ -98,6 +98,11 @@ class EnvConfig(BaseModel):
     )
     sandbox_memory_mb: int = Field(512, ge=32, description="python tool: address-space limit")
     sandbox_network: bool = Field(False, description="python tool: allow network access")
+    sandbox_allow_weak: bool = Field(
+        False,
+        description="python tool: run even where the kernel cannot isolate it (no user "
+        "namespaces, Landlock or seccomp); unprotected there, so off unless you accept that",
+    )
     sandbox_timeout_s: float | None = Field(
         None, gt=0, description="python tool: wall-clock limit (default 0.9 x call_timeout_s)"
     )
@@ -216,7 +221,16 @@ class EnvRole(Role):
         self._configure_builtins()
         self.tools = load_tools(self.cfg)
         if any(tool.fn is sandbox.python for tool in self.tools.values()):
-            log.info("the python tool's sandbox here: %s", sandbox.current().isolation())
+            found = sandbox.current().check()  # refuses here where the kernel cannot isolate
+            if found["weak"]:
+                log.warning(
+                    "the python tool runs WITHOUT %s (sandbox_allow_weak): model output it runs "
+                    "is not contained there; reads are not restricted without files. %s",
+                    ", ".join(found["weak"]),
+                    found,
+                )
+            else:
+                log.info("the python tool's sandbox here: %s", found)
         self.env_cls = load_environment(self.cfg.environment) if self.cfg.environment else None
         self._spec = self._make_spec()
         self.runner = Runner(self.cfg.workers, self.cfg.call_timeout_s, name=f"{ctx.role}")
@@ -233,6 +247,7 @@ class EnvRole(Role):
                 memory_mb=cfg.sandbox_memory_mb,
                 timeout_s=timeout,
                 network=cfg.sandbox_network,
+                allow_weak=cfg.sandbox_allow_weak,
                 # room for the sandbox's own note on what it cut, within the observation's limit
                 output_chars=cfg.max_observation_chars - NOTE_ROOM,
             )

@@ -26,3 +26,9 @@ class SandboxKilled(ToolFailure):
     """The sandboxed process was killed by one of its limits (memory, CPU time, file size)."""
 
     kind: ErrorKind = "sandbox_killed"
+
+
+class SandboxUnavailable(ToolFailure):
+    """The kernel here cannot isolate the code and the weak mode was not chosen."""
+
+    kind: ErrorKind = "sandbox_killed"

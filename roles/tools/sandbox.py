@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from roles.tools.failures import SandboxKilled, ToolTimeout
+from roles.tools.failures import SandboxKilled, SandboxUnavailable, ToolTimeout
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 KILL_WAIT_S = 10.0  # how long a SIGKILLed child may take to be reaped
@@ -74,6 +74,8 @@ class SandboxSettings:
     #: where the per-call working folders go (a new temporary folder when None)
     root: str | None = None
     threads: int = field(default=1)  # OMP/OpenBLAS/MKL threads: each thread costs address space
+    #: run even where the kernel cannot isolate the code (a layer of ``isolation()`` missing)
+    allow_weak: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_mb < 32 or self.timeout_s <= 0 or self.output_chars < 1:
@@ -109,25 +111,38 @@ class Sandbox:
             return self._root
 
     def isolation(self) -> dict[str, Any]:
-        """What the kernel enforces here: ``{"network": "namespace" | "audit hook" | "allowed",
-        "files": "landlock ABI n" | "audit hook"}`` (found once, by a probe child)."""
+        """Each layer the kernel enforces here, by name, and ``weak``: the layers missing (found
+        once, by a probe child that applies them all). Empty ``weak``: the full sandbox."""
         if self._isolation is None:
             folder = Path(tempfile.mkdtemp(dir=self.root))
             try:
                 outcome = self._spawn(folder, {"probe": True}, self.settings.timeout_s)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-            applied = json.loads(outcome.output or "{}")
-            network = "allowed" if self.settings.network else "audit hook"
-            if applied.get("netns"):
-                network = "namespace"
-            abi = int(applied.get("landlock", 0))
-            files = f"landlock ABI {abi}" if abi else "audit hook"
-            self._isolation = {"network": network, "files": files}
+            try:
+                applied = json.loads(outcome.output or "{}")
+            except json.JSONDecodeError:
+                applied = {}
+            self._isolation = layers(applied, self.settings.network)
         return self._isolation
 
+    def check(self) -> dict[str, Any]:
+        """``isolation()``, or ``SandboxUnavailable`` when a layer is missing and the settings
+        do not opt into the weak mode (``allow_weak``)."""
+        found = self.isolation()
+        if found["weak"] and not self.settings.allow_weak:
+            raise SandboxUnavailable(
+                "the python tool runs model output as code and this machine's kernel cannot "
+                f"isolate it (missing: {', '.join(found['weak'])}); it refuses to run. Set "
+                "sandbox_allow_weak: true on the env role to run it anyway, unprotected where "
+                "a layer is missing (an audit hook is not a boundary)"
+            )
+        return found
+
     def run(self, code: str) -> str:
-        """Run ``code`` and return what it printed; raises SandboxKilled or ToolTimeout."""
+        """Run ``code`` and return what it printed; raises SandboxKilled or ToolTimeout, and
+        SandboxUnavailable where the kernel cannot isolate it (``check``)."""
+        self.check()
         folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
         try:
             (folder / "main.py").write_text(code)
@@ -202,6 +217,32 @@ class Sandbox:
     def _readable(self) -> list[str]:
         prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
         return [*sorted(prefixes), *_SYSTEM_READ, *_DEVICES, *self.settings.readable]
+
+
+#: the layers the full sandbox has (``isolation()``'s names)
+LAYERS = ("namespaces", "network", "proc", "shared memory", "files", "seccomp", "keyring")
+
+
+def layers(applied: dict[str, Any], network: bool) -> dict[str, Any]:
+    """The probe child's report (``sandbox_child.isolate``) in words, per layer; ``weak``
+    lists the layers that did not take effect."""
+    spaces = applied.get("namespaces", "")
+    abi = int(applied.get("landlock", 0))
+    found: dict[str, Any] = {
+        "namespaces": f"pid, ipc, mount ({spaces} namespaces)" if spaces else "",
+        "network": "allowed" if network else ("namespace" if spaces else ""),
+        "proc": "its own /proc" if applied.get("proc") else "",
+        "shared memory": "own IPC namespace, capped" if applied.get("shared_memory") else "",
+        "files": f"landlock ABI {abi}" if abi else "",
+        "seccomp": "unix sockets, memfd, keys, ptrace, namespaces refused"
+        if applied.get("seccomp")
+        else "",
+        "keyring": "fresh session keyring" if applied.get("keyring") else "",
+    }
+    found["weak"] = [name for name in LAYERS if not found[name]]
+    for name in found["weak"]:
+        found[name] = "none"
+    return found
 
 
 def _read(proc: subprocess.Popen[bytes], deadline: float, limit: int) -> tuple[bytes, int, bool]:

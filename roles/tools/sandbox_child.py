@@ -1,23 +1,34 @@
-"""The sandboxed interpreter's first steps: limit this process, then run the user's code.
+"""The sandboxed interpreter's first steps: isolate this process, then run the user's code.
 
-Run as a script by ``sandbox.py`` (``python -I -B sandbox_child.py CONFIG``), never imported, and
-written with the standard library only: it runs before anything else in a fresh interpreter. In
-order, while the process is still single-threaded:
+Run as a script by ``sandbox.py`` (``python -I -B sandbox_child.py CONFIG``), never imported: it
+runs before anything else in a fresh interpreter, while the process is single-threaded. In order:
 
-1. network off (``"network": false``): a new user and network namespace, so the process sees
-   only a loopback interface that is down (``unshare(2)``; the user namespace maps the caller's
-   own uid and gid, so files keep their owner);
-2. files (Landlock, Linux 5.13+): writes only beneath the working folder (and to ``/dev/null``),
-   reads only beneath the paths the parent lists (the interpreter, its packages, system
-   libraries); with Landlock ABI 6+ also no signals to, and no abstract unix sockets of,
-   processes outside the sandbox;
-3. resource limits: address space, CPU seconds, file size, open files, no core files;
-4. an audit hook (Python's ``sys.addaudithook``): refuses sockets with a clear message when the
-   network is off, and stands in, as a Python-level guard only, for what the kernel could not
-   do (1 or 2 unavailable);
-5. the code, compiled as ``main.py`` and run as ``__main__`` in the working folder.
+1. **namespaces** (``unshare(2)``): a new user namespace (mapping the caller's own uid and gid, so
+   files keep their owner; as root without user namespaces, the same namespaces unshared with
+   privilege), PID, IPC, mount and, with the network off, network namespaces;
+2. **fork**: this process stays outside and only waits; its child is PID 1 of the new PID
+   namespace. Nothing outside it can be named (``kill``, ``prlimit``, ``setpriority``,
+   ``sched_setaffinity`` and ``ptrace`` of an outside PID find no such process), and when it
+   exits the kernel kills every process left in the namespace: nothing outlives the call. It
+   dies with this process too (``PR_SET_PDEATHSIG``), so the parent's kill of this one ends all;
+3. in the child: a private mount tree with a ``/proc`` of its own PID namespace (the host's
+   processes are not listed); System V shared memory capped at the memory limit inside its own
+   IPC namespace (and gone with it); a fresh session keyring (the caller's keys are not
+   reachable);
+4. **files** (Landlock, Linux 5.13+): writes only beneath the working folder (and to
+   ``/dev/null``), reads only beneath the paths the parent lists (the interpreter, its packages,
+   system libraries);
+5. **resource limits**: address space, CPU seconds, file size, open files, no core files;
+6. **seccomp** (libseccomp, through the ``pyseccomp`` binding): ``socket(AF_UNIX)`` (a pathname
+   or abstract unix socket would reach services outside any namespace), ``memfd_create`` (pages
+   no rlimit counts), the key syscalls, ``ptrace`` and cross-process memory, new namespaces and
+   mounts, ``io_uring``, ``bpf``, ``perf_event_open``, ``userfaultfd`` and clearing the death
+   signal all fail with EPERM;
+7. an audit hook that turns a refused socket call into a clear message (a courtesy, not a
+   boundary: code can switch it off);
+8. the code, compiled as ``main.py`` and run as ``__main__`` in the working folder.
 
-With ``"probe": true`` it stops after 2 and prints, as JSON, which of 1 and 2 took effect.
+With ``"probe": true`` the child stops after 6 and prints, as JSON, which layers took effect.
 A ``MemoryError`` that reaches the top exits with the parent's ``memory_exit`` code, so the
 parent can tell a program killed by its memory limit from one that failed.
 """
@@ -26,15 +37,19 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+KEYCTL_JOIN_SESSION_KEYRING = 1
 SYS_CREATE_RULESET, SYS_ADD_RULE, SYS_RESTRICT_SELF = 444, 445, 446  # the same on every arch
 CREATE_RULESET_VERSION = 1
 RULE_PATH_BENEATH = 1
+AF_UNIX = 1
 
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 MAKE_AND_REMOVE = sum(1 << bit for bit in range(4, 13))  # remove dir/file, make char..symlink
@@ -42,8 +57,35 @@ REFER, TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
 FILE_ACCESS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE  # what a rule on a file may allow
 
+#: syscalls the code never needs and an escape would: they fail with EPERM
+REFUSED = (
+    "memfd_create",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "open_by_handle_at",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+)
+
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong]
 
 
 class RulesetAttr(ctypes.Structure):
@@ -59,22 +101,74 @@ class PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def leave_network() -> bool:
-    """Enter new user + network namespaces; False when the kernel refuses."""
+def enter_namespaces(network: bool) -> str:
+    """Unshare user (when possible), PID, IPC, mount and (network off) network namespaces:
+    ``"user"``, ``"privileged"`` (no user namespace, as root) or ``""`` when the kernel
+    refuses both."""
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNS | (0 if network else CLONE_NEWNET)
     uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+    if libc.unshare(CLONE_NEWUSER | flags) == 0:
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         with open("/proc/self/gid_map", "w") as f:
             f.write(f"{gid} {gid} 1")
-        return True
-    return libc.unshare(CLONE_NEWNET) == 0  # privileged, without user namespaces
+        return "user"
+    if libc.unshare(flags) == 0:
+        return "privileged"
+    return ""
+
+
+def wait_for(child: int) -> int:
+    """Outside the PID namespace: wait for its init and leave as it did."""
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        return code
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)  # the parent reads the signal that ended the code
+    return 128 - code
+
+
+def own_proc() -> bool:
+    """A private mount tree and a /proc of this PID namespace (as its PID 1)."""
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return False
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    return libc.mount(b"proc", b"/proc", b"proc", flags, None) == 0
+
+
+def cap_shared_memory(memory: int) -> bool:
+    """System V shared memory of this IPC namespace limited to ``memory`` bytes in all."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        for name, value in (("shmmax", memory), ("shmall", memory // page)):
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
+    except OSError:
+        return False
+    return True
+
+
+def fresh_keyring() -> bool:
+    number = syscall_number("keyctl")
+    if number is None:
+        return False
+    return libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
+
+
+def syscall_number(name: str) -> int | None:
+    try:
+        import pyseccomp
+    except ImportError:
+        return None
+    return int(pyseccomp.resolve_syscall(pyseccomp.system_arch(), name))
 
 
 def restrict_files(folder: str, readable: list[str]) -> int:
-    """Landlock: write beneath ``folder`` only, read beneath ``readable`` only; the ABI applied,
-    0 when Landlock is unavailable."""
+    """Landlock: write beneath ``folder`` only, read beneath ``readable`` (and this process's
+    own /proc entry) only; the ABI applied, 0 when Landlock is unavailable."""
     abi = libc.syscall(SYS_CREATE_RULESET, None, 0, CREATE_RULESET_VERSION)
     if abi < 1:
         return 0
@@ -90,7 +184,7 @@ def restrict_files(folder: str, readable: list[str]) -> int:
         return 0
     allow(ruleset, folder, read | write)
     allow(ruleset, "/dev/null", READ_FILE | WRITE_FILE | (TRUNCATE if abi >= 3 else 0))
-    for path in [*readable, f"/proc/{os.getpid()}"]:
+    for path in [*readable, "/proc/self"]:
         allow(ruleset, path, read)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         return 0
@@ -102,7 +196,7 @@ def restrict_files(folder: str, readable: list[str]) -> int:
 
 def allow(ruleset: int, path: str, access: int) -> None:
     try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        fd = os.open(os.path.realpath(path), os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return  # a path this machine does not have
     try:
@@ -123,6 +217,29 @@ def set_limits(config: dict) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 
+def filter_syscalls() -> bool:
+    """The seccomp filter of the module docstring (step 6); False where it cannot load."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError):  # the binding, or the libseccomp it loads, is missing
+        return False
+    refuse = sc.ERRNO(1)  # EPERM
+    try:
+        rules = sc.SyscallFilter(sc.ALLOW)
+        rules.add_rule(refuse, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
+        rules.add_rule(refuse, "prctl", sc.Arg(0, sc.EQ, PR_SET_PDEATHSIG))
+        for name in REFUSED:
+            try:
+                rules.add_rule(refuse, name)
+            except ValueError:  # a syscall this architecture has not
+                continue
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        rules.load()
+    except OSError:
+        return False
+    return True
+
+
 NETWORK_EVENTS = {
     "socket.bind",
     "socket.connect",
@@ -133,36 +250,16 @@ NETWORK_EVENTS = {
     "socket.sendmsg",
     "socket.sendto",
 }
-ESCAPES = {"ctypes.dlopen", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn"}
-ESCAPES |= {"os.system", "subprocess.Popen", "os.kill", "os.killpg"}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link"}
-PATH_EVENTS |= {"os.truncate", "os.chmod", "os.chown", "os.utime", "shutil.rmtree"}
 
 
-def install_guard(config: dict, applied: dict) -> None:
-    folder = os.path.realpath(config["folder"])
-    no_network = not config["network"]
-    kernel_net = applied["netns"]
-    kernel_files = applied["landlock"] > 0
-
-    def inside(path: object) -> bool:
-        if isinstance(path, int):
-            return True  # an open file descriptor: already allowed when it was opened
-        where = os.path.realpath(os.fsdecode(path))  # type: ignore[arg-type]
-        return where == folder or where.startswith(folder + os.sep) or where == os.devnull
+def explain_network(config: dict) -> None:
+    """A refused socket call says why in words (the kernel refuses it anyway)."""
+    if config["network"]:
+        return
 
     def hook(event: str, args: tuple) -> None:
-        if no_network and event in NETWORK_EVENTS:
+        if event in NETWORK_EVENTS:
             raise PermissionError(f"the network is off in this sandbox ({event} refused)")
-        if no_network and not kernel_net and event in ESCAPES:
-            raise PermissionError(f"{event} is refused in this sandbox")
-        if kernel_files:
-            return
-        if event == "open" and args[2] & WRITE_FLAGS and not inside(args[0]):
-            raise PermissionError(f"writing outside the working folder is refused ({args[0]})")
-        if event in PATH_EVENTS and args and not inside(args[0]):
-            raise PermissionError(f"{event} outside the working folder is refused ({args[0]})")
 
     sys.addaudithook(hook)
 
@@ -192,18 +289,36 @@ def print_user_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, frames)
 
 
+def isolate(config: dict, namespaces: str) -> dict:
+    """Steps 3-6 in the PID namespace's init (or, without namespaces, in this process)."""
+    applied: dict = {"namespaces": namespaces, "network": namespaces != "" or config["network"]}
+    if namespaces:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        applied["proc"] = own_proc()
+        applied["shared_memory"] = cap_shared_memory(config["memory_bytes"])
+    applied["keyring"] = fresh_keyring()
+    # the /proc of its own PID namespace lists its own processes only: readable whole
+    readable = [*config["readable"], *(["/proc"] if applied.get("proc") else [])]
+    applied["landlock"] = restrict_files(config["folder"], readable)
+    if not config.get("probe"):
+        set_limits(config)
+    applied["seccomp"] = filter_syscalls()
+    return applied
+
+
 def main() -> int:
     config = json.loads(sys.argv[1])
-    applied = {"netns": False, "landlock": 0}
-    if not config["network"]:
-        applied["netns"] = leave_network()
-    applied["landlock"] = restrict_files(config["folder"], config["readable"])
+    namespaces = enter_namespaces(config["network"])
+    if namespaces:
+        child = os.fork()
+        if child:
+            return wait_for(child)
+    applied = isolate(config, namespaces)
     if config.get("probe"):
         print(json.dumps(applied))
         return 0
-    set_limits(config)
     os.chdir(config["folder"])
-    install_guard(config, applied)
+    explain_network(config)
     return run(config)
 
 

@@ -1,0 +1,256 @@
+"""Escapes from the python tool's sandbox, each tried as model output would try it, through the
+real tool on this machine's kernel: every one must fail (``roles/tools/sandbox_child.py``).
+
+The victims are real: a sacrificial process outside the sandbox (to renice, limit, pin and kill),
+a unix socket listening outside it, a key in the caller's session keyring, the host's System V
+shared memory. Then the same sandbox under a seccomp wrapper that takes user namespaces and
+Landlock away (what Docker's default profile does): the tool refuses to run, unless the weak
+mode is chosen by name, and then says what it lacks."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from roles.tools.sandbox import Sandbox, SandboxSettings
+from tests.conftest import require_system
+
+MB = 2**20
+
+
+@pytest.fixture(scope="module")
+def box() -> Sandbox:
+    found = Sandbox(SandboxSettings(memory_mb=128, timeout_s=3.0, output_chars=4000))
+    weak = found.isolation()["weak"]
+    require_system("kernel isolation (user namespaces, Landlock, seccomp)", not weak, str(weak))
+    return found
+
+
+@pytest.fixture
+def victim() -> Iterator[subprocess.Popen[bytes]]:
+    """A process outside the sandbox, of the same user, that the code will go after."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def limits_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/limits").read_text()
+
+
+def test_every_layer_is_in_force_here(box: Sandbox) -> None:
+    found = box.isolation()
+    assert found["weak"] == []
+    assert found["namespaces"].startswith("pid, ipc, mount")
+    assert found["network"] == "namespace" and found["files"].startswith("landlock ABI")
+
+
+def test_the_code_cannot_limit_renice_pin_or_kill_a_process_outside(
+    box: Sandbox, victim: subprocess.Popen[bytes]
+) -> None:
+    """Row 1 and 2: prlimit, setpriority, sched_setaffinity and kill of an outside PID find no
+    such process (a PID namespace), whatever Landlock's ABI; the victim is untouched."""
+    pid = victim.pid
+    before, nice = limits_of(pid), os.getpriority(os.PRIO_PROCESS, pid)
+    code = "\n".join(
+        [
+            "import os, resource",
+            "for name, act in [",
+            f"    ('prlimit', lambda: resource.prlimit({pid}, resource.RLIMIT_CPU, (1, 1))),",
+            f"    ('renice', lambda: os.setpriority(os.PRIO_PROCESS, {pid}, 19)),",
+            f"    ('affinity', lambda: os.sched_setaffinity({pid}, {{0}})),",
+            f"    ('kill', lambda: os.kill({pid}, 9)),",
+            "    ('parent', lambda: resource.prlimit(os.getppid() or 1, resource.RLIMIT_CPU, "
+            "(1, 1)) if os.getppid() else print('parent: none')),",
+            "]:",
+            "    try:",
+            "        act(); print(name, 'done')",
+            "    except OSError as exc:",
+            "        print(name, type(exc).__name__)",
+        ]
+    )
+    out = box.run(code)
+    for name in ("prlimit", "renice", "affinity", "kill"):
+        assert f"{name} ProcessLookupError" in out, out
+    assert "parent: none" in out  # PID 1 of its namespace: no parent to name
+    assert victim.poll() is None
+    assert limits_of(pid) == before and os.getpriority(os.PRIO_PROCESS, pid) == nice
+    assert os.sched_getaffinity(pid) == os.sched_getaffinity(0)
+    assert resource.getrlimit(resource.RLIMIT_CPU) == (resource.RLIM_INFINITY,) * 2
+
+
+def test_the_code_sees_only_its_own_processes(box: Sandbox) -> None:
+    out = box.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    assert out == "[1]"
+
+
+def test_no_unix_socket_reaches_a_listener_outside(box: Sandbox, tmp_path: Path) -> None:
+    """Row 3: a pathname unix socket (as pyzmq's ipc:// or a docker.sock) from Python, from
+    ctypes and from a child interpreter; an abstract one too. The listener sees no one."""
+    path = str(tmp_path / "agent.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind("\0hybridflow-test-agent")
+    for s in (listener, abstract):
+        s.listen(8)
+        s.settimeout(0)
+    inner = f"import socket; socket.socket(socket.AF_UNIX).connect({path!r})"
+    attempts = {
+        "python": f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})",
+        "abstract": "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+        "s.connect('\\0hybridflow-test-agent')",
+        "ctypes": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('fd', libc.socket(1, 1, 0), 'errno', ctypes.get_errno())",
+        "child": f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {inner!r}])",
+    }
+    for how, code in attempts.items():
+        out = box.run(code)
+        assert "PermissionError" in out or "fd -1 errno 1" in out, (how, out)
+    for s in (listener, abstract):
+        with pytest.raises(BlockingIOError):
+            s.accept()
+        s.close()
+
+
+def sandbox_processes(root: Path) -> list[int]:
+    """Processes whose command line names the sandbox's folder (its children, their orphans)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(root).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_nothing_the_code_starts_outlives_the_call(box: Sandbox) -> None:
+    """Row 4: a double fork + setsid orphan re-forking itself is gone when the call returns,
+    and so is a plain background process (the PID namespace's init exited: the kernel killed
+    the rest)."""
+    code = "\n".join(
+        [
+            "import os, subprocess, sys, time",
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])",
+            "if os.fork() == 0:",
+            "    os.setsid()",
+            "    if os.fork() == 0:",
+            "        while True:",
+            "            if os.fork() == 0:",
+            "                while True: pass",
+            "            time.sleep(0.01)",
+            "    os._exit(0)",
+            "time.sleep(0.2)",
+            "print('left', len([p for p in os.listdir('/proc') if p.isdigit()]))",
+        ]
+    )
+    out = box.run(code)
+    assert out.startswith("left ") and int(out.split()[1]) >= 3, out
+    assert sandbox_processes(box.root) == []
+
+
+def test_shared_memory_is_bounded_and_gone_after_the_call(box: Sandbox) -> None:
+    """Row 5: memfd is refused; System V segments past the memory limit are refused, and those
+    within it die with the call's IPC namespace (the host's list is unchanged)."""
+    before = Path("/proc/sysvipc/shm").read_text()
+    assert "PermissionError" in box.run("import os\nos.memfd_create('x')")
+    code = "\n".join(
+        [
+            "import ctypes",
+            "libc = ctypes.CDLL(None, use_errno=True)",
+            f"big = libc.shmget(0, {300 * MB}, 0o1600)",
+            "print('big', big, ctypes.get_errno())",
+            f"small = libc.shmget(0, {16 * MB}, 0o1600)",
+            "print('small', small >= 0)",
+        ]
+    )
+    out = box.run(code)
+    assert out.split("\n")[0] == "big -1 22" and "small True" in out, out  # EINVAL: > shmmax
+    assert Path("/proc/sysvipc/shm").read_text() == before
+
+
+KEY_SPEC_SESSION_KEYRING = -3
+
+
+def test_the_callers_keys_cannot_be_read(box: Sandbox) -> None:
+    """Row 6: a user key in the caller's session keyring; the code's keyctl read fails (a fresh
+    session keyring, and the key syscalls refused)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    add_key = 248  # x86_64
+    if os.uname().machine != "x86_64":
+        pytest.skip("the key syscall numbers here are x86_64's")
+    key = libc.syscall(add_key, b"user", b"hybridflow-test", b"secret", 6, KEY_SPEC_SESSION_KEYRING)
+    assert key > 0, ctypes.get_errno()
+    code = "\n".join(
+        [
+            "import ctypes",
+            "libc = ctypes.CDLL(None, use_errno=True)",
+            "buf = ctypes.create_string_buffer(64)",
+            f"n = libc.syscall(250, 11, {key}, buf, 64)",  # keyctl(KEYCTL_READ)
+            "print(n, ctypes.get_errno(), buf.value)",
+        ]
+    )
+    assert box.run(code) == "-1 1 b''"
+
+
+# -- without kernel isolation --------------------------------------------------------------------
+
+WRAPPER = """
+import json, sys, pyseccomp as sc
+rules = sc.SyscallFilter(sc.ALLOW)
+# no user namespaces (unshare with CLONE_NEWUSER), no Landlock: what Docker's default seccomp
+# profile leaves a process that is not privileged
+rules.add_rule(sc.ERRNO(1), "unshare")
+for name in ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self"):
+    rules.add_rule(sc.ERRNO(38), name)
+rules.load()
+from roles.tools.sandbox import Sandbox, SandboxSettings
+from roles.tools.failures import SandboxUnavailable
+box = Sandbox(SandboxSettings(timeout_s=3.0, allow_weak=json.loads(sys.argv[1])))
+report = {"isolation": box.isolation()}
+try:
+    report["out"] = box.run("print(open('/etc/passwd').read()[:4])")
+except SandboxUnavailable as exc:
+    report["refused"] = str(exc)
+print(json.dumps(report))
+"""
+
+
+def weakened(allow_weak: bool) -> dict:
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", WRAPPER, json.dumps(allow_weak)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    found: dict = json.loads(out.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_without_namespaces_and_landlock_the_tool_refuses_to_run() -> None:
+    found = weakened(allow_weak=False)
+    weak = found["isolation"]["weak"]
+    assert {"namespaces", "network", "files"} <= set(weak), weak
+    assert "seccomp" not in weak  # seccomp still loads under the wrapper
+    assert "refuses to run" in found["refused"] and "sandbox_allow_weak: true" in found["refused"]
+
+
+def test_the_weak_mode_runs_by_name_and_reads_are_not_restricted() -> None:
+    found = weakened(allow_weak=True)
+    assert found["out"] == "root"  # /etc/passwd: nothing stops a read in the weak mode
