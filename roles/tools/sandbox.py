@@ -1,27 +1,24 @@
-"""The python tool: run the model's code in a separate, limited interpreter.
+"""The python tool: run the model's code in a separate, isolated interpreter.
 
 Each call starts ``python -I -B`` (isolated: no environment variables of Python's, no user site,
 no current folder on the path) in a fresh working folder under the sandbox's root (a temporary
 folder per env group, removed when the process ends; the call's folder is removed after the
-call). ``sandbox_child.py`` limits the child before the code runs:
+call). ``sandbox_child.py`` isolates the child before the code runs: PID, IPC, mount and (network
+off, the default) network namespaces with the code as PID 1 of its own, a ``/proc`` of that
+namespace, System V memory capped in its IPC namespace, a fresh session keyring, Landlock (writes
+in the working folder only, reads of the interpreter and system libraries only), resource limits
+(address space ``memory_mb``, CPU seconds, file size, open files, no core files) and a seccomp
+filter (no unix sockets, memfd, key syscalls, ptrace, namespaces, io_uring). A wall-clock limit
+(``timeout_s``) ends the call; when its PID 1 exits the kernel kills whatever it started.
+The environment is a minimal one (``PATH``, ``HOME`` and ``TMPDIR`` set to the working folder),
+so no secret of the role's environment reaches it; stdin is empty.
 
-* **network** off by default: the child gets its own network namespace (no interface but a
-  loopback that is down), and an audit hook refuses socket calls with a clear message;
-* **files**: with Landlock (Linux 5.13+), it may write only in its working folder and read only
-  the interpreter, its installed packages and system libraries (not the project, not ``/etc``,
-  not the home folder); with Landlock ABI 6+ it cannot signal processes outside the sandbox
-  either (the env group that started it, say);
-* **resources**: address space (``memory_mb``), CPU seconds, file size, open files, no core files;
-  a wall-clock limit (``timeout_s``) after which its whole process group is killed;
-* **environment**: a minimal one (``PATH``, ``HOME`` and ``TMPDIR`` set to the working folder),
-  so no secret of the role's environment reaches it; stdin is empty.
-
-What it does not protect against: a fork bomb (no limit on the number of processes short of a
-cgroup, which needs privileges; the wall-clock kill ends the process group, and processes that
-leave the group are bounded only by their CPU limit), filling the disk with many files each under
-the file-size limit, and reading what the allowed paths hold. Where the kernel lacks user
-namespaces or Landlock, the audit hook stands in for them; an audit hook is a Python-level guard
-that code using ``ctypes`` could get around, so ``Sandbox.isolation()`` says which is in force.
+``isolation()`` says which layers took effect here (a probe child applies them all once).
+Where one is missing the sandbox refuses to run (``SandboxUnavailable``) unless the settings opt
+into the weak mode by name (``allow_weak``): then what that layer stops is not stopped. What it
+never protects against: a fork bomb until the wall-clock limit (no cgroup), a disk filled with
+many files each under the file-size limit, and reading what the allowed paths hold.
+docs/agentic.md has the table of layers.
 
 The python tool reports what the code printed (stdout and stderr together, cut to
 ``output_chars``), and its exit status when it is not 0; a program killed by a limit raises
