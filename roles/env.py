@@ -202,7 +202,10 @@ def as_text(value: object) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return str(value)
+        try:
+            return str(value)
+        except ValueError:  # an int past Python's digit limit for str (10**5000)
+            return None
     return None
 
 

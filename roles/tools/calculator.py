@@ -68,7 +68,7 @@ def _value(node: ast.AST) -> Number:
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, int | float):
             raise ValueError(f"{node.value!r} is not a number")
-        return node.value
+        return _checked(node.value)  # 1e999 is inf already, a long literal past the bound
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         operand = _value(node.operand)
         return -operand if isinstance(node.op, ast.USub) else operand

@@ -85,8 +85,8 @@ def _bracket(body: str) -> Call:
 def _hermes(body: str) -> Call:
     try:
         found = json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise MalformedCall(f"the call is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, a number past int's digit limit,
+        raise MalformedCall(f"the call is not valid JSON ({_short(exc)})") from None  # deep nesting
     if not isinstance(found, dict):
         raise MalformedCall(f"the call is a JSON {type(found).__name__}, not an object")
     name = found.get("name")
@@ -96,11 +96,20 @@ def _hermes(body: str) -> Call:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise MalformedCall(f'"arguments" is a string that is not JSON ({exc})') from None
+        except (ValueError, RecursionError) as exc:
+            raise MalformedCall(
+                f'"arguments" is a string that is not JSON ({_short(exc)})'
+            ) from None
     if not isinstance(arguments, dict):
         raise MalformedCall(f'"arguments" is a JSON {type(arguments).__name__}, not an object')
     extra = sorted(set(found) - {"name", "arguments"})
     if extra:
         raise MalformedCall(f'the call has keys {extra} besides "name" and "arguments"')
     return Call(name, arguments)
+
+
+def _short(exc: BaseException) -> str:
+    """Why JSON was refused, in a line (a recursion error says it with no detail)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).splitlines()[0][:200]

@@ -29,6 +29,7 @@ limits from its config with ``configure`` (``sandbox_*`` keys); without it, the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -45,8 +46,10 @@ from typing import Any
 
 from roles.tools.failures import SandboxKilled, SandboxUnavailable, ToolTimeout
 
+log = logging.getLogger(__name__)
 CHILD = Path(__file__).with_name("sandbox_child.py")
 KILL_WAIT_S = 10.0  # how long a SIGKILLed child may take to be reaped
+PROBE_TIMEOUT_S = 60.0  # how long the probe of what the kernel enforces may take
 MEMORY_EXIT = 86  # the child's exit code when a MemoryError reached the top
 _SYSTEM_READ = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime"]
 _DEVICES = ["/dev/urandom", "/dev/random", "/dev/zero", "/sys/devices/system/cpu"]
@@ -112,13 +115,19 @@ class Sandbox:
         once, by a probe child that applies them all). Empty ``weak``: the full sandbox."""
         if self._isolation is None:
             folder = Path(tempfile.mkdtemp(dir=self.root))
-            try:
-                outcome = self._spawn(folder, {"probe": True}, self.settings.timeout_s)
+            try:  # not the code's time limit: a busy machine may start an interpreter slowly
+                outcome = self._spawn(folder, {"probe": True}, PROBE_TIMEOUT_S, limit=65536)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+            if outcome.timed_out:
+                raise SandboxUnavailable(
+                    f"the sandbox's probe did not answer within {PROBE_TIMEOUT_S:g} s; the "
+                    "machine is too loaded to start an interpreter"
+                )
             try:
                 applied = json.loads(outcome.output or "{}")
             except json.JSONDecodeError:
+                log.warning("the sandbox's probe answered no report: %s", outcome.output[-2000:])
                 applied = {}
             self._isolation = layers(applied, self.settings.network)
         return self._isolation
@@ -168,7 +177,10 @@ class Sandbox:
             output = f"{output}\n[exit status {code}]" if output else f"[exit status {code}]"
         return output or "(no output)"
 
-    def _spawn(self, folder: Path, extra: dict[str, Any], timeout_s: float) -> Outcome:
+    def _spawn(
+        self, folder: Path, extra: dict[str, Any], timeout_s: float, limit: int | None = None
+    ) -> Outcome:
+        """Run the child on ``folder``; ``limit``: the output kept (default ``output_chars``)."""
         s = self.settings
         memory = s.memory_mb * 2**20
         config = {
@@ -203,7 +215,8 @@ class Sandbox:
             start_new_session=True,  # its own process group: one kill ends all it started
         )
         try:
-            kept, dropped, timed_out = _read(proc, time.monotonic() + timeout_s, s.output_chars)
+            deadline = time.monotonic() + timeout_s
+            kept, dropped, timed_out = _read(proc, deadline, limit or s.output_chars)
         finally:
             _kill_group(proc)
         text = kept.decode("utf-8", errors="replace")

@@ -64,6 +64,11 @@ def listing(text: str) -> list[str]:
     return text.split()
 
 
+def huge(text: str) -> int:
+    """Returns a number with 5,001 digits (more than str() of an int may print)."""
+    return 10**5000
+
+
 def quitting(text: str) -> str:
     """Asks the interpreter to exit."""
     sys.exit(3)
@@ -215,6 +220,7 @@ FAILING_TOOLS = [
     f"{HERE}:listing",
     f"{HERE}:quitting",
     f"{HERE}:repeat",
+    f"{HERE}:huge",
 ]
 
 
@@ -224,13 +230,19 @@ def test_every_failure_comes_back_as_an_observation_and_the_role_carries_on(tiny
         1: ("[listing a b]", "not_text", "listing", "error: listing returned a list, not text"),
         2: ("calculator 1+1]", "malformed", None, "has no '[' before it"),
         3: ("[repeat lots]", "malformed", "repeat", "count: Input should be a valid integer"),
-        4: ("[weather Oslo]", "unknown_tool", None, "the tools are: broken, calculator, listing"),
+        4: (
+            "[weather Oslo]",
+            "unknown_tool",
+            None,
+            "the tools are: broken, calculator, huge, listing",
+        ),
         5: ("[sleepy 30]", "timeout", "sleepy", "did not finish within 2 s (call_timeout_s)"),
         6: ("[python hog = bytearray(2**30)]", "sandbox_killed", "python", "ran out of memory"),
         7: ("[quitting now]", "raised", "quitting", "quitting raised SystemExit: 3"),
         8: ("[calculator 1/0]", "raised", "calculator", "ZeroDivisionError: division by zero"),
         9: ("[python print('x' * 5000)]", None, "python", "[... 4881 more bytes of output cut]"),
         10: ("[repeat 300]", None, "repeat", "ha\n[... 400 more characters cut]"),
+        11: ("[huge x]", "not_text", "huge", "error: huge returned a int, not text"),
     }
 
     async def main() -> None:

@@ -52,6 +52,8 @@ def test_every_layer_is_in_force_here(box: Sandbox) -> None:
     assert found["weak"] == []
     assert found["namespaces"].startswith("pid, ipc, mount")
     assert found["network"] == "namespace" and found["files"].startswith("landlock ABI")
+    # the probe's report is read whole, whatever the calls' output limit
+    assert Sandbox(SandboxSettings(output_chars=20)).isolation() == found
 
 
 def test_the_code_cannot_limit_renice_pin_or_kill_a_process_outside(

@@ -63,6 +63,8 @@ def test_calculator_computes_exactly(expression: str, expected: str) -> None:
         ("2**5000", "too large"),
         ("10.0**400", "too large for a decimal number"),
         ("(-8)**0.5", "not a real number"),
+        ("1e999", "too large for a decimal number"),  # a constant that is already inf
+        ("-1e999 + 1", "too large for a decimal number"),
         ("1+", "cannot read '1\\+' as arithmetic"),
         ("1" * 501, "at most 500"),
     ],
@@ -219,6 +221,12 @@ def test_hermes_calls_are_json_between_the_tags() -> None:
         ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "not an object"),
         ("hermes", '<tool_call>{"name": "f", "args": {}}</tool_call>', "keys \\['args'\\]"),
         ("hermes", '{"name": "f"}</tool_call>', "has no '<tool_call>' before it"),
+        ("hermes", "<tool_call>" + "[" * 100_000 + "</tool_call>", "nested too deeply"),
+        (
+            "hermes",
+            '<tool_call>{"name": "f", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>",
+            "not valid JSON",
+        ),
     ],
 )
 def test_a_call_that_cannot_be_read_says_why(fmt: Any, text: str, why: str) -> None:
