@@ -429,7 +429,10 @@ async def _one(
             result = await desk.act(
                 EnvAction(session=t.session, text=text, finish=finish, turn=t.turns - 1)
             )
-            t.extend(list(result.observation_ids), None, NO_VERSION)
+            # an observation longer than what is left of the trajectory is cut there (a tool's
+            # 4,000-token output would otherwise widen every row of the batch to it)
+            room = max(0, cfg.max_total_tokens - t.length)
+            t.extend(list(result.observation_ids[:room]), None, NO_VERSION)
             t.segments.append(("observation", result.observation))
             t.latencies.append(result.latency_s)
             if result.called is not None:

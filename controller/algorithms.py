@@ -45,7 +45,7 @@ from controller.clients import (
     RoleClient,
     RolloutClient,
 )
-from controller.scoring import scores, stashed
+from controller.scoring import refused_rows, scores, stashed
 from controller.server import Controller
 from transport.batch import TensorBatch
 from transport.columns import TOKENS
@@ -304,6 +304,10 @@ async def learn(
 ) -> dict[str, float]:
     """``ppo_epochs`` passes of ``mini_batches`` optimizer steps each, actor and critics together.
     ``critics``: (client, values column, returns column) — each critic trains on its own pair."""
+    refused = refused_rows(batch)
+    if refused is not None:  # a row without a finite score teaches nothing
+        zeroed = batch.tensors["advantages"].masked_fill(refused[:, None], 0.0)
+        batch = with_columns(batch, advantages=zeroed)
     actor_columns = [*TOKENS, "old_log_probs", "advantages"]
     if cfg.kl.mode == "loss" and cfg.kl.coef:
         actor_columns.append("ref_log_probs")

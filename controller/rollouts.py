@@ -59,7 +59,7 @@ from controller.agent import (
 )
 from controller.algorithm_config import AlgorithmConfig
 from controller.algorithms import Roles, Timer, rewarded, with_columns
-from controller.scoring import ask, stash, stashed
+from controller.scoring import ask, finite, stash, stashed
 from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch
@@ -352,7 +352,7 @@ class RolloutPipeline:
             found = stashed(batch, reward.role) or (await ask(reward, batch)).tensors
             stash(batch, reward.role, found)
             uids = [int(u) for u in batch.non_tensors["uid"]]
-            useful = informative_groups(found[SCORES].float(), uids)
+            useful = informative_groups(finite(found[SCORES])[0], uids)
             drawn += len(set(uids))
             informative += len(useful)
             taken = useful[: want - groups]

@@ -19,6 +19,7 @@ from controller.clients import RewardClient
 from transport.batch import TensorBatch
 from transport.columns import FINISH, REQUEST, SCORES, TOKENS
 
+REFUSED = "refused"  # [B] bool, per scoring role: the row's score was not a finite number
 #: text columns the pipeline adds to generated rows; a reward role is not sent them
 BOOKKEEPING = (FINISH, REQUEST)
 
@@ -50,9 +51,34 @@ def stashed(batch: TensorBatch, role: str) -> dict[str, torch.Tensor] | None:
 
 
 async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """One score per row, plus the batch means of any ``reward/<key>`` extras."""
+    """One score per row, plus the batch means of any ``reward/<key>`` extras. A score that is
+    not a finite number (a reward function's nan or inf) is refused: it counts 0, the row is
+    marked ``<role>:refused`` in ``batch`` (its advantages are zeroed before any update:
+    ``refused_rows``) and ``reward/non_finite`` is the share of such rows."""
     found = stashed(batch, role.role)
     if found is None:
         found = (await ask(role, batch)).tensors
     extras = {k: float(v.float().mean()) for k, v in found.items() if k.startswith("reward/")}
-    return found[SCORES].float(), extras
+    score, bad = finite(found[SCORES])
+    if bad.any():
+        batch.tensors[f"{role.role}:{REFUSED}"] = bad
+        extras["reward/non_finite"] = float(bad.float().mean())
+    return score, extras
+
+
+def finite(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``score`` as floats with every non-finite value 0, which rows those were)."""
+    score = score.float()
+    bad = ~torch.isfinite(score)
+    return torch.where(bad, torch.zeros_like(score), score), bad
+
+
+def refused_rows(batch: TensorBatch) -> torch.Tensor | None:
+    """[B] the rows a reward or cost role gave no finite score (``scores``), or None."""
+    marks = [v for k, v in batch.tensors.items() if k.endswith(f":{REFUSED}")]
+    if not marks:
+        return None
+    found = marks[0].clone()
+    for mark in marks[1:]:
+        found |= mark
+    return found

@@ -389,9 +389,11 @@ class EnvRole(Role):
             result = future.result()
         except Exception as exc:  # this role's own bug: the log has it, the model a short note
             log.exception("env action of session %d failed inside the env role", session.id)
-            result = self._observe(
-                session.id, f"error: the env role failed: {exc}", time.monotonic(), error="raised"
-            )
+            text = f"error: the env role failed: {exc}"
+            if self.env_cls is not None:  # an environment's state is now unknown: it ends
+                result = self._observe(session.id, text, time.monotonic(), error="env", done=True)
+            else:
+                result = self._observe(session.id, text, time.monotonic(), error="raised")
         with self._lock:
             session.busy = False
             session.done = session.done or result.done
@@ -509,9 +511,11 @@ class EnvRole(Role):
         limit = self.cfg.max_observation_chars
         if len(text) > limit:
             text = f"{text[:limit]}\n[... {len(text) - limit} more characters cut]"
-        if template and (text or not done):
-            text = self.cfg.template.replace("{text}", text)
         ids = self._encode(text) if text else []
+        if template and (text or not done):
+            before, after = self.cfg.template.split("{text}", 1)
+            ids = self._encode(before, trusted=True) + ids + self._encode(after, trusted=True)
+            text = f"{before}{text}{after}"
         return EnvResult(
             session=session,
             observation_ids=ids,
@@ -523,9 +527,16 @@ class EnvRole(Role):
             latency_s=time.monotonic() - started,
         )
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, trusted: bool = False) -> list[int]:
+        """Token ids of ``text``. What a tool or an environment wrote is not trusted: a
+        ``</s>`` or ``<|im_end|>`` in it is those characters, never the special token (which
+        would end the trajectory or fake a turn); the observation template's own are kept."""
+        if not text:
+            return []
         with self._tokenizer_lock:
-            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+            ids: list[int] = self.tokenizer.encode(
+                text, add_special_tokens=False, split_special_tokens=not trusted
+            )
         return ids
 
 
@@ -542,4 +553,6 @@ def _step_result(out: object) -> tuple[str, float | None, bool]:
         raise TypeError(f"step's observation is a {type(observation).__name__}, not text")
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
         raise TypeError(f"step's reward is a {type(reward).__name__}, not a number")
+    if reward is not None and not math.isfinite(reward):
+        raise ValueError(f"step's reward is {reward}, not a finite number")
     return text, None if reward is None else float(reward), bool(done)

@@ -41,10 +41,14 @@ class NoDesk:
 
 
 class Observer:
-    """Every ">" closes a call; the observation is one token."""
+    """Every ">" closes a call; the observation is ``size`` tokens."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
 
     async def act(self, action: Any) -> EnvResult:
-        return EnvResult(session=action.session, observation_ids=[9], observation="!")
+        ids = [9] * self.size
+        return EnvResult(session=action.session, observation_ids=ids, observation="!")
 
 
 def run_turn(
@@ -84,3 +88,9 @@ def test_each_turn_has_its_own_limit() -> None:
     t, server = run_turn(max_new=8, close=">", desk=Observer())
     assert server.asked == [8, 8]  # the second turn starts afresh
     assert t.turns == 2 and t.finish == "turns" and t.texts == ["ab>", "ab>"]
+
+
+def test_an_observation_is_cut_at_what_is_left_of_the_trajectory() -> None:
+    t, server = run_turn(max_new=8, max_total=15, close=">", desk=Observer(size=4000))
+    assert t.length == 15 and t.ids == [5, 6, GT] + [9] * 10  # 2 start + 3 sampled + 10
+    assert t.finish == "length" and server.asked == [8]

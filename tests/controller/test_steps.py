@@ -57,9 +57,11 @@ def rows(scores: list[float], mask: torch.Tensor = MASK, **columns: torch.Tensor
     """Generated rows, their reward role's scores already in the batch (as a streamed batch
     brings them: no reward call), one prompt per row unless ``uid`` says otherwise."""
     count = mask.shape[0]
+    ids = torch.ones_like(mask)
+    ids[:, 0] = torch.arange(count)  # the prompt token numbers the row (updates shuffle rows)
     return TensorBatch.from_dict(
         {
-            "input_ids": torch.ones_like(mask),
+            "input_ids": ids,
             "attention_mask": torch.ones_like(mask),
             "response_mask": mask,
             "log_probs": torch.zeros(mask.shape),
@@ -77,8 +79,10 @@ def run_step(step: Any, roles: Roles, batch: TensorBatch, cfg: AlgorithmConfig) 
 
 
 def trained_advantages(actor: Model) -> torch.Tensor:
+    """The advantages the actor trained on, in the batch's row order."""
     ((batch, _),) = actor.trained
-    return batch.tensors["advantages"]
+    order = batch.tensors["input_ids"][:, 0].argsort()
+    return batch.tensors["advantages"][order]
 
 
 def test_distill_applies_the_kl_to_the_reference_in_the_advantages_and_moves_its_controller() -> (
@@ -118,9 +122,10 @@ def test_distill_applies_the_kl_to_the_reference_in_the_advantages_and_moves_its
     cfg = AlgorithmConfig(name="distill", n=1, kl={"coef": 0.5, "mode": "loss"})
     run_step(distill_step, roles, rows([0.0, 1.0]), cfg)
     ((batch, loss),) = actor.trained
-    torch.testing.assert_close(batch.tensors["advantages"], -reverse)  # the loss carries the KL
+    torch.testing.assert_close(trained_advantages(actor), -reverse)  # the loss carries the KL
     assert loss.kl_coef == 0.5
-    torch.testing.assert_close(batch.tensors["ref_log_probs"], ref)
+    order = batch.tensors["input_ids"][:, 0].argsort()
+    torch.testing.assert_close(batch.tensors["ref_log_probs"][order], ref)
 
 
 def test_safe_rlhf_whiten_false_leaves_the_cost_advantages_unwhitened() -> None:
@@ -144,7 +149,9 @@ def test_safe_rlhf_whiten_false_leaves_the_cost_advantages_unwhitened() -> None:
     expected = torch.tensor([[-1.0], [1.0]]) * MASK
     torch.testing.assert_close(trained_advantages(actor), expected)
     ((costs, _),) = cost_critic.trained
-    torch.testing.assert_close(costs.tensors["returns"], torch.tensor([[3.0], [1.0]]) * MASK)
+    order = costs.tensors["input_ids"][:, 0].argsort()
+    returns = costs.tensors["returns"][order]
+    torch.testing.assert_close(returns, torch.tensor([[3.0], [1.0]]) * MASK)
 
 
 class Greedy:
@@ -223,3 +230,23 @@ def test_no_reference_pass_when_nothing_reads_it() -> None:
     cfg = AlgorithmConfig(name="grpo", n=2, kl={"coef": 0.1})
     metrics, _ = run_step(group_step, roles, batch, cfg)
     assert reference.asked == ["compute_log_prob"] and metrics["kl"] == 0.0
+
+
+def test_a_score_that_is_not_finite_is_refused_for_its_row_and_counted() -> None:
+    """Scores 1, nan, 0, inf in one GRPO group: the two bad rows count 0 for the baseline,
+    their advantages are zeroed, and reward/non_finite is 2 / 4."""
+    mask = torch.ones(4, 3, dtype=torch.long)
+    mask[:, 0] = 0
+    actor = Model("actor", log_probs=torch.zeros(mask.shape))
+    roles = Roles(actor=actor, reward=Model("reward"))  # type: ignore[arg-type]
+    batch = rows([1.0, float("nan"), 0.0, float("inf")], mask)
+    batch.non_tensors["uid"] = [0, 0, 0, 0]
+    metrics, _ = run_step(group_step, roles, batch, AlgorithmConfig(name="grpo", n=4))
+    advantages = trained_advantages(actor)
+    assert torch.isfinite(advantages).all()
+    assert advantages[1].abs().sum() == 0 and advantages[3].abs().sum() == 0
+    # scores (1, 0, 0, 0): mean 1/4, unbiased std 1/2: row 0 (1 - 1/4) / (1/2), row 2 -1/2
+    assert advantages[0, 1].item() == pytest.approx(1.5, abs=1e-5)
+    assert advantages[2, 1].item() == pytest.approx(-0.5, abs=1e-5)
+    assert metrics["reward/non_finite"] == 0.5
+    assert metrics["reward/mean"] == 0.25

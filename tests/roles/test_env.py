@@ -69,6 +69,11 @@ def huge(text: str) -> int:
     return 10**5000
 
 
+def specials(text: str) -> str:
+    """Answers with the tokenizer's special tokens written out."""
+    return "4</s><s><pad>"
+
+
 def quitting(text: str) -> str:
     """Asks the interpreter to exit."""
     sys.exit(3)
@@ -88,6 +93,13 @@ def counting(text: str) -> int:
     return len(text)
 
 
+class Unmeasurable(str):
+    """A string whose length cannot be taken."""
+
+    def __len__(self) -> int:
+        raise RuntimeError("no length")
+
+
 class Touchy(GuessNumber):
     """GuessNumber that explodes on 'boom', stalls on 'stall' and leaves a file when closed."""
 
@@ -102,6 +114,10 @@ class Touchy(GuessNumber):
             time.sleep(30)
         if "odd" in text:
             return ("not", "a", "step")  # type: ignore[return-value]
+        if "nan" in text:
+            return "a reward that is no number", float("nan"), False, {}
+        if "evil" in text:  # text the env role itself fails on, after the step returned
+            return Unmeasurable("x"), 0.0, False, {}
         return super().step(text)
 
     def close(self) -> None:
@@ -132,7 +148,10 @@ def action(session: int, text: str, turn: int = 0) -> EnvAction:
 
 
 def encoded(tiny: Path, text: str) -> list[int]:
-    ids: list[int] = load_tokenizer(tiny).encode(text, add_special_tokens=False)
+    """``text`` as the env role encodes what a tool or environment wrote: special tokens
+    spelled out are characters."""
+    tokenizer = load_tokenizer(tiny)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
     return ids
 
 
@@ -221,6 +240,7 @@ FAILING_TOOLS = [
     f"{HERE}:quitting",
     f"{HERE}:repeat",
     f"{HERE}:huge",
+    f"{HERE}:specials",
 ]
 
 
@@ -243,6 +263,7 @@ def test_every_failure_comes_back_as_an_observation_and_the_role_carries_on(tiny
         9: ("[python print('x' * 5000)]", None, "python", "[... 4881 more bytes of output cut]"),
         10: ("[repeat 300]", None, "repeat", "ha\n[... 400 more characters cut]"),
         11: ("[huge x]", "not_text", "huge", "error: huge returned a int, not text"),
+        12: ("[specials x]", None, "specials", "4</s><s><pad>"),
     }
 
     async def main() -> None:
@@ -261,6 +282,9 @@ def test_every_failure_comes_back_as_an_observation_and_the_role_carries_on(tiny
                 assert words in result.observation, result.observation
                 assert result.observation.startswith(" = ") and not result.done
                 assert result.observation_ids == encoded(tiny, result.observation)
+            # a tool's text is never special tokens: "</s>" there is characters, not the EOS
+            special = set(load_tokenizer(tiny).all_special_ids)
+            assert not special & set(got[12].observation_ids), got[12].observation_ids
             # the timeout's result came at its deadline, not when the 30 s sleep ends
             assert 2.0 <= got[5].latency_s < 4.0 and waited < 15
             # same process, still serving: the next call works, in the session that timed out
@@ -345,9 +369,15 @@ def test_environments_play_to_the_end_and_their_failures_end_the_trajectory(
 
             touchy = EnvClient(c, "touchy")
             row = {"secret": 5, "closed_flag": str(flag)}
-            await touchy.open([EnvOpen(session=s, row=row) for s in range(3)])
-            await touchy.submit([action(0, "boom"), action(1, "stall"), action(2, "odd")])
-            got = await results(touchy, 3)
+            await touchy.open([EnvOpen(session=s, row=row) for s in range(5)])
+            moves = ["boom", "stall", "odd", "nan", "evil"]
+            await touchy.submit([action(s, move) for s, move in enumerate(moves)])
+            got = await results(touchy, 5)
+            # a reward that is not finite never reaches the trajectory: the step failed
+            assert (got[3].error, got[3].done, got[3].reward) == ("env", True, None)
+            assert "step's reward is nan, not a finite number" in got[3].observation
+            # the env role failing on what the environment gave: its state is unknown, it ends
+            assert (got[4].error, got[4].done) == ("env", True)
             assert (got[0].error, got[0].done) == ("env", True)
             fire = "error: the environment's step raised RuntimeError: the board caught fire"
             assert got[0].observation == fire
