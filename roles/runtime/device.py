@@ -18,6 +18,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -100,18 +101,19 @@ def check_device(kind: DeviceKind, group: str, ranks_here: int) -> None:
 # ``dtype: auto`` (every role's default) means bf16 where the hardware runs bf16 matrix products
 # natively and fp32 elsewhere. CPUs of one machine type differ: with AMX / AVX512-BF16 a bf16
 # product runs 1.6-2.9x faster than fp32, without them it is emulated and 4.5x slower (measured,
-# ../shared/NOTES.md). So on a CPU the choice is measured, once per process: ``bf16_speedup``
-# times one [64x384]·[384x1024] product in each dtype. On CUDA it asks the device. The ranks of a
-# group then agree (the slowest rank's answer wins: bf16 only if every rank gains), so one group
-# never mixes dtypes.
+# ../shared/NOTES.md). The choice follows what the CPU *is*, its flags (``cpu_bf16_flags``), not a
+# timing: a one-product timing under load swung 0.8x-12x between starts of one config on one
+# machine, so two runs of a config (or a restarted group and the run it rejoins) computed in
+# different dtypes. On CUDA it asks the device. The ranks of a group then agree (bf16 only if
+# every rank has it), so one group never mixes dtypes.
 
 Precision = Literal["auto", "fp32", "bf16"]
 Dtype = Literal["fp32", "bf16"]
 #: forces what ``auto`` resolves to (``fp32`` or ``bf16``) without probing: reproducible runs and
 #: tests across machines whose CPUs differ
 AUTO_DTYPE_ENV = "HYBRIDFLOW_AUTO_DTYPE"
-#: bf16 must be at least this much faster than fp32 to be chosen (the probe's noise is ~10%)
-BF16_MARGIN = 1.2
+#: CPU flags that mean native bf16 matrix products (``/proc/cpuinfo``'s names)
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 TORCH_DTYPES: dict[Dtype, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -138,9 +140,30 @@ def _median_seconds(fn: Callable[[], object], repeats: int = 7, inner: int = 5) 
 
 
 @functools.cache
+def cpu_bf16_flags() -> tuple[str, ...]:
+    """Which of ``BF16_FLAGS`` this CPU has (``/proc/cpuinfo``; elsewhere torch's own cpuinfo
+    reader, which knows AVX512-BF16 and AMX tiles). Read once per process."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        found = []
+        if torch.cpu._is_avx512_bf16_supported():
+            found.append("avx512_bf16")
+        if torch.cpu._is_amx_tile_supported():
+            found.append("amx_bf16")
+        return tuple(found)
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    return tuple(f for f in BF16_FLAGS if f in flags)
+
+
+@functools.cache
 def bf16_speedup() -> float:
     """fp32 time / bf16 time of one [64x384]·[384x1024] product on this CPU (one thread, as a
-    rank computes); > 1 means bf16 is faster. Measured once per process (about 20-80 ms)."""
+    rank computes); > 1 means bf16 is faster. Measured once per process (about 20-80 ms); for
+    benchmarks and the planner's calibration, never for ``dtype: auto`` (it swings with load)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(64, 384, generator=generator)
     b = torch.randn(384, 1024, generator=generator)
@@ -153,12 +176,12 @@ def bf16_speedup() -> float:
 def choose_dtype(
     requested: Precision,
     device: RankDevice,
-    speedup: Callable[[], float] = bf16_speedup,
+    flags: Callable[[], tuple[str, ...]] = cpu_bf16_flags,
     env: Mapping[str, str] | None = None,
 ) -> DtypeChoice:
     """This rank's dtype for ``requested``: an explicit ``fp32``/``bf16`` as given; ``auto`` from
-    ``HYBRIDFLOW_AUTO_DTYPE`` if set, from the GPU's bf16 support on CUDA, else from the CPU
-    probe ``speedup`` (injectable, so tests decide what it measures)."""
+    ``HYBRIDFLOW_AUTO_DTYPE`` if set, from the GPU's bf16 support on CUDA, else from the CPU's
+    bf16 ``flags`` (injectable, so tests decide what the CPU has)."""
     if requested != "auto":
         return DtypeChoice(requested, "set in the config")
     forced = (os.environ if env is None else env).get(AUTO_DTYPE_ENV, "")
@@ -172,20 +195,21 @@ def choose_dtype(
         return DtypeChoice(
             "bf16" if native else "fp32", f"auto: bf16 supported by the GPU: {native}"
         )
-    ratio = speedup()
-    picked = "bf16" if ratio >= BF16_MARGIN else "fp32"
-    return DtypeChoice(picked, f"auto: bf16 matmul runs {ratio:.2f}x fp32 on this CPU")
+    found = flags()
+    if found:
+        return DtypeChoice("bf16", f"auto: the CPU has {' and '.join(found)}")
+    return DtypeChoice("fp32", "auto: the CPU has no native bf16 (AMX-BF16 or AVX512-BF16)")
 
 
 def group_dtype(
     requested: Precision,
     device: RankDevice,
     group: dist.ProcessGroup | None,
-    speedup: Callable[[], float] = bf16_speedup,
+    flags: Callable[[], tuple[str, ...]] = cpu_bf16_flags,
 ) -> DtypeChoice:
     """``choose_dtype`` agreed over ``group``: bf16 only if every rank chose it, so the ranks of
     one group always compute in one dtype."""
-    mine = choose_dtype(requested, device, speedup)
+    mine = choose_dtype(requested, device, flags)
     if group is None or dist.get_world_size(group) == 1:
         log.info("compute dtype %s (%s)", mine.dtype, mine.reason)
         return mine
