@@ -190,13 +190,21 @@ class TrainerConfig(BaseModel):
         description="format string applied to every generation prompt, with the row's columns "
         "as fields, e.g. a chat turn around {prompt}; the model's own bos comes first",
     )
-    save_every: int = Field(0, ge=0, description="steps between checkpoints (0: stage ends)")
+    save_every: int = Field(
+        0, ge=0, description="steps between checkpoints (0: by wall time, save_every_s)"
+    )
+    save_every_s: float = Field(
+        600.0,
+        ge=0,
+        description="with save_every 0: a checkpoint after the first step that ends this many "
+        "seconds after the last one (0: only at each stage's end)",
+    )
     agent: AgentConfig | None = Field(
         None,
         description="multi-turn rollouts: every RL batch and validation is generated turn by "
         "turn with the 'env' role's tools or environment (docs/agentic.md)",
     )
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="checkpoints kept; older ones are deleted")
     snapshot_every: int | None = Field(
         None,
         ge=0,
@@ -263,6 +271,8 @@ class Trainer:
         self.sinks = list(sinks)
         self.sample_sinks = sample_sinks(sinks)
         self.stop_after = stop_after  # global step to checkpoint and stop at (as if interrupted)
+        self.stop_requested = False  # Ctrl-C: checkpoint after the step in flight, then stop
+        self.last_save = time.monotonic()  # (the run's start counts as one, for save_every_s)
         self.ckpt_dir = run_dir / "checkpoints"
         self.validations: list[dict[str, Any]] = []
         self.restored: dict[int, TensorBatch] = {}  # pending batches read from a checkpoint
@@ -290,7 +300,13 @@ class Trainer:
         try:
             return await self._run(resume)
         except _Stopped:
-            return {"stopped_at": self.global_step, "steps": self.global_step}
+            found = {"stopped_at": self.global_step, "steps": self.global_step}
+            return found | ({"interrupted": True} if self.stop_requested else {})
+
+    def request_stop(self) -> None:
+        """Finish the step in flight, write a checkpoint, then stop (``run`` returns
+        ``stopped_at``): what the first Ctrl-C asks for."""
+        self.stop_requested = True
 
     async def _run(self, resume: bool) -> dict[str, Any]:
         start_stage, start_step = 0, 0
@@ -613,8 +629,11 @@ class Trainer:
 
     async def _maybe_save(self, index: int, stage: SFTStage | RLStage, k: int) -> None:
         every = self.cfg.save_every
-        stop = self.global_step == self.stop_after
-        if (stop or (every and self.global_step % every == 0)) and k + 1 < stage.steps:
+        stop = self.global_step == self.stop_after or self.stop_requested
+        due = every and self.global_step % every == 0
+        if not every and self.cfg.save_every_s:
+            due = time.monotonic() - self.last_save >= self.cfg.save_every_s
+        if (stop or due) and k + 1 < stage.steps:
             await self._save(index, k + 1)
         elif stop:
             await self._save(index, stage.steps)
@@ -655,6 +674,7 @@ class Trainer:
             shutil.rmtree(final)
         os.replace(aside, final)
         self.saved_step = self.global_step
+        self.last_save = time.monotonic()
         for old in checkpoints(self.ckpt_dir)[: -self.cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -82,7 +82,10 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by SIGINT
 SHM_ROOT = "/dev/shm"  # in-memory snapshots: memory-backed files that outlive a rank
-NO_CHECKPOINT_YET = "a run writes one at each stage end and every trainer.save_every steps"
+NO_CHECKPOINT_YET = (
+    "a run writes one at each stage end, every trainer.save_every steps (or save_every_s "
+    "seconds) and after the step in flight at the first Ctrl-C"
+)
 Rows = list[dict[str, Any]]
 
 
@@ -242,6 +245,12 @@ def run_experiment(opts: RunOptions) -> int:
     except Exception as exc:  # the run failed: say what, where the checkpoints are
         _say_failed(opts, run_dir, exc)
         return EXIT_FAILED
+    if summary.get("interrupted"):  # Ctrl-C once: the step finished and a checkpoint written
+        console.print(
+            f"[yellow]interrupted after step {summary['stopped_at']}; checkpoint written[/]"
+        )
+        _say_how_to_continue(opts, run_dir)
+        return EXIT_INTERRUPTED
     if opts.json:
         print(json.dumps(summary))
     elif "stopped_at" in summary:
@@ -423,8 +432,9 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
     assert run.resume_step is not None or not opts.resume
     sinks: list[Sink] = [*_sinks(exp, run_dir, run.resume_step)]
     sinks.append(live)
+    stop = GracefulStop()
     try:
-        summary = run_async(lambda: _train(run, opts, sinks, live))
+        summary = run_async(lambda: _train(run, opts, sinks, live, stop), stop.request)
     finally:
         for sink in sinks:
             close = getattr(sink, "close", None)
@@ -452,7 +462,27 @@ def _sinks(exp: Experiment, run_dir: Path, resume_step: int | None) -> list[Sink
     return sinks
 
 
-async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) -> dict[str, Any]:
+class GracefulStop:
+    """The first Ctrl-C: the trainer finishes its step, writes a checkpoint and stops (a second
+    Ctrl-C cancels at once: ``run_async``)."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    def request(self) -> bool:
+        if self.trainer is None:  # still starting: nothing to finish
+            return False
+        self.trainer.request_stop()
+        console.print(
+            f"[yellow]Ctrl-C: finishing step {self.trainer.global_step + 1}, then a checkpoint "
+            "and stop; Ctrl-C again stops at once (losing the work since the last checkpoint)[/]"
+        )
+        return True
+
+
+async def _train(
+    run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView, stop: GracefulStop
+) -> dict[str, Any]:
     start = time.perf_counter()
     async with _session(run, opts) as controller, AsyncExitStack() as stack:
         ready = time.perf_counter() - start
@@ -475,6 +505,7 @@ async def _train(run: Run, opts: RunOptions, sinks: list[Sink], live: LiveView) 
                     opts.stop_after,
                     snapshots,
                 )
+                stop.trainer = trainer
                 if supervisor is not None:
                     supervisor.on_event = functools.partial(_record_event, sinks, trainer)
                 try:

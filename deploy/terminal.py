@@ -62,14 +62,24 @@ def _event_loop_runner() -> Callable[..., Any]:
     return uvloop.run
 
 
-def run_async(main: Callable[[], Awaitable[T]]) -> T:
-    """Run ``main`` on uvloop (when installed) with SIGINT/SIGTERM cancelling it cleanly."""
+def run_async(main: Callable[[], Awaitable[T]], interrupt: Callable[[], bool] | None = None) -> T:
+    """Run ``main`` on uvloop (when installed) with SIGINT/SIGTERM cancelling it cleanly. With
+    ``interrupt``, the first SIGINT calls it instead, and cancels only if it returns False (it
+    could not take the request: nothing to finish gracefully); a second SIGINT cancels."""
 
     async def guarded() -> T:
         task = asyncio.ensure_future(main())
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+        asked = False
+
+        def on_sigint() -> None:
+            nonlocal asked
+            first, asked = not asked, True
+            if not (first and interrupt is not None and interrupt()):
+                task.cancel()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
         return await task
 
     result: T = _event_loop_runner()(guarded())
