@@ -296,11 +296,11 @@ def seen(run_dir: Path, event: str) -> bool:
 
 
 def interrupted(
-    raw: dict[str, Any], tmp_path: Path, event: str, presses: int = 1
+    raw: dict[str, Any], tmp_path: Path, event: str, sig: signal.Signals = signal.SIGINT
 ) -> tuple[Path, str]:
     """Start ``hybridflow run``, wait for ``event`` (a checkpoint, or a metrics record), press
-    Ctrl-C ``presses`` times (SIGINT to the command's process group, as a terminal does); its
-    exit code must be 130 and every rank gone. Returns the run dir and what it printed."""
+    Ctrl-C (``sig`` to the command's process group, as a terminal does); its exit code must be
+    130 and every rank gone. Returns the run dir and what it printed."""
     run_dir = tmp_path / "run"
     experiment = write(raw, tmp_path / "endless.yaml")
     argv = [*CLI, "run", str(experiment), "--run-dir", str(run_dir)]
@@ -309,8 +309,7 @@ def interrupted(
         proc = subprocess.Popen(argv, stdout=sink, stderr=sink, start_new_session=True)
     try:
         wait_for(lambda: seen(run_dir, event), 120, f"a {event}", proc=proc, detail=log.read_text)
-        for _ in range(presses):
-            os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -340,6 +339,18 @@ def test_the_first_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_resume_w
     done = hybridflow(*resume, "--stop-after", str(step + 1), limit=200)
     assert done.returncode == 0, done.stderr
     assert f"stopped after step {step + 1}" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_at_once_before_any_checkpoint_says_how_to_start_over(tmp_path: Path) -> None:
+    """SIGTERM (as a second Ctrl-C: ``tests/deploy/test_terminal.py``) stops at once: with no
+    checkpoint yet, the run says so and how to start over, and that command works."""
+    run_dir, out = interrupted(endless(), tmp_path, "record", sig=signal.SIGTERM)
+    assert "interrupted; every process was stopped" in out
+    assert "no checkpoint exists yet" in out and "--resume" not in out
+    start_over = printed_command(out, "start over with: ")
+    assert start_over == ["run", str(run_dir / "config.yaml"), "--run-dir", str(run_dir)]
     done = hybridflow(*start_over, "--set", "stages.0.steps=2", limit=200)
     assert done.returncode == 0, done.stderr
     assert json_steps((run_dir / "metrics.jsonl").read_text()) == [1, 2]
