@@ -37,6 +37,7 @@ import difflib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import shutil
 import sys
@@ -50,6 +51,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from controller.data import (
+    BUILTIN,
     PROMPT_COLUMNS,
     SFT_COLUMNS,
     Column,
@@ -63,6 +65,8 @@ from controller.placement import RestartPolicy
 from controller.trainer import RLStage, SFTStage, Stage, TrainerConfig, checkpoints
 from transport.device import DeviceKind
 from transport.training import OptimConfig
+
+log = logging.getLogger(__name__)
 
 ROLE_CLASSES = {
     "actor": "roles.actor:Actor",
@@ -188,11 +192,68 @@ class Experiment(BaseModel):
 
 
 def load(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> Experiment:
-    """Read, override (``--quick``, then ``--set a.b=value``) and validate an experiment."""
+    """Read, override (``--quick``, then ``--set a.b=value``) and validate an experiment. The
+    file's relative paths are read from its own folder (``anchor_paths``)."""
     file = Path(path)
     raw = read_yaml(file, "experiment file")
-    raw.setdefault("import_root", str(file.resolve().parent))
+    folder = file.resolve().parent
+    raw.setdefault("import_root", str(folder))
+    for note in anchor_paths(raw, folder):
+        log.warning("%s", note)
     return parse(raw, overrides, quick, str(file))
+
+
+#: per section, the fields that name a file or folder (data sources may add ``?key=column``)
+PATH_FIELDS = {
+    "models": ("path",),
+    "roles": ("model", "tokenizer", "search_documents"),
+    "stages": ("data", "val_data", "ptx_data"),
+    "trainer": ("val_data",),
+}
+
+
+def anchor_paths(raw: dict[str, Any], folder: Path) -> list[str]:
+    """Each relative path of the file's ``PATH_FIELDS`` made absolute from ``folder``, the
+    experiment's own, so a run does not depend on where it was started. One found only from the
+    working directory is taken from there, with a note (returned) that this fallback will go;
+    one found in neither is left as written (a Hugging Face hub id, or a "not found" later that
+    names both folders). A role's ``model`` that names an entry of ``models`` is not a path."""
+    notes: list[str] = []
+    names = set(raw.get("models") or {})
+
+    def anchored(value: Any, field: str) -> Any:
+        if not isinstance(value, str) or value.startswith(BUILTIN) or Path(value).is_absolute():
+            return value
+        file, sep, query = value.partition("?")
+        if (folder / file).exists():
+            return f"{folder / file}{sep}{query}"
+        if Path(file).exists():
+            notes.append(
+                f"{field}: {file!r} is read from the working directory ({Path.cwd()}), not from "
+                f"the experiment's folder ({folder}); relative paths are the experiment "
+                "folder's, and this fallback will go: write the path from there"
+            )
+            return f"{Path(file).resolve()}{sep}{query}"
+        return value
+
+    for section, fields in PATH_FIELDS.items():
+        entries = raw.get(section)
+        items: list[tuple[Any, Any]]
+        if section == "trainer":
+            items = [("", entries)]
+        elif isinstance(entries, dict):
+            items = list(entries.items())
+        else:
+            items = list(enumerate(entries if isinstance(entries, list) else []))
+        for key, entry in items:
+            if not isinstance(entry, dict):
+                continue
+            for name in fields:
+                if name not in entry or (section == "roles" and entry[name] in names):
+                    continue
+                where = f"{section}.{key}.{name}" if key != "" else f"{section}.{name}"
+                entry[name] = anchored(entry[name], where)
+    return notes
 
 
 def read_yaml(file: Path, what: str) -> dict[str, Any]:
@@ -215,6 +276,12 @@ def parse(
     where: str = "config",
 ) -> Experiment:
     raw = copy.deepcopy(raw)
+    if quick and not raw.get("quick"):
+        raise ExperimentError(
+            f"{where}: --quick applies the file's quick: section (dotted overrides for a "
+            "CI-sized run, e.g. quick: {stages.0.steps: 20}), and this file has none; add one "
+            "or run without --quick"
+        )
     if quick:
         for key, value in (raw.get("quick") or {}).items():
             set_path(raw, key, value)
@@ -401,7 +468,8 @@ def check(exp: Experiment) -> None:
         model = cfg.model
         if model is not None and model not in exp.models and not Path(model).exists():
             raise ExperimentError(
-                f"roles.{role}.model: {model!r} is neither a name under models "
+                f"roles.{role}.model: {model!r} ({looked_in(exp.import_root)}) is neither a "
+                "name under models "
                 f"({sorted(exp.models)}) nor an existing folder"
             )
 
@@ -467,6 +535,12 @@ def _check_sglang(exp: Experiment) -> None:
             )
 
 
+def looked_in(folder: str | None) -> str:
+    """Where a relative path was looked for, in words."""
+    here = f"the working directory {Path.cwd()}"
+    return f"looked for in the experiment's folder {folder} and in {here}" if folder else here
+
+
 def _check_model_sources(exp: Experiment) -> None:
     """Each ``models.NAME.path`` is a usable model folder, named by its config key (the run
     directory's link to it does not exist yet)."""
@@ -478,8 +552,9 @@ def _check_model_sources(exp: Experiment) -> None:
             continue
         if not Path(source.path).is_dir():
             raise ExperimentError(
-                f"models.{name}.path: {source.path!r} is not a folder; give a Hugging Face model "
-                "folder, or use init: tiny / gguf: smollm2"
+                f"models.{name}.path: {source.path!r} is not a folder"
+                + ("" if Path(source.path).is_absolute() else f" ({looked_in(exp.import_root)})")
+                + "; give a Hugging Face model folder, or use init: tiny / gguf: smollm2"
             )
         try:
             check_model_dir(source.path)
@@ -778,7 +853,10 @@ def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
                 use(stage.ptx_data, f"stages.{i}.ptx_data", SFT_COLUMNS)
     if exp.trainer.val_data:
         use(exp.trainer.val_data, "trainer.val_data", scored)
-    data = {source: _read(field, source, columns) for source, (field, columns) in wanted.items()}
+    folder = exp.import_root
+    data = {
+        source: _read(field, source, columns, folder) for source, (field, columns) in wanted.items()
+    }
     for stage in exp.stages:
         stage.resolve_epochs(len(data[stage.data]))
     for i, stage in enumerate(exp.stages):
@@ -790,12 +868,14 @@ def read_data(exp: Experiment) -> dict[str, list[dict[str, Any]]]:
     return data
 
 
-def _read(field: str, source: str, columns: tuple[Column, ...]) -> list[dict[str, Any]]:
+def _read(
+    field: str, source: str, columns: tuple[Column, ...], folder: str | None = None
+) -> list[dict[str, Any]]:
     """``read_rows``; its DatasetError names the config field that named the dataset first."""
     try:
         file = source_file(source)  # FILE?prompt_key=...: the file alone
         if file is not None and not file.exists():
-            where = "" if file.is_absolute() else f" (relative to {Path.cwd()}, where it ran)"
+            where = "" if file.is_absolute() else f" ({looked_in(folder)})"
             raise DatasetError(f"no such file {str(file)!r}{where}")
         return read_rows(source, columns)
     except DatasetError as exc:

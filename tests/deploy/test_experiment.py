@@ -40,6 +40,43 @@ def test_every_example_parses_and_passes_the_checks() -> None:
         assert exp.stages[-1].kind == ("sft" if path.name == "distill_teacher.yaml" else "rl")
 
 
+def test_quick_on_a_file_without_a_quick_section_is_refused() -> None:
+    raw = base()
+    del raw["quick"]
+    with pytest.raises(ExperimentError, match="--quick applies the file's quick: section"):
+        parse(raw, quick=True)
+    parse(raw)  # without --quick: the full experiment, as written
+
+
+def test_relative_paths_are_read_from_the_experiments_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From any working directory: a path beside the file is the file's; one only in the
+    working directory still works, with a line saying that fallback will go; one in neither is
+    refused naming both folders (``cd /tmp && hybridflow run /path/examples/ppo.yaml``)."""
+    folder, elsewhere = tmp_path / "exp", tmp_path / "cwd"
+    folder.mkdir(), elsewhere.mkdir()
+    row = '{"prompt": "1+1=", "response": "2", "answer": "2"}\n'
+    (folder / "rows.jsonl").write_text(row * 64)
+    (elsewhere / "old.jsonl").write_text(row * 64)
+    raw = base()
+    raw["stages"][0]["data"] = "rows.jsonl"
+    raw["stages"][1]["data"] = "old.jsonl?prompt_key=prompt"
+    (folder / "e.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(elsewhere)
+    exp = load(folder / "e.yaml")
+    assert exp.stages[0].data == str(folder / "rows.jsonl")
+    assert exp.stages[1].data == f"{elsewhere / 'old.jsonl'}?prompt_key=prompt"
+    assert "stages.1.data: 'old.jsonl' is read from the working directory" in caplog.text
+    monkeypatch.chdir(tmp_path)
+    ppo = load(EXAMPLES / "ppo.yaml")
+    with pytest.raises(ExperimentError) as info:
+        check(ppo)
+    assert "roles.reward.model: 'models/tiny-rm'" in str(info.value)
+    assert f"experiment's folder {EXAMPLES}" in str(info.value)
+    assert f"working directory {tmp_path}" in str(info.value)
+
+
 def test_quick_and_set_override_in_that_order() -> None:
     exp = parse(base(), ["stages.1.steps=3", "stages.1.algorithm.n=4"], quick=True)
     assert exp.stages[0].steps == 40 and exp.stages[1].steps == 3
