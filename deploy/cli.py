@@ -40,6 +40,7 @@ from controller.demo import demo_placement, train_linear
 from deploy.keys_cli import add_keys_command
 from deploy.model_cli import add_model_commands, run_model_command
 from deploy.plan_cli import add_plan_command
+from deploy.processes import add_status_command
 from deploy.reshard_cli import add_reshard_command
 from deploy.role_cli import add_role_command
 from deploy.run_cli import add_run_commands, report_command, run_experiment_command
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_reshard_command(sub)
     add_plan_command(sub)
     add_trajectories_command(sub)
+    add_status_command(sub)
     return parser
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.placement import GroupSpec
+from deploy.processes import write_processes
 from roles.runtime.device import check_device
 from roles.runtime.env import RankEnv, RankPlace
 from transport.channel import spare_port
@@ -56,6 +58,7 @@ class RankProcess:
     log_path: Path
     log_start: int = 0  # where this run's lines begin in the (appended) log
     retired: bool = False  # an earlier incarnation of a restarted group: its exit is no death
+    roles: tuple[str, ...] = ()
 
 
 SOCKET_PREFIX = "hf-"
@@ -206,9 +209,28 @@ class LocalLauncher:
                     start_new_session=True,
                 )
             pidfd = os.pidfd_open(popen.pid)
-            proc = RankProcess(spec.name, rank, popen, pidfd, log_path, start)
+            roles = tuple(spec.roles)
+            proc = RankProcess(spec.name, rank, popen, pidfd, log_path, start, roles=roles)
             self.procs.append(proc)
             loop.add_reader(proc.pidfd, self._exited, proc)
+        self._write_processes()
+
+    def _write_processes(self) -> None:
+        """``RUN_DIR/processes.json`` with the ranks started so far (``deploy/processes.py``)."""
+        host = socket.gethostname()
+        ranks = [
+            {
+                "group": p.group,
+                "rank": p.rank,
+                "roles": list(p.roles),
+                "pid": p.popen.pid,
+                "host": host,
+                "log": str(p.log_path),
+            }
+            for p in self.procs
+            if not p.retired
+        ]
+        write_processes(self.run_dir, ranks)
 
     async def restart(self, spec: GroupSpec) -> None:
         """End what is left of the group's ranks (SIGKILL), wait until every one is gone, then

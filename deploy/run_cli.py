@@ -71,6 +71,7 @@ from deploy.groups import build_groups
 from deploy.keys_cli import server_files
 from deploy.live import LiveView
 from deploy.local import SocketFolder, sweep_socket_folders
+from deploy.processes import set_title
 from deploy.report import run_report
 from deploy.session import cluster_session, local_session, remote_session
 from deploy.terminal import console, run_async
@@ -432,6 +433,7 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
     assert run.resume_step is not None or not opts.resume
     sinks: list[Sink] = [*_sinks(exp, run_dir, run.resume_step)]
     sinks.append(live)
+    set_title(f"hybridflow controller {run_dir}")
     stop = GracefulStop()
     try:
         summary = run_async(lambda: _train(run, opts, sinks, live, stop), stop.request)

@@ -17,6 +17,7 @@ import signal
 import sys
 import traceback
 
+import setproctitle
 import torch
 import torch.distributed as dist
 
@@ -76,6 +77,12 @@ def main() -> None:
     logging.basicConfig(
         level=os.environ.get("HYBRIDFLOW_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {env.group}[{env.rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    # which process is which: the title ps shows, and the log's first line
+    title = f"hybridflow {env.group}:{env.rank} ({','.join(env.roles)})"
+    setproctitle.setproctitle(title)
+    print(
+        f"{title}: pid {os.getpid()}, launched by pid {os.getppid()}", file=sys.stderr, flush=True
     )
     pg, store, device = init_group(env)
     host = RoleHost(env.group, env.rank, env.layout, pg, device)

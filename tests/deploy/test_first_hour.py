@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -296,7 +296,11 @@ def seen(run_dir: Path, event: str) -> bool:
 
 
 def interrupted(
-    raw: dict[str, Any], tmp_path: Path, event: str, sig: signal.Signals = signal.SIGINT
+    raw: dict[str, Any],
+    tmp_path: Path,
+    event: str,
+    sig: signal.Signals = signal.SIGINT,
+    while_running: Callable[[Path], None] | None = None,
 ) -> tuple[Path, str]:
     """Start ``hybridflow run``, wait for ``event`` (a checkpoint, or a metrics record), press
     Ctrl-C (``sig`` to the command's process group, as a terminal does); its exit code must be
@@ -309,6 +313,8 @@ def interrupted(
         proc = subprocess.Popen(argv, stdout=sink, stderr=sink, start_new_session=True)
     try:
         wait_for(lambda: seen(run_dir, event), 120, f"a {event}", proc=proc, detail=log.read_text)
+        if while_running is not None:
+            while_running(run_dir)
         os.killpg(proc.pid, sig)
         proc.wait(timeout=60)
     finally:
@@ -320,6 +326,25 @@ def interrupted(
     return run_dir, out
 
 
+def which_is_which(run_dir: Path) -> None:
+    """While the run trains: ``processes.json`` lists the controller and every rank, each rank's
+    title in ``ps`` names its group, rank and roles and its log's first line its pid, and
+    ``hybridflow status`` sees them all running."""
+    found = json.loads((run_dir / "processes.json").read_text())
+    ranks = found["ranks"]
+    assert ranks and {r["group"] for r in ranks} == {"main"}
+    assert "actor" in ranks[0]["roles"]
+    for r in ranks:
+        title = f"hybridflow main:{r['rank']} ({','.join(r['roles'])})"
+        assert Path(f"/proc/{r['pid']}/cmdline").read_bytes().startswith(title.encode())
+        first = Path(r["log"]).read_text().split("\n", 2)
+        assert any(line.startswith(f"{title}: pid {r['pid']}") for line in first), first
+    controller = Path(f"/proc/{found['controller']['pid']}/cmdline").read_bytes()
+    assert controller.startswith(f"hybridflow controller {run_dir}".encode())
+    status = json.loads(hybridflow("status", str(run_dir), "--json", limit=60).stdout)
+    assert [s["alive"] for s in status] == [True] * (1 + len(ranks))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_first_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_resume_works(
@@ -327,8 +352,10 @@ def test_the_first_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_resume_w
 ) -> None:
     """No save_every: before, Ctrl-C here lost everything. Now the step in flight finishes, a
     checkpoint of it is written, and the printed command resumes from it."""
-    run_dir, out = interrupted(endless(), tmp_path, "record")
+    run_dir, out = interrupted(endless(), tmp_path, "record", while_running=which_is_which)
     assert "Ctrl-C: finishing step" in out and "checkpoint written" in out, out
+    gone = json.loads(hybridflow("status", str(run_dir), "--json", limit=60).stdout)
+    assert [p["alive"] for p in gone] == [False] * len(gone)
     step = int(out.split("continue from step ", 1)[1].split()[0])
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line)["step"] for line in metrics if line.strip()]

@@ -1,0 +1,87 @@
+"""Which process is which: titles ``ps`` shows, ``RUN_DIR/processes.json`` and
+``hybridflow status RUN_DIR``.
+
+Every rank sets its title to ``hybridflow GROUP:RANK (ROLES)`` and writes its pid beside it as its
+log's first line (``roles/runtime/rank.py``); the run command's process, which hosts the
+controller, is ``hybridflow controller RUN_DIR``. The local launcher keeps ``processes.json``
+current (rewritten when a group starts or restarts): the controller's pid and, per rank, its
+group, rank, roles, pid, host and log. ``hybridflow status RUN_DIR`` prints it with whether each
+process is alive (on this host). Groups started elsewhere (SLURM, ssh, by hand) are not listed:
+their ranks' titles and logs say the same on their hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import setproctitle
+
+from deploy.terminal import console
+
+PROCESSES_FILE = "processes.json"
+
+
+def set_title(title: str) -> None:
+    """This process's title, as ``ps`` and ``top`` show it."""
+    setproctitle.setproctitle(title)
+
+
+def write_processes(run_dir: Path, ranks: Iterable[dict[str, Any]]) -> Path:
+    """``RUN_DIR/processes.json``: this process (the controller's) and ``ranks``, written aside
+    and renamed so a reader never sees half of it."""
+    found = {
+        "controller": {"pid": os.getpid(), "host": socket.gethostname()},
+        "ranks": list(ranks),
+    }
+    path = run_dir / PROCESSES_FILE
+    aside = path.with_name(path.name + ".tmp")
+    aside.write_text(json.dumps(found, indent=1))
+    aside.replace(path)
+    return path
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def add_status_command(sub: argparse._SubParsersAction) -> None:
+    what = "list a run's processes (controller and ranks: pid, group, rank, roles, alive)"
+    cmd = sub.add_parser("status", help=what, description=what)
+    cmd.add_argument("run_dir", type=Path, help="the run folder (holds processes.json)")
+    cmd.add_argument("--json", action="store_true", help="print the list as JSON on stdout")
+    cmd.set_defaults(fn=status_command)
+
+
+def status_command(args: argparse.Namespace) -> int:
+    path = Path(args.run_dir) / PROCESSES_FILE
+    if not path.is_file():
+        console.print(f"{path}: no such file (a run started here by `hybridflow run` writes it)")
+        return 2
+    found = json.loads(path.read_text())
+    here = socket.gethostname()
+    rows = [{"what": "controller", **found["controller"]}]
+    rows += [
+        {"what": f"{r['group']}:{r['rank']} ({','.join(r['roles'])})", **r} for r in found["ranks"]
+    ]
+    for row in rows:
+        row["alive"] = alive(int(row["pid"])) if row["host"] == here else None
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for row in rows:
+        state = {True: "running", False: "gone", None: "(another host)"}[row["alive"]]
+        log = f"  log {row['log']}" if row.get("log") else ""
+        console.print(f"{row['what']:<32} pid {row['pid']:<8} {row['host']}  {state}{log}")
+    return 0
