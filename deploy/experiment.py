@@ -755,11 +755,13 @@ def prepare_models(exp: Experiment, run_dir: Path) -> None:
             _drop_if_stale(name, target, record, wanted, run_dir)
         if source.path is not None:
             _link(target, Path(source.path).resolve())
+        elif source.gguf is not None:  # one converted copy per machine, linked into each run
+            if target.is_symlink() and not target.exists():  # the cache was cleared
+                target.unlink()
+            if not target.exists():  # (a run folder from before the cache keeps its copy)
+                _link(target, _cached_gguf(source.gguf, import_gguf))
         elif not (target / "config.json").exists():
-            if source.init is not None:
-                init_model(target, source.init, seed=source.seed)
-            else:
-                import_gguf(target)
+            init_model(target, source.init or "tiny", seed=source.seed)
         record.write_text(json.dumps(wanted))  # after the model is whole
 
 
@@ -796,6 +798,30 @@ def _drop_if_stale(
     else:
         shutil.rmtree(target)
     record.unlink(missing_ok=True)
+
+
+#: where models converted once per machine are kept (GGUF imports: ~540 MB each)
+CACHE_ENV = "HYBRIDFLOW_CACHE"
+
+
+def model_cache() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridflow") / "models"
+
+
+def _cached_gguf(name: str, convert: Any) -> Path:
+    """The GGUF model ``name`` converted to a Hugging Face folder once, in ``model_cache()``:
+    converted aside and renamed into place, so runs started together never see half of it."""
+    folder = model_cache() / f"gguf-{name}"
+    if (folder / "config.json").is_file():
+        return folder
+    aside = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    convert(aside)
+    try:
+        os.replace(aside, folder)
+    except OSError:  # another run put it there first
+        shutil.rmtree(aside, ignore_errors=True)
+    return folder
 
 
 def _link(target: Path, folder: Path) -> None:

@@ -443,10 +443,25 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
             if close is not None:
                 close()
     summary["run_dir"] = str(run_dir)
+    summary["run_dir_mb"] = round(folder_bytes(run_dir) / 2**20, 1)
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(run_dir / "summary.json")
     return summary
+
+
+def folder_bytes(folder: Path) -> int:
+    """What ``folder`` holds on disk, links not followed (a linked model folder is not the
+    run's)."""
+    total = 0
+    for entry in os.scandir(folder):
+        if entry.is_symlink():
+            continue
+        if entry.is_dir():
+            total += folder_bytes(Path(entry.path))
+        else:
+            total += entry.stat(follow_symlinks=False).st_size
+    return total
 
 
 def _resume_step(run_dir: Path) -> int | None:
@@ -641,7 +656,8 @@ def _describe(summary: dict[str, Any], run_dir: Path) -> str:
     return (
         f"{summary['name']}: validation score init {fmt(summary['val_acc_init'])}, "
         f"before RL {fmt(summary['val_acc_before'])}, after {fmt(summary['val_acc_after'])} "
-        f"in {summary['wall_s']} s ({summary['steps']} steps{dtype})\nrun: {run_dir}"
+        f"in {summary['wall_s']} s ({summary['steps']} steps{dtype})\n"
+        f"run: {run_dir} ({summary.get('run_dir_mb', 0):g} MB)"
     )
 
 

@@ -12,6 +12,7 @@ from deploy.cli import build_parser
 from deploy.experiment import load
 from deploy.run_cli import _prepare
 from roles.modeling.models import init_model
+from tests.deploy.test_run import EXAMPLES
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 
@@ -64,3 +65,34 @@ def test_a_check_after_the_models_are_made_leaves_no_run_dir(
     assert "roles.actor" in capsys.readouterr().err
     assert not run_dir.exists()
     assert model.is_dir()  # the linked model itself is untouched
+
+
+def test_a_gguf_model_is_converted_once_per_machine_and_linked_into_each_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA run on SmolLM2 no longer copies the 517 MB base into its run folder: the first
+    run converts it into the machine's cache, every run links to it, and the run folder's size
+    (what ``summary.json`` reports) does not count it."""
+    import roles.modeling.models as models
+    from deploy.experiment import CACHE_ENV, prepare_models
+    from deploy.run_cli import folder_bytes
+
+    converted: list[Path] = []
+
+    def fake_import(out: Path) -> Path:  # stands in for the 20 s conversion; what is tested is
+        out.mkdir(parents=True)  # where it goes and how often it runs
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"\0" * 4096)
+        converted.append(out)
+        return out
+
+    monkeypatch.setattr(models, "import_gguf", fake_import)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    exp = load(EXAMPLES / "smollm2_lora_grpo.yaml")
+    for run in ("a", "b"):
+        prepare_models(exp, tmp_path / run)
+        linked = tmp_path / run / "models" / "smollm2"
+        assert linked.is_symlink()
+        assert linked.resolve() == (tmp_path / "cache" / "models" / "gguf-smollm2").resolve()
+        assert folder_bytes(tmp_path / run) < 1024  # the model is not the run's
+    assert len(converted) == 1
