@@ -59,7 +59,7 @@ from controller.agent import (
 )
 from controller.algorithm_config import AlgorithmConfig
 from controller.algorithms import Roles, Timer, rewarded, with_columns
-from controller.scoring import ask, finite, stash, stashed
+from controller.scoring import ask, finite, keep_notes, stash, stashed
 from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch
@@ -349,7 +349,11 @@ class RolloutPipeline:
                 seed = request_seed(plan.seed, k, -1 - r)
                 batch = await self._generate(plan.more(k, r), cfg, seed, version)
             rounds += 1
-            found = stashed(batch, reward.role) or (await ask(reward, batch)).tensors
+            found = stashed(batch, reward.role)
+            if found is None:
+                reply = await ask(reward, batch)
+                keep_notes(batch, reward.role, reply)
+                found = reply.tensors
             stash(batch, reward.role, found)
             uids = [int(u) for u in batch.non_tensors["uid"]]
             useful = informative_groups(finite(found[SCORES])[0], uids)

@@ -13,6 +13,8 @@ asks the role when the batch was not scored so. An algorithm step calls ``scores
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from controller.clients import RewardClient
@@ -25,9 +27,22 @@ BOOKKEEPING = (FINISH, REQUEST)
 
 
 def request(batch: TensorBatch) -> TensorBatch:
-    """The columns of ``batch`` a reward role is sent."""
-    text = [k for k in batch.non_tensors if k not in BOOKKEEPING]
+    """The columns of ``batch`` a reward role is sent (not what scoring roles wrote in it)."""
+    text = [k for k in batch.non_tensors if k not in BOOKKEEPING and ":" not in k]
     return batch.select(TOKENS, text, [])
+
+
+def keep_notes(batch: TensorBatch, role: str, reply: TensorBatch) -> None:
+    """A scoring role's text per row (an LLM judge's ``verdict``) kept in ``batch`` as
+    ``<role>:<name>`` columns, so the logged samples show why a row scored as it did."""
+    for name, column in reply.non_tensors.items():
+        batch.non_tensors[f"{role}:{name}"] = list(column)
+
+
+def notes_of(batch: TensorBatch, role: str, row: int) -> dict[str, Any]:
+    """Row ``row``'s notes from scoring role ``role`` (``keep_notes``), by name."""
+    prefix = f"{role}:"
+    return {k[len(prefix) :]: v[row] for k, v in batch.non_tensors.items() if k.startswith(prefix)}
 
 
 async def ask(role: RewardClient, batch: TensorBatch) -> TensorBatch:
@@ -57,7 +72,9 @@ async def scores(role: RewardClient, batch: TensorBatch) -> tuple[torch.Tensor, 
     ``refused_rows``) and ``reward/non_finite`` is the share of such rows."""
     found = stashed(batch, role.role)
     if found is None:
-        found = (await ask(role, batch)).tensors
+        reply = await ask(role, batch)
+        keep_notes(batch, role.role, reply)
+        found = reply.tensors
     extras = {k: float(v.float().mean()) for k, v in found.items() if k.startswith("reward/")}
     score, bad = finite(found[SCORES])
     if bad.any():

@@ -319,6 +319,11 @@ async def stream(
     batch = concat_padded(results)
     for role, columns in zip(scorers, zip(*scored, strict=True), strict=True):
         scoring.stash(batch, role.role, concat_columns(list(columns)))
+        names = {k for part in columns for k in part.non_tensors}
+        notes = {
+            k: [x for p in columns for x in p.non_tensors.get(k, [None] * len(p))] for k in names
+        }
+        scoring.keep_notes(batch, role.role, TensorBatch.from_dict(non_tensors=notes))
     batch.meta["stream"] = timeline
     return batch
 

@@ -54,7 +54,7 @@ from controller.rollouts import (
     save_pending,
     staleness_metrics,
 )
-from controller.scoring import scores, stashed
+from controller.scoring import notes_of, scores, stashed
 from controller.snapshots import Snapshot, Snapshots
 from controller.supervised import text_batch
 from controller.sync import WeightSync
@@ -602,9 +602,11 @@ class Trainer:
         found = stashed(batch, self.roles.reward.role)
         if found is not None:
             score = found[SCORES].float()[picked]
-        else:
-            score, _ = await scores(self.roles.reward, batch.index(picked))
-        self._log_samples("rollout", stage, batch, picked, score)
+            self._log_samples("rollout", stage, batch, picked, score)
+            return
+        rows = batch.index(picked)
+        score, _ = await scores(self.roles.reward, rows)  # (its notes go into rows)
+        self._log_samples("rollout", stage, rows, list(range(len(picked))), score)
 
     def _log_samples(
         self, kind: str, stage: str, batch: TensorBatch, rows: list[int], score: torch.Tensor
@@ -621,6 +623,7 @@ class Trainer:
             sample["reward"] = float(value)
             kept = ("answer", "finish", "turns", "tool_calls", "env_reward", "segments")
             sample.update({c: text[c][row] for c in kept if c in text})
+            sample.update(notes_of(batch, self.roles.reward.role, row))  # e.g. a judge's verdict
             found.append(sample)
         for sink in self.sample_sinks:
             sink.samples(found)

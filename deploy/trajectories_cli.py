@@ -5,7 +5,7 @@ The trainer logs some trajectories of every ``trainer.log_samples.every``-th ste
 validation) to ``samples.jsonl`` with their pieces (``segments``: sampled text and observations,
 ``controller/agent.py``). Sampled text is printed as it is, observations between ``⟦`` and ``⟧``
 (in colour on a terminal); each trajectory ends with its reward, turns, tool calls and why it
-ended.
+ended, and with what an LLM judge said of it when one scored it.
 """
 
 from __future__ import annotations
@@ -90,4 +90,6 @@ def trajectories_command(args: argparse.Namespace) -> int:
         )
         out.print(f"--- {facts}", markup=False, highlight=False)
         out.print(render(row, colour), markup=colour, highlight=False)
+        if "verdict" in row:  # an LLM judge scored it: what it said
+            out.print(f"judge: {row['verdict']!r}", markup=False, highlight=False)
     return 0

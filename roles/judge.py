@@ -137,7 +137,8 @@ class JudgeReward(Role):
 
     @endpoint(DP_SPLIT)
     def compute_reward(self, batch: TensorBatch) -> TensorBatch:
-        """``scores`` ``[B]`` and ``reward/judge_malformed`` (1 where the verdict did not parse)."""
+        """``scores`` ``[B]``, ``reward/judge_malformed`` (1 where the verdict did not parse) and
+        each row's ``verdict``, the judge's answer as it wrote it (logged with the samples)."""
         prompts, responses = text_rows(batch, self.tokenizer)
         asked = [
             judge_prompt(
@@ -161,5 +162,6 @@ class JudgeReward(Role):
             {
                 "scores": torch.tensor(scores, dtype=torch.float32),
                 "reward/judge_malformed": torch.tensor([float(p is None) for p in parsed]),
-            }
+            },
+            {"verdict": [by_request[i] for i in range(len(asked))]},  # what the judge said
         )

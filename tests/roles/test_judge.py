@@ -3,6 +3,7 @@ by the stated rule, bad settings refused by field, and a quick run scored by a r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,11 @@ def test_a_judge_model_scores_the_quickstart(tmp_path: Path) -> None:
         # every malformed row scored 0.25, the others 0 or 1
         assert r["train/reward/mean"] >= 0.25 * malformed - 1e-6
     assert max(r["train/reward/judge_malformed"] for r in rows) > 0.5
+    # what the judge said is logged beside each sample it scored, rollouts and validation alike
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    judged = [s for s in samples if s["stage"] == "grpo" or s["kind"] == "validation"]
+    assert judged and all(isinstance(s.get("verdict"), str) for s in judged)
+    assert {s["kind"] for s in judged} == {"rollout", "validation"}
 
 
 def test_a_bad_judge_setting_fails_before_any_process_starts(tmp_path: Path) -> None:
