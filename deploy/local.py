@@ -201,8 +201,9 @@ class LocalLauncher:
             log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
             start = begin_log(log_path)
             with open(log_path, "ab") as out:
+                title = f"hybridflow {spec.name}:{rank} ({','.join(spec.roles)})"
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "roles.runtime"],
+                    [sys.executable, "-m", "roles.runtime", title],  # ps: which rank this is
                     env=self.rank_env(spec, rank, port, env),
                     stdout=out,
                     stderr=subprocess.STDOUT,

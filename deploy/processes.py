@@ -20,15 +20,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import setproctitle
-
 from deploy.terminal import console
 
 PROCESSES_FILE = "processes.json"
 
 
 def set_title(title: str) -> None:
-    """This process's title, as ``ps`` and ``top`` show it."""
+    """This process's title, as ``ps`` and ``top`` show it, written over its command line only:
+    its environment stays readable in /proc (setproctitle would otherwise reuse that memory,
+    and tools find a run's processes by their environment). Cut to the command line's length."""
+    os.environ.setdefault("SPT_NOENV", "1")  # read when setproctitle is first imported
+    import setproctitle
+
     setproctitle.setproctitle(title)
 
 

@@ -200,7 +200,28 @@ class Supervision:
                 signal.signal(sig, handler)
         if code == EXIT_BAD_INPUT and created and self.tries == 1:
             shutil.rmtree(self.run_dir, ignore_errors=True)  # only this command wrote there
+        if code == 0:
+            self._annotate_summary()
         return code
+
+    def _annotate_summary(self) -> None:
+        """The run's ``summary.json`` (written by the last try) with what the supervisor saw:
+        the controller's tries, restarts and their causes, and the wall time of all tries (a
+        try's own ``wall_s`` covers only itself)."""
+        path = self.run_dir / "summary.json"
+        if not path.is_file():
+            return
+        tries = [json.loads(line) for line in (self.run_dir / LOG).read_text().splitlines()]
+        summary = json.loads(path.read_text())
+        summary["controller_supervision"] = {
+            "tries": len(tries),
+            "restarts": len(tries) - 1,
+            "causes": [t["cause"] for t in tries if t["cause"]],
+        }
+        summary["wall_s_all_tries"] = round(time.time() - float(tries[0]["time"]), 2)
+        aside = path.with_name("summary.json.tmp")
+        aside.write_text(json.dumps(summary, indent=1))
+        aside.replace(path)
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = signum

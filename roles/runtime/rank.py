@@ -17,7 +17,6 @@ import signal
 import sys
 import traceback
 
-import setproctitle
 import torch
 import torch.distributed as dist
 
@@ -78,9 +77,14 @@ def main() -> None:
         level=os.environ.get("HYBRIDFLOW_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {env.group}[{env.rank}] %(levelname)s %(name)s: %(message)s",
     )
-    # which process is which: the title ps shows, and the log's first line
+    # which process is which: the title ps shows (the launcher passes it as an argument too,
+    # which makes room for it), and the log's first line. Over the command line only: the
+    # environment stays readable in /proc (SPT_NOENV)
     title = f"hybridflow {env.group}:{env.rank} ({','.join(env.roles)})"
-    setproctitle.setproctitle(title)
+    os.environ.setdefault("SPT_NOENV", "1")
+    import setproctitle
+
+    setproctitle.setproctitle(f"{title} python -m roles.runtime")
     print(
         f"{title}: pid {os.getpid()}, launched by pid {os.getppid()}", file=sys.stderr, flush=True
     )

@@ -336,7 +336,9 @@ def which_is_which(run_dir: Path) -> None:
     assert "actor" in ranks[0]["roles"]
     for r in ranks:
         title = f"hybridflow main:{r['rank']} ({','.join(r['roles'])})"
-        assert Path(f"/proc/{r['pid']}/cmdline").read_bytes().startswith(title.encode())
+        shown = Path(f"/proc/{r['pid']}/cmdline").read_bytes()
+        assert shown.startswith(f"{title} python -m roles.runtime".encode()), shown
+        assert b"HYBRIDFLOW_GROUP=main" in Path(f"/proc/{r['pid']}/environ").read_bytes()
         first = Path(r["log"]).read_text().split("\n", 2)
         assert any(line.startswith(f"{title}: pid {r['pid']}") for line in first), first
     controller = Path(f"/proc/{found['controller']['pid']}/cmdline").read_bytes()

@@ -233,7 +233,15 @@ def test_a_killed_controller_is_restarted_with_resume_and_the_run_completes(
     second = int((run_dir / PID_FILE).read_text())
     assert second != first
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 10
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 10
+    # the summary says what the supervisor saw, not only what the last try did
+    assert summary["controller_supervision"] == {
+        "tries": 2,
+        "restarts": 1,
+        "causes": ["killed by SIGKILL"],
+    }
+    assert summary["wall_s_all_tries"] > summary["wall_s"]
     assert [r["step"] for r in records(run_dir) if "stage_step" in r] == list(range(1, 11))
     # the killed controller's ranks died with it; the second controller's ended with the run
     assert not any(alive(pid) for pid in old_ranks)
