@@ -264,6 +264,7 @@ class Trainer:
         sinks: Sequence[Sink] = (),
         stop_after: int | None = None,
         snapshots: Snapshots | None = None,
+        score_name: str = "acc",
     ) -> None:
         self.cfg, self.stages, self.roles, self.clients = cfg, list(stages), roles, clients
         self.snapshots = snapshots
@@ -272,6 +273,9 @@ class Trainer:
         self.sample_sinks = sample_sinks(sinks)
         self.stop_after = stop_after  # global step to checkpoint and stop at (as if interrupted)
         self.stop_requested = False  # Ctrl-C: checkpoint after the step in flight, then stop
+        #: what the validation score is, as the summary names it: ``acc`` (a rule's 0/1 reward,
+        #: the default), ``rm_score`` (a reward model's), ``judge_score`` (an LLM judge's)
+        self.score_name = score_name
         self.last_save = time.monotonic()  # (the run's start counts as one, for save_every_s)
         self.ckpt_dir = run_dir / "checkpoints"
         self.validations: list[dict[str, Any]] = []
@@ -353,9 +357,10 @@ class Trainer:
                 "val_tool_calls_after": float(final["val/tool_call_rate"]),
             }
         return {
-            "val_acc_init": score("init"),
-            "val_acc_before": score("before:"),
-            "val_acc_after": float(final["val/score"]) if final else None,
+            f"val_{self.score_name}_init": score("init"),
+            f"val_{self.score_name}_before": score("before:"),
+            f"val_{self.score_name}_after": float(final["val/score"]) if final else None,
+            "val_score_is": self.score_name,
             **calls,
             "steps": self.global_step,
             "precision": self.precision,

@@ -57,6 +57,7 @@ from controller.supervisor import Supervisor
 from controller.trainer import Sink, Trainer, checkpoints, newest_step
 from deploy.clusters import ClusterSpec, check_spec, load_spec
 from deploy.experiment import (
+    RULE_CLASS,
     Experiment,
     ExperimentError,
     check,
@@ -66,6 +67,7 @@ from deploy.experiment import (
     prepare_models,
     read_data,
     reference_in_actor,
+    role_class,
 )
 from deploy.groups import build_groups
 from deploy.keys_cli import server_files
@@ -479,6 +481,15 @@ def _sinks(exp: Experiment, run_dir: Path, resume_step: int | None) -> list[Sink
     return sinks
 
 
+def score_name(exp: Experiment) -> str:
+    """What the validation score of ``exp`` is, as the summary names it (``val_<name>_after``):
+    a rule's reward is an accuracy, a reward model's or a judge's a score."""
+    if "reward" not in exp.roles:
+        return "acc"
+    cls = role_class("reward", exp.roles["reward"])
+    return {RULE_CLASS: "acc", "roles.judge:JudgeReward": "judge_score"}.get(cls, "rm_score")
+
+
 class GracefulStop:
     """The first Ctrl-C: the trainer finishes its step, writes a checkpoint and stops (a second
     Ctrl-C cancels at once: ``run_async``)."""
@@ -521,6 +532,7 @@ async def _train(
                     sinks,
                     opts.stop_after,
                     snapshots,
+                    score_name(run.exp),
                 )
                 stop.trainer = trainer
                 if supervisor is not None:
@@ -651,11 +663,14 @@ def _describe(summary: dict[str, Any], run_dir: Path) -> str:
     def fmt(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
 
+    name = summary.get("val_score_is", "acc")
+    what = {"acc": "score", "rm_score": "reward-model score", "judge_score": "judge's score"}[name]
     actor = summary.get("precision", {}).get("actor")
     dtype = f", actor in {actor['dtype']} ({actor['reason']})" if actor else ""
     return (
-        f"{summary['name']}: validation score init {fmt(summary['val_acc_init'])}, "
-        f"before RL {fmt(summary['val_acc_before'])}, after {fmt(summary['val_acc_after'])} "
+        f"{summary['name']}: validation {what} init {fmt(summary[f'val_{name}_init'])}, "
+        f"before RL {fmt(summary[f'val_{name}_before'])}, after "
+        f"{fmt(summary[f'val_{name}_after'])} "
         f"in {summary['wall_s']} s ({summary['steps']} steps{dtype})\n"
         f"run: {run_dir} ({summary.get('run_dir_mb', 0):g} MB)"
     )

@@ -192,6 +192,10 @@ def test_ppo_with_a_reward_model_trained_by_hybridflow_rm(tmp_path: Path) -> Non
     assert job(quick_argv("ppo.yaml", run_dir, [f"roles.reward.model={rm}"])) == 0
     rows = [r for r in records(run_dir) if "train/critic/loss" in r]
     assert len(rows) == 2 and all("train/kl_coef" in r for r in rows)
+    # a reward model's mean score is no accuracy, and the summary does not call it one
+    done = summary(run_dir)
+    assert done["val_score_is"] == "rm_score" and "val_acc_after" not in done
+    assert isinstance(done["val_rm_score_after"], float)
 
 
 @pytest.mark.slow
