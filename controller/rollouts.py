@@ -343,12 +343,13 @@ class RolloutPipeline:
             raise RuntimeError("dynamic sampling needs the stage's extra prompts (plan.more)")
         want, first = cfg.prompts_per_step, batch
         kept: list[TensorBatch] = []
-        groups = drawn = informative = rounds = 0
+        groups = drawn = informative = rounds = generated = 0
         for r in range(cfg.dynamic_sampling.max_rounds + 1):
             if r:
                 seed = request_seed(plan.seed, k, -1 - r)
                 batch = await self._generate(plan.more(k, r), cfg, seed, version)
             rounds += 1
+            generated += int(batch.tensors["response_mask"].sum())
             found = stashed(batch, reward.role)
             if found is None:
                 reply = await ask(reward, batch)
@@ -371,6 +372,10 @@ class RolloutPipeline:
             "rollout/dynamic/drawn_groups": float(drawn),
             "rollout/dynamic/informative_frac": informative / max(drawn, 1),
             "rollout/dynamic/kept_groups": float(groups),
+            # what was generated (every round), and the share of it the step trains on
+            "rollout/dynamic/generated_tokens": float(generated),
+            "rollout/dynamic/kept_token_share": float(out.tensors["response_mask"].sum())
+            / max(generated, 1),
         }
         return out
 

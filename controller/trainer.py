@@ -474,7 +474,10 @@ class Trainer:
         record.update({f"time/{n}_s": v for n, v in self.state.timings.items()})
         record.update(self._timeline(start, rollout.span, rollout.batch.meta.get("stream")))
         record["time/step_s"] = elapsed
-        record["perf/tokens_per_s"] = metrics["response/tokens"] / max(elapsed, 1e-9)
+        # tokens generated, not only those trained on (dynamic sampling drops groups)
+        dynamic = rollout.batch.meta.get("dynamic", {})
+        generated = dynamic.get("rollout/dynamic/generated_tokens", metrics["response/tokens"])
+        record["perf/tokens_per_s"] = generated / max(elapsed, 1e-9)
         record["train/weight_version"] = self.pipeline.version
         record.update(staleness_metrics(rollout.behind, stage.algorithm.max_staleness))
         if "reshard_s" in rollout.batch.meta:  # the actor generated at its gen_tp (reshard/)

@@ -158,6 +158,7 @@ class LiveView:
             ("train/kl", "kl"),
             ("train/response/length", "len"),
             ("perf/tokens_per_s", "tok/s"),
+            ("rollout/dynamic/kept_token_share", "kept"),
             ("agent/turns", "turns"),
             ("agent/tool_calls", "calls"),
             ("agent/tool_errors", "tool errors"),

@@ -33,8 +33,14 @@ def scored_round(r: int) -> TensorBatch:
     rows = len(ROUNDS[r])
     ids = torch.zeros(rows, 3 + r, dtype=torch.long)
     ids[:, 0] = 100 * r + torch.arange(rows)
+    mask = torch.zeros_like(ids)
+    mask[:, 1:] = 1  # 2 + r response tokens per row
     return TensorBatch.from_dict(
-        {"input_ids": ids, "reward:scores": torch.tensor(ROUNDS[r], dtype=torch.float)},
+        {
+            "input_ids": ids,
+            "response_mask": mask,
+            "reward:scores": torch.tensor(ROUNDS[r], dtype=torch.float),
+        },
         {"uid": [i // N for i in range(rows)]},
         {"weight_version": 3, "pad_values": {"input_ids": 0}},
     )
@@ -74,6 +80,10 @@ def test_uninformative_groups_are_replaced_until_the_batch_is_full() -> None:
         "rollout/dynamic/drawn_groups": 12.0,
         "rollout/dynamic/informative_frac": 5 / 12,
         "rollout/dynamic/kept_groups": 4.0,
+        # rounds of 8 rows x 2, 3, 4 response tokens were generated; kept: 4 rows of round 0
+        # and 4 of round 2 (padded to round 2's width, the mask keeps each row's own)
+        "rollout/dynamic/generated_tokens": 8.0 * (2 + 3 + 4),
+        "rollout/dynamic/kept_token_share": (4 * 2 + 4 * 4) / (8.0 * (2 + 3 + 4)),
     }
     assert out.tensors["reward:scores"].tolist() == [0, 1, 1, 0, 1, 0, 0, 1]  # still stashed
 
