@@ -174,7 +174,11 @@ class Experiment(BaseModel):
     models: dict[str, ModelSource] = Field(default_factory=dict)
     roles: dict[str, RoleConfig]
     placement: dict[str, GroupConfig] = Field(default_factory=dict)
-    stages: list[Stage] = Field(min_length=1)
+    stages: list[Stage] = Field(
+        default_factory=list,
+        description="run in order by hybridflow run (at least one); a mesh (hybridflow.mesh) "
+        "runs none",
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     quick: dict[str, Any] = Field(
@@ -444,8 +448,14 @@ def placement(exp: Experiment) -> dict[str, GroupConfig]:
     return exp.placement or {"main": GroupConfig(roles=list(exp.roles))}
 
 
-def check(exp: Experiment) -> None:
-    """Cross-field checks that need no files (files: ``prepare``)."""
+def check(exp: Experiment, run: bool = True) -> None:
+    """Cross-field checks that need no files (files: ``prepare``); ``run``: the experiment is
+    to be run (``hybridflow run``), not only started as a mesh, so it needs a stage."""
+    if run and not exp.stages:
+        raise ExperimentError(
+            "stages: hybridflow run runs the file's stages and it has none; add one (kind: sft "
+            "or rl), or start its groups from your own program with hybridflow.mesh"
+        )
     _placed(exp)  # raises unless every role is defined and placed exactly once
     if "actor" not in exp.roles:
         raise ExperimentError("roles: every experiment needs an 'actor'")

@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("transport", "reshard", "roles", "controller", "deploy")
+PACKAGES = ("transport", "reshard", "roles", "controller", "deploy", "hybridflow")
 #: package -> packages of ours it may import (DESIGN.md, "Layout")
 ALLOWED = {
     "transport": {"transport"},
     "reshard": {"reshard", "transport"},
     "roles": {"roles", "reshard", "transport"},
     "controller": {"controller", "transport"},
-    "deploy": set(PACKAGES),
+    "deploy": set(PACKAGES) - {"hybridflow"},
+    # the public facade a user's script imports: it re-exports, nothing of ours imports it
+    "hybridflow": set(PACKAGES),
 }
 
 
@@ -128,3 +130,16 @@ def test_a_cycle_through_a_function_local_import_is_found(tmp_path: Path) -> Non
 def test_imports_resolve_to_modules(tmp_path: Path, source: str, expected: set[str]) -> None:
     write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": source, "pkg/b.py": ""})
     assert imports_of(tmp_path, tmp_path / "pkg/a.py", {"pkg", "pkg.a", "pkg.b"}) == expected
+
+
+def test_the_public_package_only_re_exports() -> None:
+    """``hybridflow/`` holds imports, ``__all__`` and its docstring: no logic (DESIGN.md)."""
+    for path in sorted((ROOT / "hybridflow").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            names = isinstance(node, ast.Assign) and [
+                t.id for t in node.targets if isinstance(t, ast.Name)
+            ] == ["__all__"]
+            assert docstring or names or isinstance(node, ast.Import | ast.ImportFrom), (
+                f"{path.relative_to(ROOT)}:{node.lineno} is not an import"
+            )

@@ -1,0 +1,49 @@
+"""hybridflow as a library: start an experiment's groups from your own program and write the RL
+loop yourself (docs/api.md). Re-exports only; the logic lives in ``deploy/``, ``controller/`` and
+``transport/``.
+
+    import hybridflow as hf
+
+    async def main() -> None:
+        async with hf.mesh("examples/quickstart.yaml") as m:
+            batch = await m.sample(hf.rows("builtin:arithmetic?n=64&split=train")[:8],
+                                   hf.SamplingConfig(n=4, max_new_tokens=8))
+            score, _ = await m.score(batch)
+
+    hf.run(main)
+"""
+
+from controller import advantages
+from controller.clients import (
+    ActorClient,
+    CriticClient,
+    EnvClient,
+    ReferenceClient,
+    RewardClient,
+    RolloutClient,
+)
+from deploy.experiment import ExperimentError
+from deploy.mesh import Mesh, mesh, prompt_batch, rows, run
+from transport.batch import TensorBatch
+from transport.sampling import SamplingConfig
+from transport.training import OptimConfig, PolicyLossConfig
+
+__all__ = [
+    "ActorClient",
+    "CriticClient",
+    "EnvClient",
+    "ExperimentError",
+    "Mesh",
+    "OptimConfig",
+    "PolicyLossConfig",
+    "ReferenceClient",
+    "RewardClient",
+    "RolloutClient",
+    "SamplingConfig",
+    "TensorBatch",
+    "advantages",
+    "mesh",
+    "prompt_batch",
+    "rows",
+    "run",
+]

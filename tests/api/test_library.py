@@ -1,0 +1,58 @@
+"""hybridflow as a library: the public names, and ``examples/api/grpo.py`` run as a user runs it
+(its own process, the quickstart's groups started from the file, SFT then GRPO in the script)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hybridflow as hf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_public_names_are_there_and_nothing_else() -> None:
+    public = {n for n in dir(hf) if not n.startswith("_")}
+    assert set(hf.__all__) <= public
+    assert public - set(hf.__all__) <= {"annotations"}, public - set(hf.__all__)
+    assert callable(hf.mesh) and callable(hf.run)
+
+
+def test_a_file_without_stages_is_a_mesh_not_a_run(tmp_path: Path) -> None:
+    from deploy.experiment import ExperimentError, check, load
+
+    raw = (ROOT / "examples" / "quickstart.yaml").read_text().split("\nstages:")[0]
+    path = tmp_path / "groups.yaml"
+    path.write_text(raw + "\n")
+    exp = load(path)
+    check(exp, run=False)  # what hf.mesh checks
+    with pytest.raises(ExperimentError, match="stages: hybridflow run runs the file's stages"):
+        check(exp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_grpo_example_trains_in_the_users_own_script(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, str(ROOT / "examples" / "api" / "grpo.py"), "--run-dir", str(run_dir)]
+    argv += ["--sft-steps", "40", "--steps", "3", "--prompts", "8", "--n", "4", "--val", "32"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("held-out accuracy at the start: ")
+    assert [line.split(":")[0] for line in lines[-4:]] == [
+        "GRPO step 1",
+        "GRPO step 2",
+        "GRPO step 3",
+        "after GRPO",
+    ]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sft = [r for r in records if "train/loss" in r]
+    grpo = [r for r in records if "train/reward/mean" in r]
+    assert len(sft) == 40 and sft[-1]["train/loss"] < sft[0]["train/loss"]
+    assert [r["step"] for r in grpo] == [41, 42, 43]  # the policy version counts every step
+    assert all("loss" in r and "grad_norm" in r for r in grpo)
