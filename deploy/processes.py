@@ -25,14 +25,23 @@ from deploy.terminal import console
 PROCESSES_FILE = "processes.json"
 
 
-def set_title(title: str) -> None:
-    """This process's title, as ``ps`` and ``top`` show it, written over its command line only:
-    its environment stays readable in /proc (setproctitle would otherwise reuse that memory,
-    and tools find a run's processes by their environment). Cut to the command line's length."""
+def set_title(title: str, name: str) -> None:
+    """This process's title, as ``ps`` shows it, written over its command line only: its
+    environment stays readable in /proc (setproctitle would otherwise reuse that memory, and
+    tools find a run's processes by their environment); cut to the command line's length.
+    ``name``: its short name (``top``, the second field of ``/proc/PID/stat``), kept free of
+    spaces and parentheses, which SLURM's process tracking (``%d %s %*s %d``) cannot read: a
+    process whose name has a space escapes ``scancel``."""
     os.environ.setdefault("SPT_NOENV", "1")  # read when setproctitle is first imported
     import setproctitle
 
     setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(short_name(name))
+
+
+def short_name(name: str) -> str:
+    """``name`` as a process name: at most 15 characters, none of them space or parenthesis."""
+    return "".join(c if c.isalnum() or c in "-_.:" else "_" for c in name)[:15]
 
 
 def write_processes(run_dir: Path, ranks: Iterable[dict[str, Any]]) -> Path:

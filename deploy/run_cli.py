@@ -435,7 +435,7 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
     assert run.resume_step is not None or not opts.resume
     sinks: list[Sink] = [*_sinks(exp, run_dir, run.resume_step)]
     sinks.append(live)
-    set_title(f"hybridflow controller {run_dir}")
+    set_title(f"hybridflow controller {run_dir}", "hf-controller")
     stop = GracefulStop()
     try:
         summary = run_async(lambda: _train(run, opts, sinks, live, stop), stop.request)

@@ -85,6 +85,10 @@ def main() -> None:
     import setproctitle
 
     setproctitle.setproctitle(f"{title} python -m roles.runtime")
+    # the short name (/proc/PID/stat, top): no space or parenthesis, which SLURM's process
+    # tracking cannot read (a rank named so would outlive scancel)
+    short = "".join(c if c.isalnum() or c in "-_.:" else "_" for c in f"hf-{env.group}:{env.rank}")
+    setproctitle.setthreadtitle(short[:15])
     print(
         f"{title}: pid {os.getpid()}, launched by pid {os.getppid()}", file=sys.stderr, flush=True
     )

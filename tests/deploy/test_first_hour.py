@@ -339,8 +339,13 @@ def which_is_which(run_dir: Path) -> None:
         shown = Path(f"/proc/{r['pid']}/cmdline").read_bytes()
         assert shown.startswith(f"{title} python -m roles.runtime".encode()), shown
         assert b"HYBRIDFLOW_GROUP=main" in Path(f"/proc/{r['pid']}/environ").read_bytes()
+        # the short name stays one word: SLURM's process tracking reads /proc/PID/stat with
+        # "%d %s %*s %d", and a space there hid a rank from scancel
+        assert Path(f"/proc/{r['pid']}/stat").read_text().split()[1] == f"(hf-main:{r['rank']})"
         first = Path(r["log"]).read_text().split("\n", 2)
         assert any(line.startswith(f"{title}: pid {r['pid']}") for line in first), first
+    stat = Path(f"/proc/{found['controller']['pid']}/stat").read_text()
+    assert stat.split()[1] == "(hf-controller)"
     controller = Path(f"/proc/{found['controller']['pid']}/cmdline").read_bytes()
     assert controller.startswith(f"hybridflow controller {run_dir}".encode())
     status = json.loads(hybridflow("status", str(run_dir), "--json", limit=60).stdout)
