@@ -56,3 +56,32 @@ def test_the_grpo_example_trains_in_the_users_own_script(tmp_path: Path) -> None
     assert len(sft) == 40 and sft[-1]["train/loss"] < sft[0]["train/loss"]
     assert [r["step"] for r in grpo] == [41, 42, 43]  # the policy version counts every step
     assert all("loss" in r and "grad_norm" in r for r in grpo)
+
+
+def test_a_bad_program_path_is_refused_by_field_before_any_process_starts() -> None:
+    from deploy.experiment import ExperimentError, check, load
+
+    quick = ROOT / "examples" / "quickstart.yaml"
+    for path, why in (
+        ("tests.fixtures.programs:nothing", "has no async function 'nothing'"),
+        ("tests.fixtures.programs:not_async", "has no async function 'not_async'"),
+        ("tests.fixtures.nowhere:step", "cannot import 'tests.fixtures.nowhere'"),
+    ):
+        exp = load(quick, [f"stages.1.algorithm.program={path}"])
+        with pytest.raises(ExperimentError, match=f"stages.1.algorithm.program: .*{why}"):
+            check(exp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_step_program_of_your_own_runs_as_a_stage(tmp_path: Path) -> None:
+    """The quickstart's GRPO stage with the program of ``tests/fixtures/programs.py`` instead:
+    stages, checkpoints, records and the live view come with it."""
+    from tests.deploy.test_run import job, quick_argv, records
+
+    program = "stages.1.algorithm.program=tests.fixtures.programs:mean_baseline"
+    assert job(quick_argv("quickstart.yaml", tmp_path / "run", [program])) == 0
+    rl = [r for r in records(tmp_path / "run") if r["stage"] == "grpo" and "stage_step" in r]
+    assert len(rl) == 6
+    assert all(r["train/baseline"] == pytest.approx(r["train/reward/mean"]) for r in rl)
+    assert all("train/actor/loss" in r for r in rl)

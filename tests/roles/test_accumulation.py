@@ -4,7 +4,6 @@ the same batch give twice its gradient, and a step with nothing accumulated is r
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
