@@ -85,3 +85,20 @@ def test_a_step_program_of_your_own_runs_as_a_stage(tmp_path: Path) -> None:
     assert len(rl) == 6
     assert all(r["train/baseline"] == pytest.approx(r["train/reward/mean"]) for r in rl)
     assert all("train/actor/loss" in r for r in rl)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_rejection_sampling_example_keeps_and_fine_tunes_on_the_best_answers(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    script = ROOT / "examples" / "api" / "rejection_sampling.py"
+    argv = [sys.executable, str(script), "--run-dir", str(run_dir), "--sft-steps", "40"]
+    argv += ["--rounds", "2", "--prompts", "32", "--n", "4", "--val", "32"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [line for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2 and done.stdout.splitlines()[-1].startswith("after rejection")
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [0 <= r["raft/kept_share"] <= 1 for r in records] == [True, True]
