@@ -31,7 +31,7 @@ async def main(args: argparse.Namespace) -> None:
         order = random.Random(args.seed)
         demos = hf.rows("builtin:arithmetic?n=64000&split=sft&noise=0.7", sft=True)
         await m.configure_optim(hf.OptimConfig(lr=2e-3, betas=(0.9, 0.98), weight_decay=0.1))
-        for step in range(args.sft_steps):
+        for _ in range(args.sft_steps):
             await m.sft_step(order.sample(demos, 64))
         print(f"after SFT: {await accuracy(m, held_out):.3f}")
 
