@@ -108,6 +108,12 @@ class AlgorithmConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Name = "grpo"
+    program: str | None = Field(
+        None,
+        description="a step program of your own, as package.module:function (an async function "
+        "taking roles, batch, cfg, state, step and returning metrics; docs/api.md), run instead "
+        "of name's; name still says which roles and samples the stage needs",
+    )
     prompts_per_step: int = Field(16, ge=1)
     n: int = Field(8, ge=1, description="samples per prompt")
     temperature: float = Field(1.0, gt=0)

@@ -24,6 +24,8 @@ roles (``roles/modeling/losses.py``).
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -611,6 +613,31 @@ def first_rows(batch: TensorBatch) -> list[int]:
     for i, uid in enumerate(batch.non_tensors["uid"]):
         seen.setdefault(uid, i)
     return list(seen.values())
+
+
+def step_program(cfg: AlgorithmConfig) -> Step:
+    """The step coroutine of a stage: ``cfg.program`` (imported by path, from the experiment's
+    folder as reward functions are) or the built-in of ``cfg.name``; ValueError saying what is
+    wrong with a path."""
+    if cfg.program is None:
+        return STEPS[cfg.name]
+    module_name, sep, attr = cfg.program.partition(":")
+    if not (sep and module_name and attr):
+        raise ValueError(f"program {cfg.program!r} must look like package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"cannot import {module_name!r} for program {cfg.program!r}: {exc}"
+        ) from exc
+    found = getattr(module, attr, None)
+    if not inspect.iscoroutinefunction(found):
+        raise ValueError(
+            f"{module_name} has no async function {attr!r} (program {cfg.program!r}); a step "
+            "program is async def step(roles, batch, cfg, state, step) -> dict"
+        )
+    program: Step = found
+    return program
 
 
 STEPS: dict[str, Step] = {

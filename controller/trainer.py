@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.agent import AgentConfig
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import STEPS, BaseModelClient, Roles, State, first_rows
+from controller.algorithms import BaseModelClient, Roles, State, first_rows, step_program
 from controller.clients import EngineClient
 from controller.metrics import Sample, sample_sinks
 from controller.rollouts import (
@@ -425,7 +425,7 @@ class Trainer:
     async def _rl(self, index: int, stage: RLStage, first: int) -> None:
         cfg, rows = stage.algorithm, self.data[stage.data]
         seed = self.cfg.seed + 7919 * index
-        program = STEPS[cfg.name]
+        program = step_program(cfg)
         plan = StageRollouts(
             cfg,
             stage.steps,

@@ -50,6 +50,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from controller.algorithms import step_program
 from controller.data import (
     BUILTIN,
     PROMPT_COLUMNS,
@@ -611,6 +612,11 @@ def _check_stages(exp: Experiment) -> None:
                 load_policy_term(custom)
             except ValueError as exc:
                 raise ExperimentError(f"stages.{i}.algorithm.loss.custom: {exc}") from None
+        if stage.algorithm.program is not None:  # imported here too: a typo fails now
+            try:
+                step_program(stage.algorithm)
+            except ValueError as exc:
+                raise ExperimentError(f"stages.{i}.algorithm.program: {exc}") from None
         missing = stage.algorithm.needed_roles() - set(exp.roles)
         if reference_in_actor(exp):  # a LoRA actor with its adapters off is the reference
             missing.discard("reference")

@@ -18,10 +18,10 @@ env group. ``Mesh`` keeps the actor's policy version: every ``train_step`` count
 run). Records given to ``log`` go to ``RUN_DIR/metrics.jsonl`` (and TensorBoard when the file's
 ``logging`` asks), which ``hybridflow report`` reads.
 
-Not built yet (docs/api.md says so): gradients accumulated over calls with a separate optimizer
-step, a user's step program inside an experiment, groups on SLURM or other hosts (``hybridflow
-run --clusters`` does that for the built-in programs), and replaying a training call after a
-training rank died (a run rolls back to its last snapshot instead).
+Not built yet (docs/api.md says so): a user's step program inside an experiment, groups on
+SLURM or other hosts (``hybridflow run --clusters`` does that for the built-in programs), and
+replaying a training call after a training rank died (a run rolls back to its last snapshot
+instead).
 """
 
 from __future__ import annotations
@@ -156,11 +156,31 @@ class Mesh:
         """One optimizer step of the actor on ``batch`` (``old_log_probs`` and ``advantages``
         per token besides the token columns) with the policy loss ``loss``; the policy version
         counts it. Returns the loss's metrics."""
-        wanted = [*TOKEN_COLUMNS, "old_log_probs", "advantages"]
-        wanted += [c for c in ("ref_log_probs", "rollout_log_probs") if c in batch.tensors]
-        found = await self.actor.update_policy(batch.select(wanted, []), loss=loss)
+        found = await self.actor.update_policy(batch.select(self._policy_columns(batch), []), loss)
         self.pipeline.trained()
         return found
+
+    async def forward_backward(
+        self, batch: TensorBatch, loss: PolicyLossConfig
+    ) -> dict[str, float]:
+        """The policy loss's forward and backward on ``batch`` (as ``train_step`` needs it);
+        the gradients add to those of earlier calls until ``optim_step``. Each call's loss is
+        normalised by its own batch (``loss.agg``), so two calls on halves give the sum of the
+        halves' gradients. The loss's metrics."""
+        return await self.actor.forward_backward(
+            batch.select(self._policy_columns(batch), []), loss
+        )
+
+    async def optim_step(self) -> dict[str, float]:
+        """One optimizer step of the actor on the gradients accumulated by ``forward_backward``
+        (clipped, scheduled); counts one policy version. ``grad_norm`` and ``lr``."""
+        found = await self.actor.optim_step()
+        self.pipeline.trained()
+        return found
+
+    def _policy_columns(self, batch: TensorBatch) -> list[str]:
+        wanted = [*TOKEN_COLUMNS, "old_log_probs", "advantages"]
+        return wanted + [c for c in ("ref_log_probs", "rollout_log_probs") if c in batch.tensors]
 
     async def sft_step(self, rows: Sequence[dict[str, str]]) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on ``(prompt, response)`` rows (the loss

@@ -20,6 +20,7 @@ from roles.engine_role import EngineRole
 from roles.engines.generation.serve import make_engine, serve
 from roles.engines.generation.vllm import VLLMEngine
 from roles.engines.hybrid import HybridEngine, optimizer_offloaded
+from roles.engines.training.interface import LossFn
 from roles.modeling.logprob import token_entropy, token_log_probs
 from roles.modeling.lora import merged_state
 from roles.modeling.losses import aggregate, policy_loss
@@ -233,6 +234,31 @@ class Actor(Reference):
         ``ref_log_probs`` when ``loss.kl_coef`` > 0, ``rollout_log_probs``, the generator's,
         when ``loss.tis_cap`` or ``loss.decoupled`` is set). ``loss`` None: the defaults (a
         controller that sends the fields as a map still works)."""
+        loss_fn = self._policy_loss_fn(batch, loss, temperature)
+        reset_peak_memory(self.ctx.device)
+        result = self.engine.train_step(batch, loss_fn)
+        result[PEAK_MEMORY] = float(peak_memory_bytes(self.ctx.device))
+        return result
+
+    @endpoint(DP_REDUCED)
+    def forward_backward(
+        self, batch: TensorBatch, loss: PolicyLossConfig | None = None, temperature: float = 1.0
+    ) -> dict[str, float]:
+        """``update_policy``'s forward and backward without the optimizer step: the gradients
+        add to those of earlier calls until ``optim_step`` (each call's loss normalised by its
+        own batch's tokens or responses, as ``loss.agg`` says)."""
+        loss_fn = self._policy_loss_fn(batch, loss, temperature)
+        return self.engine.forward_backward(batch, loss_fn)
+
+    @endpoint(ONE_TO_ALL)
+    def optim_step(self) -> dict[str, float]:
+        """One optimizer step on what ``forward_backward`` accumulated; ``grad_norm`` (before
+        clipping) and ``lr``."""
+        return self.engine.optim_step()
+
+    def _policy_loss_fn(
+        self, batch: TensorBatch, loss: PolicyLossConfig | None, temperature: float
+    ) -> LossFn:
         cfg = PolicyLossConfig.model_validate(loss if loss is not None else {})
         needed = [OLD_LOG_PROBS, ADVANTAGES] + ([REF_LOG_PROBS] if cfg.kl_coef else [])
         needed += [ROLLOUT_LOG_PROBS] if cfg.behaviour_cap is not None else []
@@ -255,10 +281,7 @@ class Actor(Reference):
                 rollout_logp=micro.tensors.get(ROLLOUT_LOG_PROBS),
             )
 
-        reset_peak_memory(self.ctx.device)
-        result = self.engine.train_step(batch, loss_fn)
-        result[PEAK_MEMORY] = float(peak_memory_bytes(self.ctx.device))
-        return result
+        return loss_fn
 
     def _sft_batch(
         self, batch: TensorBatch, response_only: bool, pack: bool

@@ -85,6 +85,24 @@ class ActorClient(ReferenceClient):
             Transfer.DP_REDUCED, "update_policy", batch, loss, temperature, timeout=timeout
         )
 
+    async def forward_backward(
+        self,
+        batch: TensorBatch,
+        loss: PolicyLossConfig | None = None,
+        temperature: float = 1.0,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, float]:
+        """The policy loss's forward and backward on ``batch``; the gradients add up until
+        ``optim_step``. The loss's metrics."""
+        return await self._call(
+            Transfer.DP_REDUCED, "forward_backward", batch, loss, temperature, timeout=timeout
+        )
+
+    async def optim_step(self, *, timeout: float | None = None) -> dict[str, float]:
+        """One optimizer step on the gradients accumulated so far: ``grad_norm``, ``lr``."""
+        return await self._call(Transfer.ONE_TO_ALL, "optim_step", timeout=timeout)
+
     async def sft_step(
         self,
         batch: TensorBatch,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ async def main(args: argparse.Namespace) -> None:
         await m.configure_optim(hf.OptimConfig(lr=1e-4, warmup_steps=5))
         loss = hf.PolicyLossConfig(dual_clip=None, agg="token-mean")
         for step in range(args.steps):
+            began = time.perf_counter()
             picked = order.sample(prompts, args.prompts)
             sampling = hf.SamplingConfig(temperature=1.0, n=args.n, max_new_tokens=8, seed=step)
             batch = await m.sample(picked, sampling)
@@ -67,9 +69,12 @@ async def main(args: argparse.Namespace) -> None:
             batch.tensors["advantages"] = hf.advantages.grpo(score, group, mask)
             batch.tensors["old_log_probs"] = await m.log_probs(batch)
             metrics = await m.train_step(batch, loss)
-            m.log({"train/reward/mean": float(score.mean()), **metrics}, step=m.version)
+            seconds = time.perf_counter() - began
+            m.log({"train/reward/mean": float(score.mean()), "time/step_s": seconds, **metrics})
             print(f"GRPO step {step + 1}: reward {score.mean():.3f}")
-        print(f"after GRPO: {await accuracy(m, held_out, 8):.3f}")
+        final = await accuracy(m, held_out, 8)
+        m.log({"val/score": final})
+        print(f"after GRPO: {final:.3f}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class FSDPEngine(TrainingEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._snapshots: RankSnapshots | None = None  # the shared-memory files mapped so far
+        self._pending = False  # gradients accumulated by forward_backward, not yet stepped
         # LoRA: the adapters the reference computes with (rebase_reference); None: adapters off
         self._reference: dict[str, torch.Tensor] | None = None
         if cfg.optim is not None:
@@ -99,6 +100,8 @@ class FSDPEngine(TrainingEngine):
         """A fresh AdamW and schedule (e.g. when an RL stage follows an SFT stage); the weights
         stay, the optimizer moments and the schedule's position start over."""
         self.cfg = self.cfg.model_copy(update={"optim": optim})
+        self.module.zero_grad(set_to_none=True)  # gradients of the old optimizer's steps go
+        self._pending = False
         if self.cfg.lora is None:
             self.module.requires_grad_(True)
         else:  # the adapters (and a critic's new head): the base stays frozen
@@ -263,30 +266,50 @@ class FSDPEngine(TrainingEngine):
     def train_step(
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]:
+        self._discard_gradients()  # a whole step: nothing accumulated before counts
+        result = self.forward_backward(batch, loss_fn, count_key)
+        result.update(self.optim_step())
+        return result
+
+    def forward_backward(
+        self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
+    ) -> dict[str, float]:
         if self.optimizer is None or self.scheduler is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
         batch = self._on_device(batch)
         tokens, seqs = global_counts(batch.tensor(count_key), self._dp_group(), self.device.device)
         micro_batches = list(self._micro_batches(batch))
-        self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         sharded = self.dp > 1 and self.cfg.dp_mode == "fsdp"
         dropout = self.cfg.lora is not None and self.cfg.lora.dropout > 0
         with adapter_dropout(self.module) if dropout else nullcontext():
             self._accumulate(micro_batches, loss_fn, tokens, seqs, totals, sharded)
-        if self.dp > 1 and not sharded:
+        self._pending = True
+        result = self.sum_over_dp(totals)
+        result.update(tokens=tokens, seqs=seqs)
+        return result
+
+    def optim_step(self) -> dict[str, float]:
+        if self.optimizer is None or self.scheduler is None:
+            raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
+        if not self._pending:
+            raise EngineError("optim_step: no gradients since the last step; call forward_backward")
+        if self.dp > 1 and self.cfg.dp_mode != "fsdp":
             self._all_reduce_gradients()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         # the gradients are spent: freed now, not at the next step, so generation in between
         # (the colocated actor) has their memory
-        self.optimizer.zero_grad(set_to_none=True)
+        self._discard_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
-        result = self.sum_over_dp(totals)
-        result.update(grad_norm=grad_norm, lr=float(lr), tokens=tokens, seqs=seqs)
-        return result
+        return {"grad_norm": grad_norm, "lr": float(lr)}
+
+    def _discard_gradients(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self._pending = False
 
     def _accumulate(
         self,

@@ -95,6 +95,22 @@ class TrainingEngine(ABC):
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]: ...
 
+    def forward_backward(
+        self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
+    ) -> dict[str, float]:
+        """``train_step``'s forward and backward alone: the gradients add to those of earlier
+        calls since the last ``optim_step`` (each call's loss normalised by its own batch)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} takes whole optimizer steps only (train_step)"
+        )
+
+    def optim_step(self) -> dict[str, float]:
+        """One optimizer step on the gradients ``forward_backward`` accumulated: clip, step,
+        schedule; returns ``grad_norm`` (before clipping) and ``lr``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} takes whole optimizer steps only (train_step)"
+        )
+
     @abstractmethod
     def configure_optim(self, optim: OptimConfig) -> None:
         """Replace the optimizer and schedule (fresh moments, schedule from step 0)."""

@@ -1,0 +1,73 @@
+"""Gradients accumulated over calls (``forward_backward``) and one optimizer step on them
+(``optim_step``), on 2 FSDP ranks: one call then a step is ``update_policy`` bitwise, two calls on
+the same batch give twice its gradient, and a step with nothing accumulated is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from controller.clients import ActorClient
+from deploy.session import local_session
+from roles.modeling.models import init_model
+from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.roles.test_training import token_batch
+from transport.batch import TensorBatch
+from transport.errors import RemoteError
+
+LOSS = {"clip_ratio_low": 0.2, "dual_clip": None}
+
+
+def policy_batch(seed: int) -> TensorBatch:
+    batch = token_batch(8, seed=seed)
+    old = torch.zeros(batch.tensors["input_ids"].shape) - 2.0
+    return batch.union(TensorBatch.from_dict({"old_log_probs": old}))
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+    engine = {"model": str(model), "dtype": "fp32", "micro_batch_size": 2, "optim": {"lr": 1e-2}}
+    placement = [group("g", 2, a=("roles.actor:Actor", engine), b=("roles.actor:Actor", engine))]
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with local_session(placement, TEST_TIMEOUTS) as c:
+            a, b = ActorClient(c, "a"), ActorClient(c, "b")
+            first = policy_batch(1)
+            out["whole"] = await a.update_policy(first, loss=LOSS)
+            out["parts"] = await b.forward_backward(first, loss=LOSS)
+            out["step"] = await b.optim_step()
+            probe = token_batch(6, seed=9)
+            out["a"] = (await a.compute_log_prob(probe))["log_probs"]
+            out["b"] = (await b.compute_log_prob(probe))["log_probs"]
+            second = policy_batch(2)  # a and b hold the same weights again: one call vs two
+            await a.forward_backward(second, loss=LOSS)
+            out["once"] = await a.optim_step()
+            await b.forward_backward(second, loss=LOSS)
+            await b.forward_backward(second, loss=LOSS)
+            out["twice"] = await b.optim_step()
+            try:
+                await b.optim_step()
+            except RemoteError as exc:
+                out["refused"] = str(exc)
+        return out
+
+    result: dict[str, Any] = run(main)
+    return result
+
+
+def test_one_call_then_a_step_is_update_policy_bitwise(found: dict[str, Any]) -> None:
+    assert found["step"]["grad_norm"] == found["whole"]["grad_norm"]
+    assert found["parts"]["loss"] == found["whole"]["loss"]
+    assert torch.equal(found["a"], found["b"])
+
+
+def test_two_calls_add_their_gradients(found: dict[str, Any]) -> None:
+    assert found["twice"]["grad_norm"] == pytest.approx(2 * found["once"]["grad_norm"], rel=1e-5)
+
+
+def test_a_step_without_gradients_is_refused(found: dict[str, Any]) -> None:
+    assert "no gradients since the last step; call forward_backward" in found["refused"]
