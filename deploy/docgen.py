@@ -78,7 +78,6 @@ NOTES: dict[tuple[str, str], str] = {
     ("Experiment", "roles"): "roles by name: actor, reference, critic, cost_critic, rollout, "
     "reward, cost, or any name with a cls",
     ("Experiment", "placement"): "role groups; default: one group of 1 rank holding every role",
-    ("Experiment", "stages"): "SFT and RL stages, run in order",
     ("Experiment", "trainer"): "validation, checkpoints, samples, export",
     ("Experiment", "logging"): "where records go besides metrics.jsonl",
     ("ModelSource", "seed"): "init: the random initialisation's seed",
