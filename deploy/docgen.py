@@ -123,7 +123,6 @@ NOTES: dict[tuple[str, str], str] = {
     ("RolloutConfig", "engine"): "generation engine (docs/generation.md)",
     ("TrainerConfig", "seed"): "data order and sampling seeds derive from it",
     ("TrainerConfig", "val_max_new_tokens"): "longest validation answer, in tokens",
-    ("TrainerConfig", "keep_last"): "checkpoints kept",
 }
 
 
