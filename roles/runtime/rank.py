@@ -77,18 +77,23 @@ def main() -> None:
         level=os.environ.get("HYBRIDFLOW_LOG_LEVEL", "WARNING"),
         format=f"%(asctime)s {env.group}[{env.rank}] %(levelname)s %(name)s: %(message)s",
     )
-    # which process is which: the title ps shows (the launcher passes it as an argument too,
-    # which makes room for it), and the log's first line. Over the command line only: the
-    # environment stays readable in /proc (SPT_NOENV)
+    # which process is which: the log's first line, and the title ps shows when the local
+    # launcher started this rank (it passes the title as the argument, which makes room for
+    # it); a rank started otherwise (srun, hybridflow role --launcher env) keeps its command
+    # line, which names its group already. Over the command line only: the environment stays
+    # readable in /proc (SPT_NOENV)
     title = f"hybridflow {env.group}:{env.rank} ({','.join(env.roles)})"
-    os.environ.setdefault("SPT_NOENV", "1")
-    import setproctitle
+    if sys.argv[1:] == [title]:
+        os.environ.setdefault("SPT_NOENV", "1")
+        import setproctitle
 
-    setproctitle.setproctitle(f"{title} python -m roles.runtime")
-    # the short name (/proc/PID/stat, top): no space or parenthesis, which SLURM's process
-    # tracking cannot read (a rank named so would outlive scancel)
-    short = "".join(c if c.isalnum() or c in "-_.:" else "_" for c in f"hf-{env.group}:{env.rank}")
-    setproctitle.setthreadtitle(short[:15])
+        setproctitle.setproctitle(f"{title} python -m roles.runtime")
+        # the short name (/proc/PID/stat, top): no space or parenthesis, which SLURM's process
+        # tracking cannot read (a rank named so would outlive scancel)
+        short = "".join(
+            c if c.isalnum() or c in "-_.:" else "_" for c in f"hf-{env.group}:{env.rank}"
+        )
+        setproctitle.setthreadtitle(short[:15])
     print(
         f"{title}: pid {os.getpid()}, launched by pid {os.getppid()}", file=sys.stderr, flush=True
     )
