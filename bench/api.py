@@ -52,6 +52,7 @@ def main() -> None:
         )
         sets = [
             f"stages.0.steps={sft}",
+            f"stages.0.optim.warmup_steps={min(100, sft)}",
             f"stages.1.steps={steps}",
             f"trainer.val_data=builtin:arithmetic?n={val}&split=test",
             "trainer.val_every=0",
