@@ -124,7 +124,10 @@ class Mesh:
         with the text (``prompt``, ``response``, ``request``: the prompt's index, ``uid``, and
         a data row's other columns, which the reward role reads) and
         ``meta["weight_version"]``. Multi-turn through the env group with ``trainer.agent``."""
-        batch = prompts if isinstance(prompts, TensorBatch) else prompt_batch(prompts)
+        if isinstance(prompts, TensorBatch):  # the caller's batch stays as it was given
+            batch = TensorBatch(dict(prompts.tensors), dict(prompts.non_tensors), prompts.meta)
+        else:
+            batch = prompt_batch(prompts)
         if "uid" not in batch.non_tensors:
             batch.non_tensors["uid"] = list(range(len(batch)))
         if self.pipeline.agent is not None and "seed" not in batch.non_tensors:
