@@ -11,6 +11,8 @@ loop yourself (docs/api.md). Re-exports only; the logic lives in ``deploy/``, ``
             score, _ = await m.score(batch)
 
     hf.run(main)
+
+``hf.mesh_sync`` is the same mesh with every call blocking, for plain scripts and notebooks.
 """
 
 from controller import advantages
@@ -24,6 +26,7 @@ from controller.clients import (
 )
 from deploy.experiment import ExperimentError
 from deploy.mesh import Mesh, mesh, prompt_batch, rows, run
+from deploy.mesh_sync import SyncMesh, mesh_sync
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
 from transport.training import OptimConfig, PolicyLossConfig
@@ -40,9 +43,11 @@ __all__ = [
     "RewardClient",
     "RolloutClient",
     "SamplingConfig",
+    "SyncMesh",
     "TensorBatch",
     "advantages",
     "mesh",
+    "mesh_sync",
     "prompt_batch",
     "rows",
     "run",
