@@ -54,6 +54,11 @@ Event = dict[str, Any]
 restoring: contextvars.ContextVar[str | None] = contextvars.ContextVar("restoring", default=None)
 
 
+#: how long a failed call waits for the death that may explain it to be declared (a rank's peer
+#: can report the broken link before the launcher reports the exit)
+DEATH_GRACE_S = 3.0
+
+
 class RestartRefused(HybridflowError):
     """A group died and its restart policy does not allow another restart (or it has none)."""
 
@@ -235,6 +240,21 @@ class Supervisor:
     def restarts_stateful(self) -> bool:
         """Whether any stateful group has a restart policy (a rollback is possible at all)."""
         return any(w.spec.stateful and w.policy for w in self.watch.values())
+
+    async def stateful_fault(
+        self, grace_s: float = DEATH_GRACE_S
+    ) -> tuple[str, int | None, str] | None:
+        """After a call failed: the dead stateful group a rollback would answer (``rollback_cause``),
+        waiting up to ``grace_s`` for a death that may explain the failure to be declared; None
+        when no stateful group may be restarted or none died."""
+        if not self.restarts_stateful():
+            return None
+        fault = self.rollback_cause()
+        deadline = time.monotonic() + grace_s
+        while fault is None and time.monotonic() < deadline:
+            await self.death(deadline - time.monotonic())
+            fault = self.rollback_cause()
+        return fault
 
     def rollback_cause(self) -> tuple[str, int | None, str] | None:
         """The dead stateful group a rollback would answer, with its rank and cause (None: no

@@ -27,6 +27,9 @@ munge are probed on each SLURM cluster at the same time.
 
 from __future__ import annotations
 
+import errno
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -232,3 +235,42 @@ def _check_slots(name: str, slots: int, mine: dict[str, GroupConfig]) -> None:
             f"cluster {name!r}: groups {list(mine)} need {ranks} ranks but it has "
             f"slots: {slots}; raise clusters.{name}.slots or lower their nproc"
         )
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """A checked cluster spec and the cluster each group runs on."""
+
+    spec: ClusterSpec
+    where: dict[str, str]
+
+
+def cluster_plan(path: Path, exp: Experiment) -> ClusterPlan:
+    """The cluster spec at ``path``, checked against ``exp`` (before anything starts)."""
+    spec = load_spec(path)
+    check_bind(spec.controller.bind, "cluster spec controller.bind")
+    return ClusterPlan(spec, check_spec(spec, exp))
+
+
+def check_bind(address: str, setting: str) -> None:
+    """Fail before anything starts when ``tcp://HOST:PORT`` cannot be bound here: a port in
+    use, a host that is not this machine's, a name that does not resolve."""
+    try:
+        host, port = split_tcp(address)
+        family, kind, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except ValueError as exc:
+        raise ExperimentError(f"{setting}: {exc}") from None
+    except socket.gaierror as exc:
+        raise ExperimentError(f"{setting} {address}: cannot resolve {host!r} ({exc})") from None
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind(where)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                why = f"port {port} is in use (another controller?); pick another, or :0 for any"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                why = f"{host} is not an address of this host"
+            else:
+                why = str(exc)
+            raise ExperimentError(f"{setting} {address}: {why}") from None

@@ -65,6 +65,9 @@ SOCKET_PREFIX = "hf-"
 OWNER_LOCK = "owner.lock"
 
 
+SHM_ROOT = "/dev/shm"  # in-memory snapshots: memory-backed files that outlive a rank
+
+
 class SocketFolder:
     """A private folder for a session's ipc sockets, held by this process until ``remove``."""
 

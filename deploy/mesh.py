@@ -26,12 +26,13 @@ instead).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -47,10 +48,13 @@ from controller.clients import (
 )
 from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
 from controller.metrics import JsonlSink, TensorBoardSink
+from controller.placement import GroupSpec
 from controller.rollouts import RolloutPipeline
 from controller.scoring import scores
 from controller.server import Controller
+from controller.supervisor import Supervisor
 from controller.sync import WeightSync
+from deploy.clusters import cluster_plan
 from deploy.experiment import (
     Experiment,
     ExperimentError,
@@ -60,10 +64,29 @@ from deploy.experiment import (
     reference_in_actor,
 )
 from deploy.groups import build_groups
-from deploy.session import local_session
+from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
+from deploy.session import cluster_session, local_session
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
+from transport.settings import Timeouts
 from transport.training import OptimConfig, PolicyLossConfig
+
+log = logging.getLogger("hybridflow.mesh")
+R = TypeVar("R")
+
+
+@dataclass
+class Recovery:
+    """What brings the training roles back after one of their ranks died, below the user's
+    loop: an in-memory snapshot of their state after each change (an optimizer step, a fresh
+    optimizer, a loaded state), the optimizer each was given and the ``forward_backward`` calls
+    since the snapshot (their gradients are not in it)."""
+
+    folder: Path  # under /dev/shm: one folder per role, two slots per rank
+    label: int = 0  # the newest complete snapshot's number (0: none yet)
+    optims: dict[str, OptimConfig] = field(default_factory=dict)
+    since: list[tuple[TensorBatch, PolicyLossConfig]] = field(default_factory=list)
+    rollbacks: int = 0
 
 
 @dataclass
@@ -76,41 +99,54 @@ class Mesh:
     roles: Roles
     pipeline: RolloutPipeline
     sinks: list[Any] = field(default_factory=list)
+    recovery: Recovery | None = None
 
     # -- the clients -------------------------------------------------------------------------
 
     @property
     def actor(self) -> ActorClient:
+        """The actor's client (every endpoint an ``async`` method)."""
         return self.roles.actor
 
     @property
     def reward(self) -> RewardClient:
+        """The reward role's client: a rule, a reward model or an LLM judge."""
         return self.roles.reward
 
     @property
     def reference(self) -> ReferenceClient | None:
+        """The reference model's client (a LoRA actor's own, adapters off), or None."""
         return self.roles.reference
 
     @property
     def critic(self) -> CriticClient | None:
+        """The critic's client, or None."""
         return self.roles.critic
 
     @property
     def rollout(self) -> RolloutClient | None:
+        """A separate rollout group's client, or None (the actor generates)."""
         return self.roles.rollout
 
     @property
     def env(self) -> EnvClient | None:
+        """The environment/tools role's client (multi-turn), or None."""
         return self.roles.env
 
     @property
     def teacher(self) -> ReferenceClient | None:
+        """The teacher model's client (distillation), or None."""
         return self.roles.teacher
 
     @property
     def version(self) -> int:
-        """The actor's policy version: training steps taken through this mesh."""
+        """The actor's policy version: optimizer steps taken through this mesh."""
         return self.pipeline.version
+
+    @property
+    def roles_placed(self) -> list[str]:
+        """The names of the roles this mesh placed."""
+        return list(self.controller.role_group)
 
     # -- the primitives ----------------------------------------------------------------------
 
@@ -133,8 +169,12 @@ class Mesh:
         if self.pipeline.agent is not None and "seed" not in batch.non_tensors:
             base = 0 if sampling.seed is None else sampling.seed
             batch.non_tensors["seed"] = [base + i for i in range(len(batch))]
-        await self.pipeline.sync()
-        return await self.pipeline.generate(batch, sampling)
+
+        async def call() -> TensorBatch:
+            await self.pipeline.sync()
+            return await self.pipeline.generate(batch, sampling)
+
+        return await self._safely(call)
 
     async def log_probs(self, batch: TensorBatch, role: str = "actor") -> torch.Tensor:
         """Per-token log-probs ``[B, T]`` of ``batch``'s tokens under a model role (``actor``,
@@ -146,20 +186,28 @@ class Mesh:
             raise ValueError(
                 f"no model role {role!r} in this mesh; it has {sorted(self.roles_placed)}"
             )
-        out = await client.compute_log_prob(batch.select(list(TOKEN_COLUMNS), []))
+        tokens = batch.select(list(TOKEN_COLUMNS), [])
+        out = await self._safely(lambda: client.compute_log_prob(tokens))
         found: torch.Tensor = out.tensors["log_probs"]
         return found
 
     async def score(self, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """One score per row from the reward role (a rule, a model or a judge), and the batch
-        means of its extras (``reward/<key>``); a non-finite score counts 0 (``scores``)."""
-        return await scores(self.reward, batch)
+        means of its extras (``reward/<key>``); a non-finite score counts 0."""
+        return await self._safely(lambda: scores(self.reward, batch))
 
     async def train_step(self, batch: TensorBatch, loss: PolicyLossConfig) -> dict[str, float]:
         """One optimizer step of the actor on ``batch`` (``old_log_probs`` and ``advantages``
         per token besides the token columns) with the policy loss ``loss``; the policy version
         counts it. Returns the loss's metrics."""
-        found = await self.actor.update_policy(batch.select(self._policy_columns(batch), []), loss)
+        picked = batch.select(self._policy_columns(batch), [])
+
+        async def call() -> dict[str, float]:
+            found = await self.actor.update_policy(picked, loss)
+            await self._changed()
+            return found
+
+        found = await self._safely(call)
         self.pipeline.trained()
         return found
 
@@ -170,14 +218,22 @@ class Mesh:
         the gradients add to those of earlier calls until ``optim_step``. Each call's loss is
         normalised by its own batch (``loss.agg``), so two calls on halves give the sum of the
         halves' gradients. The loss's metrics."""
-        return await self.actor.forward_backward(
-            batch.select(self._policy_columns(batch), []), loss
-        )
+        picked = batch.select(self._policy_columns(batch), [])
+        found = await self._safely(lambda: self.actor.forward_backward(picked, loss))
+        if self.recovery is not None:  # replayed after a rollback to the last snapshot
+            self.recovery.since.append((picked, loss))
+        return found
 
     async def optim_step(self) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by ``forward_backward``
         (clipped, scheduled); counts one policy version. ``grad_norm`` and ``lr``."""
-        found = await self.actor.optim_step()
+
+        async def call() -> dict[str, float]:
+            found = await self.actor.optim_step()
+            await self._changed()
+            return found
+
+        found = await self._safely(call)
         self.pipeline.trained()
         return found
 
@@ -194,7 +250,13 @@ class Mesh:
                 "response": [r["response"] for r in rows],
             }
         )
-        found = await self.actor.sft_step(batch, response_only=True)
+
+        async def call() -> dict[str, float]:
+            found = await self.actor.sft_step(batch, response_only=True)
+            await self._changed()
+            return found
+
+        found = await self._safely(call)
         self.pipeline.trained()
         return found
 
@@ -203,35 +265,53 @@ class Mesh:
         client = self.roles.engines().get(role)
         if client is None:
             raise ValueError(f"no training role {role!r} in this mesh")
-        await client.configure_optim(optim)
+
+        async def call() -> None:
+            await client.configure_optim(optim)
+            if self.recovery is not None:
+                self.recovery.optims[role] = optim
+            await self._changed()
+
+        await self._safely(call)
 
     async def sync_weights(self) -> int:
         """Bring a separate rollout group up to the actor's weights (nothing to do when the
         actor generates); the version it now serves."""
-        await self.pipeline.sync()
+        await self._safely(self.pipeline.sync)
         return self.version
 
     async def save_state(self, name: str) -> Path:
         """Every training role's state (weights, optimizer, schedule, RNG) under
         ``RUN_DIR/state/NAME/<role>``, each written aside and renamed (the checkpoint format)."""
         folder = self.run_dir / "state" / name
-        for role, client in self.roles.engines().items():
-            await client.save(str((folder / role).resolve()))
+
+        async def call() -> None:
+            for role, client in self.roles.engines().items():
+                await client.save(str((folder / role).resolve()))
+
+        await self._safely(call)
         (folder / "mesh.json").write_text(yaml.safe_dump({"version": self.version}))
         return folder
 
     async def load_state(self, name: str) -> int:
         """What ``save_state(name)`` wrote, back into the training roles; the policy version."""
         folder = self.run_dir / "state" / name
-        for role, client in self.roles.engines().items():
-            await client.load(str((folder / role).resolve()))
-        self.pipeline.version = int(yaml.safe_load((folder / "mesh.json").read_text())["version"])
+        version = int(yaml.safe_load((folder / "mesh.json").read_text())["version"])
+
+        async def call() -> None:
+            for role, client in self.roles.engines().items():
+                await client.load(str((folder / role).resolve()))
+            await self._changed()
+
+        await self._safely(call)
+        self.pipeline.version = version
         return self.version
 
     async def export(self, path: str | Path) -> Path:
         """The actor as a plain Hugging Face folder (and a PEFT adapter folder beside it for
         LoRA)."""
-        return Path(await self.actor.export(str(Path(path).resolve())))
+        where = str(Path(path).resolve())
+        return Path(await self._safely(lambda: self.actor.export(where)))
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         """One record (``step``: default the policy version) into the run's sinks."""
@@ -239,9 +319,61 @@ class Mesh:
         for sink in self.sinks:
             sink(record)
 
-    @property
-    def roles_placed(self) -> list[str]:
-        return list(self.controller.role_group)
+    # -- faults below the loop -----------------------------------------------------------------
+
+    async def _safely(self, call: Callable[[], Awaitable[R]]) -> R:
+        """``call()``; when it fails because a rank of a training group died and the group's
+        restart policy allows, every training group is restarted, brought back to the last
+        snapshot (and the ``forward_backward`` calls since it replayed) and ``call`` runs again:
+        the loop sees a slower call. Other failures are the caller's."""
+        while True:
+            try:
+                return await call()
+            except Exception:
+                if not await self._roll_back():
+                    raise
+
+    async def _roll_back(self) -> bool:
+        supervisor = self.controller.supervisor
+        if self.recovery is None or not isinstance(supervisor, Supervisor):
+            return False
+        fault = await supervisor.stateful_fault()
+        if fault is None:
+            return False
+        rec = self.recovery
+        log.warning(
+            "group %r died (rank %s: %s); restarting the training groups from the snapshot "
+            "of version %d and running the call again",
+            fault[0],
+            fault[1],
+            fault[2],
+            self.version,
+        )
+        await supervisor.rollback(fault, len(rec.since))
+        rec.rollbacks += 1
+        self.pipeline.weights = WeightSync(self.roles.actor, self.exp.trainer.weight_sync)
+        self.pipeline.synced = None  # the first sync pushes, whatever the rollout group holds
+        for role, client in self.roles.engines().items():
+            if role in rec.optims:
+                await client.configure_optim(rec.optims[role])
+            if rec.label:
+                await client.restore_snapshot(str((rec.folder / role).resolve()), rec.label)
+        for batch, loss in rec.since:
+            await self.actor.forward_backward(batch, loss)
+        return True
+
+    async def _changed(self) -> None:
+        """The training roles' state changed as a whole (an optimizer step, a fresh optimizer,
+        a loaded state): snapshot it (to shared memory, two slots per rank, so a death while
+        copying leaves the previous one whole)."""
+        rec = self.recovery
+        if rec is None:
+            return
+        label = rec.label + 1
+        for role, client in self.roles.engines().items():
+            await client.snapshot(str((rec.folder / role).resolve()), label)
+        rec.label = label
+        rec.since.clear()
 
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "response_mask")
@@ -263,12 +395,18 @@ def rows(source: str, sft: bool = False) -> list[dict[str, Any]]:
 
 @asynccontextmanager
 async def mesh(
-    experiment: str | Path, *overrides: str, run_dir: str | Path | None = None
+    experiment: str | Path,
+    *overrides: str,
+    run_dir: str | Path | None = None,
+    clusters: str | Path | None = None,
 ) -> AsyncIterator[Mesh]:
-    """Start the groups of ``experiment`` (``--set``-style ``overrides``) on this machine, yield
-    the ``Mesh``, and stop them all on the way out (an error included)."""
+    """Start the groups of ``experiment`` (``--set``-style ``overrides``) on this machine, or
+    each on the cluster a cluster spec names (``clusters``: the file ``hybridflow run
+    --clusters`` takes; SLURM, ssh, by hand), yield the ``Mesh``, and stop them all on the way
+    out (an error included)."""
     exp = load(experiment, overrides)  # its stages, if any, are not run
     check(exp, run=False)
+    plan = cluster_plan(Path(clusters), exp) if clusters is not None else None
     folder = (
         Path(run_dir) if run_dir else Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
@@ -280,17 +418,48 @@ async def mesh(
     sinks: list[Any] = [JsonlSink(folder / "metrics.jsonl")]
     if exp.logging.tensorboard:
         sinks.append(TensorBoardSink(folder / "tensorboard"))
+    session: AbstractAsyncContextManager[Controller]
+    if plan is not None:
+        session = cluster_session(
+            groups, plan.spec, plan.where, folder, Timeouts.from_env(), _announce
+        )
+    else:
+        session = local_session(groups, run_dir=folder)
+    snapshots: SocketFolder | None = None
     try:
-        async with local_session(groups, run_dir=folder) as controller:
+        async with session as controller:
             roles = Roles.placed(controller, reference_in_actor(exp))
             weights = WeightSync(roles.actor, exp.trainer.weight_sync)
             pipeline = RolloutPipeline(roles, weights, exp.trainer.agent)
-            yield Mesh(controller, exp, folder, roles, pipeline, sinks)
+            found = Mesh(controller, exp, folder, roles, pipeline, sinks)
+            if _recoverable(found):
+                sweep_socket_folders(Path(SHM_ROOT))
+                snapshots = SocketFolder(Path(SHM_ROOT))
+                found.recovery = Recovery(snapshots.path)
+                await found._changed()  # the state the groups started with
+            yield found
     finally:
+        if snapshots is not None:
+            snapshots.remove()
         for sink in sinks:
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
+
+
+def _recoverable(m: Mesh) -> bool:
+    """Whether a training group may be restarted below the loop: a stateful group has a restart
+    policy (``placement.NAME.restart``) and every training role snapshots (fsdp; megatron
+    roles do not)."""
+    supervisor = m.controller.supervisor
+    if not isinstance(supervisor, Supervisor) or not supervisor.restarts_stateful():
+        return False
+    backends = [m.exp.roles[r].settings().get("backend") for r in m.roles.engines()]
+    return "megatron" not in backends
+
+
+def _announce(group: GroupSpec, command: str) -> None:
+    log.warning("start group %s by hand with:\n  %s", group.name, command)
 
 
 def run(main: Any) -> Any:

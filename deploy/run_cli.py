@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import functools
 import json
 import os
 import shlex
 import shutil
-import socket
 import sys
 import time
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
@@ -55,7 +53,7 @@ from controller.server import Controller
 from controller.snapshots import Snapshots
 from controller.supervisor import Supervisor
 from controller.trainer import Sink, Trainer, checkpoints, newest_step
-from deploy.clusters import ClusterSpec, check_spec, load_spec
+from deploy.clusters import ClusterPlan, check_bind, cluster_plan
 from deploy.experiment import (
     RULE_CLASS,
     Experiment,
@@ -72,19 +70,18 @@ from deploy.experiment import (
 from deploy.groups import build_groups
 from deploy.keys_cli import server_files
 from deploy.live import LiveView
-from deploy.local import SocketFolder, sweep_socket_folders
+from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.processes import set_title
 from deploy.report import run_report
 from deploy.session import cluster_session, local_session, remote_session
 from deploy.terminal import console, run_async
-from transport.channel import is_local_address, split_tcp
+from transport.channel import is_local_address
 from transport.security import CurveServer
 from transport.settings import Timeouts
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130  # as a shell reports a command ended by SIGINT
-SHM_ROOT = "/dev/shm"  # in-memory snapshots: memory-backed files that outlive a rank
 NO_CHECKPOINT_YET = (
     "a run writes one at each stage end, every trainer.save_every steps (or save_every_s "
     "seconds) and after the step in flight at the first Ctrl-C"
@@ -126,14 +123,6 @@ class RunOptions:
             wait=getattr(args, "wait", 120.0),
             keys=getattr(args, "keys", None),
         )
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    """A checked cluster spec and the cluster each group runs on."""
-
-    spec: ClusterSpec
-    where: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -313,7 +302,7 @@ def _load(opts: RunOptions) -> tuple[Experiment, Path, ClusterPlan | None, int |
     else:
         _check_bind_option(opts)
         exp, run_dir = _fresh(opts, opts.experiment)
-    plan = _cluster_plan(opts.clusters, exp) if opts.clusters is not None else None
+    plan = cluster_plan(opts.clusters, exp) if opts.clusters is not None else None
     return exp, run_dir, plan, resume_step
 
 
@@ -375,36 +364,6 @@ def _check_bind_option(opts: RunOptions) -> None:
                 f"--bind {opts.bind} leaves this host: it needs CURVE keys; make them with "
                 "`hybridflow keys DIR --clients GROUPS` and pass --keys DIR"
             )
-
-
-def _cluster_plan(path: Path, exp: Experiment) -> ClusterPlan:
-    spec = load_spec(path)
-    check_bind(spec.controller.bind, "cluster spec controller.bind")
-    return ClusterPlan(spec, check_spec(spec, exp))
-
-
-def check_bind(address: str, setting: str) -> None:
-    """Fail before anything starts when ``tcp://HOST:PORT`` cannot be bound here: a port in
-    use, a host that is not this machine's, a name that does not resolve."""
-    try:
-        host, port = split_tcp(address)
-        family, kind, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except ValueError as exc:
-        raise ExperimentError(f"{setting}: {exc}") from None
-    except socket.gaierror as exc:
-        raise ExperimentError(f"{setting} {address}: cannot resolve {host!r} ({exc})") from None
-    with socket.socket(family, kind) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
-        try:
-            probe.bind(where)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                why = f"port {port} is in use (another controller?); pick another, or :0 for any"
-            elif exc.errno == errno.EADDRNOTAVAIL:
-                why = f"{host} is not an address of this host"
-            else:
-                why = str(exc)
-            raise ExperimentError(f"{setting} {address}: {why}") from None
 
 
 def _prepare(exp: Experiment, run_dir: Path) -> tuple[dict[str, Rows], list[GroupSpec]]:
@@ -553,11 +512,6 @@ async def _train(
     return {"name": run.exp.name, **result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
 
 
-#: how long a failed step waits for the death that may explain it to be declared (a rank's peer
-#: can report the broken link before the launcher reports the exit)
-DEATH_GRACE_S = 3.0
-
-
 async def _roll_back(
     supervisor: Supervisor | None,
     run_dir: Path,
@@ -568,13 +522,9 @@ async def _roll_back(
     """After the trainer failed: when a stateful group died and its restart policy allows,
     restart every stateful group, cut the records back to the last checkpoint and say whether
     to resume from it (True) or start over (False: there is none yet); None: re-raise."""
-    if supervisor is None or not supervisor.restarts_stateful():
+    if supervisor is None:
         return None
-    fault = supervisor.rollback_cause()
-    deadline = time.monotonic() + DEATH_GRACE_S
-    while fault is None and time.monotonic() < deadline:
-        await supervisor.death(deadline - time.monotonic())
-        fault = supervisor.rollback_cause()
+    fault = await supervisor.stateful_fault()
     if fault is None:
         return None
     saved = _resume_step(run_dir)
