@@ -7,18 +7,24 @@ built-in program) on the same work, one after the other on this machine.
 
 The last line is a JSON object: ``api_step_s`` and ``run_step_s`` (median GRPO step time),
 ``api_step_ratio`` (target <= 1.05), ``api_acc`` and ``run_acc`` (held-out greedy accuracy after
-GRPO; target within 0.05).
+GRPO; target within 0.05), and from ``bench/api_chaos.py`` (a loop of the same primitives, with
+gradient accumulation, on a placement with one group per kind, run undisturbed and with a rank of
+each group killed): ``api_chaos_equal`` (the final weights and every step's reward bitwise equal),
+``api_chaos_kills``, ``api_chaos_rollbacks``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.api_chaos import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,6 +86,8 @@ def main() -> None:
         ]
         api_acc = next(r["val/score"] for r in reversed(api) if "val/score" in r)
         run_acc = json.loads((run_dir / "summary.json").read_text())["val_acc_after"]
+        (Path(tmp) / "chaos").mkdir()
+        chaos = asyncio.run(compare(Path(tmp) / "chaos", steps=3))
     found = {
         "bench": "api",
         "api_step_s": round(statistics.median(api_steps), 3),
@@ -87,6 +95,7 @@ def main() -> None:
         "api_step_ratio": round(statistics.median(api_steps) / statistics.median(run_steps), 3),
         "api_acc": round(api_acc, 3),
         "run_acc": round(run_acc, 3),
+        **chaos,
     }
     print(json.dumps(found))
 
