@@ -131,12 +131,12 @@ def generate() -> str:
     lines = [BEGIN, ""]
     done: set[type[BaseModel]] = set()
     for heading, where, model in sections():
-        lines += _tables(heading, where, model, done)
+        lines += model_tables(heading, where, model, done)
     lines += _data_keys() + _tasks()
     return "\n".join([*lines, END])
 
 
-def _tables(
+def model_tables(
     heading: str, where: str, model: type[BaseModel], done: set[type[BaseModel]]
 ) -> list[str]:
     """``model``'s table, then one per model nested in it that has no table yet."""
@@ -157,7 +157,7 @@ def _tables(
     listed = [m for _, _, m in sections()]
     for path, inner in nested:
         if inner not in listed:
-            lines += _tables(path, path, inner, done)
+            lines += model_tables(path, path, inner, done)
     return lines
 
 
@@ -272,30 +272,40 @@ def _tasks() -> list[str]:
     return lines
 
 
-def spliced(text: str, generated: str) -> str:
-    """``text`` with the part between the markers replaced by ``generated``."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise ValueError(f"{DOC}: needs exactly one {BEGIN!r} and one {END!r} line")
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
+def spliced(doc: Path, text: str, generated: str) -> str:
+    """``text`` (the file ``doc``) with the part between the markers, ``generated``'s first and
+    last lines, replaced by ``generated``."""
+    begin, end = generated.splitlines()[0], generated.splitlines()[-1]
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"{doc}: needs exactly one {begin!r} and one {end!r} line")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
     return head + generated + tail
+
+
+def refresh(
+    doc: Path, generated: str, command: str, check: bool, write: Callable[[str], object]
+) -> int:
+    """Put ``generated`` between the markers of ``doc``; with ``check``, only say whether it is
+    there already (1: stale, rerun ``command``). Shared with ``deploy/apidoc.py``."""
+    current = doc.read_text(encoding="utf-8")
+    wanted = spliced(doc, current, generated)
+    if current == wanted:
+        write(f"{doc}: up to date")
+        return 0
+    if check:
+        write(f"{doc}: stale; run {command}")
+        return 1
+    doc.write_text(wanted, encoding="utf-8")
+    write(f"{doc}: rewritten")
+    return 0
 
 
 def main(argv: list[str] | None = None, write: Callable[[str], object] = print) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.docgen", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 when the docs are stale")
     args = parser.parse_args(argv)
-    current = DOC.read_text(encoding="utf-8")
-    wanted = spliced(current, generate())
-    if current == wanted:
-        write(f"{DOC}: up to date")
-        return 0
-    if args.check:
-        write(f"{DOC}: stale; run python -m deploy.docgen")
-        return 1
-    DOC.write_text(wanted, encoding="utf-8")
-    write(f"{DOC}: rewritten")
-    return 0
+    return refresh(DOC, generate(), "python -m deploy.docgen", args.check, write)
 
 
 if __name__ == "__main__":
