@@ -3,6 +3,10 @@
     python examples/api/grpo.py                      # SFT then GRPO, as examples/quickstart.yaml
     python examples/api/grpo.py --sft-steps 40 --steps 6 --val 64   # a quick try
 
+    # the same loop, the rollout group in a SLURM job (this machine the login node)
+    python examples/api/grpo.py --clusters examples/clusters/here_and_slurm.yaml \
+        --set 'roles.rollout={model: base}' --set 'placement.gen={roles: [rollout], nproc: 1}'
+
 The groups (models, roles, placement) come from examples/quickstart.yaml; its stages are not
 run: this file is the algorithm. Each GRPO step samples n answers per prompt, scores them with the
 reward role, takes each answer's advantage against its group, and takes one policy-gradient step.
@@ -32,7 +36,7 @@ async def accuracy(m: hf.Mesh, prompts: list[dict], max_new_tokens: int) -> floa
 
 
 async def main(args: argparse.Namespace) -> None:
-    async with hf.mesh(QUICKSTART, run_dir=args.run_dir) as m:
+    async with hf.mesh(QUICKSTART, *args.set, run_dir=args.run_dir, clusters=args.clusters) as m:
         held_out = hf.rows(f"builtin:arithmetic?n={args.val}&split=test")
         print(f"held-out accuracy at the start: {await accuracy(m, held_out, 8):.3f}")
 
@@ -70,7 +74,8 @@ async def main(args: argparse.Namespace) -> None:
             batch.tensors["old_log_probs"] = await m.log_probs(batch)
             metrics = await m.train_step(batch, loss)
             seconds = time.perf_counter() - began
-            m.log({"train/reward/mean": float(score.mean()), "time/step_s": seconds, **metrics})
+            record = {"train/reward/mean": float(score.mean()), "time/step_s": seconds}
+            m.log({**record, "train/weight_version": batch.meta["weight_version"], **metrics})
             print(f"GRPO step {step + 1}: reward {score.mean():.3f}")
         final = await accuracy(m, held_out, 8)
         m.log({"val/score": final})
@@ -86,5 +91,7 @@ if __name__ == "__main__":
     parser.add_argument("--val", type=int, default=992, help="held-out prompts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--clusters", type=Path, help="a cluster spec: where each group runs")
+    parser.add_argument("--set", action="append", default=[], help="an experiment override")
     arguments = parser.parse_args()
     hf.run(lambda: main(arguments))
