@@ -58,8 +58,8 @@ from controller.agent import (
     run_trajectories,
 )
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import Roles, Timer, rewarded, with_columns
 from controller.scoring import ask, finite, keep_notes, stash, stashed
+from controller.steps import Roles, Timer, rewarded, with_columns
 from controller.streaming import Generator, WeightGate, concat_padded, stream
 from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch

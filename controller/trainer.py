@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controller.agent import AgentConfig
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import BaseModelClient, Roles, State, first_rows, step_program
+from controller.algorithms import step_program
 from controller.clients import EngineClient
 from controller.metrics import Sample, sample_sinks
 from controller.rollouts import (
@@ -56,6 +56,7 @@ from controller.rollouts import (
 )
 from controller.scoring import notes_of, scores, stashed
 from controller.snapshots import Snapshot, Snapshots
+from controller.steps import BaseModelClient, Roles, State, first_rows
 from controller.supervised import text_batch
 from controller.sync import WeightSync
 from transport.batch import TensorBatch

@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from controller.algorithms import Roles
 from controller.clients import (
     ActorClient,
     CriticClient,
@@ -52,6 +51,7 @@ from controller.placement import GroupSpec
 from controller.rollouts import RolloutPipeline
 from controller.scoring import scores
 from controller.server import Controller
+from controller.steps import Roles
 from controller.supervisor import Supervisor
 from controller.sync import WeightSync
 from deploy.clusters import cluster_plan

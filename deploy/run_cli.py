@@ -39,7 +39,6 @@ from typing import Any
 import yaml
 from rich.markup import escape
 
-from controller.algorithms import Roles
 from controller.metrics import (
     SAMPLES_FILE,
     JsonlSink,
@@ -51,6 +50,7 @@ from controller.metrics import (
 from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.snapshots import Snapshots
+from controller.steps import Roles
 from controller.supervisor import Supervisor
 from controller.trainer import Sink, Trainer, checkpoints, newest_step
 from deploy.clusters import ClusterPlan, check_bind, cluster_plan

@@ -1,16 +1,24 @@
 """What a step program of your own (``algorithm.program: package.module:function``) is written
 with: the clients of the stage's roles, its state, and the pieces every built-in step is made of
-(docs/api.md, "Your own step program"). Re-exports only."""
+(docs/api.md, "Your own step program"). The built-in programs (``controller/algorithms.py``) import
+nothing else of the framework. Re-exports only."""
 
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import (
+from controller.steps import (
     Roles,
     State,
+    Step,
+    first_rows,
     group_ids,
+    group_stats,
+    kl_of,
     learn,
     log_probs,
+    need,
     old_log_probs,
+    reference,
     rewarded,
+    scored,
     summarize,
     values,
     with_columns,
@@ -20,11 +28,18 @@ __all__ = [
     "AlgorithmConfig",
     "Roles",
     "State",
+    "Step",
+    "first_rows",
     "group_ids",
+    "group_stats",
+    "kl_of",
     "learn",
     "log_probs",
+    "need",
     "old_log_probs",
+    "reference",
     "rewarded",
+    "scored",
     "summarize",
     "values",
     "with_columns",

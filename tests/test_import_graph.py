@@ -143,3 +143,57 @@ def test_the_public_package_only_re_exports() -> None:
             assert docstring or names or isinstance(node, ast.Import | ast.ImportFrom), (
                 f"{path.relative_to(ROOT)}:{node.lineno} is not an import"
             )
+
+
+def public_objects() -> list[object]:
+    """What ``hybridflow`` and ``hybridflow.steps`` export: the names a user's program has."""
+    import hybridflow
+    import hybridflow.steps
+
+    return [getattr(m, n) for m in (hybridflow, hybridflow.steps) for n in m.__all__]
+
+
+def private_imports(path: Path) -> list[str]:
+    """The framework names ``path`` imports that are not public (``public_objects``); the
+    standard library and third-party packages are free."""
+    import importlib
+
+    public = public_objects()
+    wrong = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            wrong += [a.name for a in node.names if a.name.split(".")[0] in PACKAGES]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level or module.split(".")[0] not in PACKAGES:
+                if node.level:
+                    wrong += [f"{'.' * node.level}{module}:{a.name}" for a in node.names]
+                continue
+            for alias in node.names:
+                found = getattr(importlib.import_module(module), alias.name, None)
+                if not any(found is p for p in public):
+                    wrong.append(f"{module}:{alias.name}")
+    return wrong
+
+
+def test_the_built_in_programs_use_only_the_public_api() -> None:
+    """``controller/algorithms.py`` is written as a user's program is: every name of ours it
+    imports is exported by ``hybridflow`` or ``hybridflow.steps`` (a missing one is the API's
+    gap, to export, not to import privately)."""
+    assert private_imports(ROOT / "controller" / "algorithms.py") == []
+
+
+def test_a_private_import_in_a_program_is_named(tmp_path: Path) -> None:
+    program = tmp_path / "program.py"
+    program.write_text(
+        "import torch\n"
+        "from controller import advantages\n"  # public: hybridflow.advantages
+        "from controller.steps import learn, on\n"  # `on` is not exported
+        "from controller.scoring import scores\n"
+        "import deploy.mesh\n"
+    )
+    assert private_imports(program) == [
+        "controller.steps:on",
+        "controller.scoring:scores",
+        "deploy.mesh",
+    ]

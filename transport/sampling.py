@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SamplingConfig(BaseModel):
+    """How to sample: temperature, top-p/top-k, how many answers per prompt, their length,
+    stop tokens and a seed."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(1.0, ge=0, description="0: greedy")

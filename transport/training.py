@@ -23,6 +23,9 @@ SEQUENCE_KINDS = ("gspo", "gspo-token")
 
 
 class PolicyLossConfig(BaseModel):
+    """The policy loss of an update: its kind (PPO, GSPO, CISPO or your own function), clip
+    ranges, how token losses are averaged (``agg``), KL and entropy terms."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: PolicyKind = Field(

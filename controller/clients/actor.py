@@ -17,6 +17,8 @@ from transport.training import PolicyLossConfig
 
 
 class ReferenceClient(EngineClient):
+    """A frozen model role (``reference``, ``teacher``): per-token log-probs of given tokens."""
+
     async def compute_log_prob(
         self,
         batch: TensorBatch,
@@ -32,6 +34,10 @@ class ReferenceClient(EngineClient):
 
 
 class ActorClient(ReferenceClient):
+    """The trained policy: log-probs, policy-loss updates (whole steps or ``forward_backward``
+    then ``optim_step``), SFT steps, generation when no rollout group is placed, and the
+    engine's checkpoints and weight syncs."""
+
     async def compute_ref_log_prob(
         self,
         batch: TensorBatch,

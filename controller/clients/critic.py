@@ -9,6 +9,8 @@ from transport.training import ValueLossConfig
 
 
 class CriticClient(EngineClient):
+    """A value model: per-token values, and value-loss updates."""
+
     async def compute_values(
         self, batch: TensorBatch, *, timeout: float | None = None
     ) -> TensorBatch:

@@ -17,6 +17,9 @@ from transport.training import OptimConfig
 
 
 class EngineClient(WeightSourceClient, WeightSinkClient):
+    """What every role that holds a trained model answers: optimizer, checkpoints, snapshots,
+    whole-weight loads and export."""
+
     async def save(self, path: str, *, timeout: float | None = None) -> str:
         """Sharded checkpoint (model, optimizer, schedule, RNG) under ``path``; returns it."""
         return await self._call(Transfer.ONE_TO_ALL, "save", path, timeout=timeout)

@@ -16,6 +16,8 @@ from transport.protocol import Transfer
 
 
 class EnvClient(RoleClient):
+    """Tools or an environment for multi-turn rollouts: sessions, actions and observations."""
+
     async def spec(self, *, timeout: float | None = None) -> EnvSpec:
         """The tokens that end a turn, the tools' schemas and the call format."""
         return await self._call(Transfer.RANK_ZERO, "spec", timeout=timeout)

@@ -15,6 +15,8 @@ from transport.protocol import Transfer
 
 
 class RewardClient(RoleClient):
+    """A reward role (a rule function, a reward model or an LLM judge): one score per row."""
+
     async def compute_reward(
         self, batch: TensorBatch, *, timeout: float | None = None
     ) -> TensorBatch:

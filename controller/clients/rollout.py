@@ -11,6 +11,8 @@ from transport.sampling import SamplingConfig
 
 
 class RolloutClient(WeightSinkClient):
+    """A generation group apart from the actor: samples on the weights it was last given."""
+
     async def generate(
         self,
         batch: TensorBatch,
@@ -41,6 +43,7 @@ class RolloutClient(WeightSinkClient):
         )
 
     async def weight_version(self, *, timeout: float | None = None) -> int:
+        """The policy version of the weights it now serves (0: the initial ones)."""
         return await self._call(Transfer.ONE_TO_ALL, "weight_version", timeout=timeout)
 
     async def precision(self, *, timeout: float | None = None) -> dict[str, str]:

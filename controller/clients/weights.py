@@ -21,6 +21,8 @@ from transport.weight_sync import (
 
 
 class WeightSinkClient(RoleClient):
+    """A role that takes weights from another group, rank to rank (``reshard/``)."""
+
     async def open_receive(
         self,
         source: Source,
@@ -58,6 +60,8 @@ class WeightSinkClient(RoleClient):
 
 
 class WeightSourceClient(RoleClient):
+    """A role whose weights other groups take, rank to rank (``reshard/``)."""
+
     async def weight_source(self, *, timeout: float | None = None) -> Source:
         """Layout, dtype, parameter shapes and splits, and where each rank runs."""
         return await self._call(Transfer.ONE_TO_ALL, "weight_source", timeout=timeout)

@@ -9,18 +9,18 @@ import torch
 from pydantic import ValidationError
 
 from controller.advantages import AdaptiveKL, FixedKL
-from controller.algorithms import (
-    AlgorithmConfig,
+from controller.algorithm_config import AlgorithmConfig
+from controller.clients import ActorClient, CriticClient, RewardClient, RolloutClient
+from controller.rollouts import first_of_each, index_of
+from controller.server import Controller
+from controller.steps import (
     Roles,
     State,
-    _group_stats,
+    group_stats,
     kl_of,
     logprob_gap,
     summarize,
 )
-from controller.clients import ActorClient, CriticClient, RewardClient, RolloutClient
-from controller.rollouts import first_of_each, index_of
-from controller.server import Controller
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
 from transport.training import PolicyLossConfig
@@ -84,7 +84,7 @@ def test_summary_and_group_stats_by_hand() -> None:
     assert found["response/length"] == 2.0 and found["response/tokens"] == 8.0
     assert found["response/clipped"] == 0.25
     assert found["kl"] == pytest.approx(1.0)  # mean over rows of the summed token kl
-    groups = _group_stats(score, torch.tensor([5, 5, 9, 9]))
+    groups = group_stats(score, torch.tensor([5, 5, 9, 9]))
     assert groups == {"groups/all_solved": 0.5, "groups/none_solved": 0.0}
 
 

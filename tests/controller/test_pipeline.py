@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import STEPS, Roles, State
+from controller.algorithms import STEPS
 from controller.clients import ActorClient, RewardClient, RolloutClient
+from controller.steps import Roles, State
 from controller.sync import WeightSync
 from controller.tasks import arithmetic
 from controller.trainer import RLStage, Trainer, TrainerConfig, epoch_batches, request_seed

@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from controller.algorithms import Roles
 from controller.clients import ActorClient, EngineClient, RewardClient
+from controller.steps import Roles
 from controller.trainer import PrecisionChanged, SFTStage, Trainer, TrainerConfig
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import Roles
 from controller.clients import ActorClient, ReferenceClient, RewardClient
+from controller.steps import Roles
 from controller.trainer import RLStage, Trainer, TrainerConfig
 from deploy.session import local_session
 from roles.modeling.models import init_model

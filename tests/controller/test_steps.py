@@ -16,8 +16,9 @@ import torch
 from controller.advantages import overlong_penalty
 from controller.agent import SAMPLE_BUDGET
 from controller.algorithm_config import AlgorithmConfig
-from controller.algorithms import Roles, State, distill_step, group_step, remax_step, safe_rlhf_step
+from controller.algorithms import distill_step, group_step, remax_step, safe_rlhf_step
 from controller.rollouts import RolloutPipeline
+from controller.steps import Roles, State
 from transport.batch import TensorBatch
 
 # two rows after a one-token prompt: row 0 has 3 response tokens, row 1 has 2

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from controller.algorithms import Roles
 from controller.clients import ActorClient, ReferenceClient, RewardClient, RolloutClient
 from controller.scoring import scores, stashed
+from controller.steps import Roles
 from controller.streaming import (
     NO_VERSION,
     PartialRollout,
