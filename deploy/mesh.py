@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import yaml
@@ -46,6 +46,7 @@ from controller.clients import (
     RolloutClient,
 )
 from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
+from controller.datum import Datum, batch_of
 from controller.metrics import JsonlSink, TensorBoardSink
 from controller.placement import GroupSpec
 from controller.rollouts import RolloutPipeline
@@ -73,6 +74,10 @@ from transport.training import OptimConfig, PolicyLossConfig
 
 log = logging.getLogger("hybridflow.mesh")
 R = TypeVar("R")
+#: what the training primitives take: a batch in the training layout, or rows of token ids
+Rows = TensorBatch | Sequence[Datum]
+#: a loss ``forward_backward`` takes: a policy loss, or the next-token loss by name
+Loss = PolicyLossConfig | Literal["cross_entropy"]
 
 
 @dataclass
@@ -85,7 +90,7 @@ class Recovery:
     folder: Path  # under /dev/shm: one folder per role, two slots per rank
     label: int = 0  # the newest complete snapshot's number (0: none yet)
     optims: dict[str, OptimConfig] = field(default_factory=dict)
-    since: list[tuple[TensorBatch, PolicyLossConfig]] = field(default_factory=list)
+    since: list[tuple[TensorBatch, Loss]] = field(default_factory=list)
     rollbacks: int = 0
 
 
@@ -176,9 +181,10 @@ class Mesh:
 
         return await self._safely(call)
 
-    async def log_probs(self, batch: TensorBatch, role: str = "actor") -> torch.Tensor:
-        """Per-token log-probs ``[B, T]`` of ``batch``'s tokens under a model role (``actor``,
-        ``reference``, ``teacher``; a LoRA actor's ``reference`` is itself, adapters off)."""
+    async def log_probs(self, batch: Rows, role: str = "actor") -> torch.Tensor:
+        """Per-token log-probs ``[B, T]`` of ``batch``'s tokens (a batch, or ``Datum`` rows)
+        under a model role (``actor``, ``reference``, ``teacher``; a LoRA actor's ``reference``
+        is itself, adapters off), aligned with ``input_ids``."""
         client = {"actor": self.actor, "reference": self.reference, "teacher": self.teacher}.get(
             role
         )
@@ -186,7 +192,7 @@ class Mesh:
             raise ValueError(
                 f"no model role {role!r} in this mesh; it has {sorted(self.roles_placed)}"
             )
-        tokens = batch.select(list(TOKEN_COLUMNS), [])
+        tokens = as_batch(batch).select(list(TOKEN_COLUMNS), [])
         out = await self._safely(lambda: client.compute_log_prob(tokens))
         found: torch.Tensor = out.tensors["log_probs"]
         return found
@@ -196,11 +202,11 @@ class Mesh:
         means of its extras (``reward/<key>``); a non-finite score counts 0."""
         return await self._safely(lambda: scores(self.reward, batch))
 
-    async def train_step(self, batch: TensorBatch, loss: PolicyLossConfig) -> dict[str, float]:
+    async def train_step(self, batch: Rows, loss: PolicyLossConfig) -> dict[str, float]:
         """One optimizer step of the actor on ``batch`` (``old_log_probs`` and ``advantages``
-        per token besides the token columns) with the policy loss ``loss``; the policy version
-        counts it. Returns the loss's metrics."""
-        picked = batch.select(self._policy_columns(batch), [])
+        per token besides the token columns; or ``Datum`` rows with both) with the policy loss
+        ``loss``; the policy version counts it. Returns the loss's metrics."""
+        picked = self._columns(as_batch(batch), loss)
 
         async def call() -> dict[str, float]:
             found = await self.actor.update_policy(picked, loss)
@@ -211,15 +217,15 @@ class Mesh:
         self.pipeline.trained()
         return found
 
-    async def forward_backward(
-        self, batch: TensorBatch, loss: PolicyLossConfig
-    ) -> dict[str, float]:
-        """The policy loss's forward and backward on ``batch`` (as ``train_step`` needs it);
-        the gradients add to those of earlier calls until ``optim_step``. Each call's loss is
-        normalised by its own batch (``loss.agg``), so two calls on halves give the sum of the
-        halves' gradients. The loss's metrics."""
-        picked = batch.select(self._policy_columns(batch), [])
-        found = await self._safely(lambda: self.actor.forward_backward(picked, loss))
+    async def forward_backward(self, batch: Rows, loss: Loss) -> dict[str, float]:
+        """A loss's forward and backward on ``batch`` (a batch, or ``Datum`` rows): a policy
+        loss (``hf.PolicyLossConfig``; the batch as ``train_step`` needs it) or
+        ``"cross_entropy"`` (the next-token loss of the response tokens, times a ``weights``
+        column when given). The gradients add to those of earlier calls until ``optim_step``;
+        each call's loss is normalised by its own batch (``loss.agg``), so two calls on halves
+        give the sum of the halves' gradients. The loss's metrics."""
+        picked = self._columns(as_batch(batch), loss)
+        found = await self._safely(lambda: self._forward_backward(picked, loss))
         if self.recovery is not None:  # replayed after a rollback to the last snapshot
             self.recovery.since.append((picked, loss))
         return found
@@ -237,9 +243,23 @@ class Mesh:
         self.pipeline.trained()
         return found
 
-    def _policy_columns(self, batch: TensorBatch) -> list[str]:
-        wanted = [*TOKEN_COLUMNS, "old_log_probs", "advantages"]
-        return wanted + [c for c in ("ref_log_probs", "rollout_log_probs") if c in batch.tensors]
+    def _forward_backward(self, batch: TensorBatch, loss: Loss) -> Awaitable[dict[str, float]]:
+        if isinstance(loss, PolicyLossConfig):
+            return self.actor.forward_backward(batch, loss)
+        if loss == "cross_entropy":
+            return self.actor.forward_backward_nll(batch)
+        raise ValueError(f"loss {loss!r}: give a hf.PolicyLossConfig or 'cross_entropy'")
+
+    @staticmethod
+    def _columns(batch: TensorBatch, loss: Loss) -> TensorBatch:
+        """The columns ``loss`` reads, checked before any call (the missing one named)."""
+        if isinstance(loss, PolicyLossConfig):
+            wanted = [*TOKEN_COLUMNS, "old_log_probs", "advantages"]
+            extra: tuple[str, ...] = ("ref_log_probs", "rollout_log_probs")
+        else:
+            wanted, extra = list(TOKEN_COLUMNS), ("weights",)
+        batch.require_tensors(*wanted)
+        return batch.select(wanted + [c for c in extra if c in batch.tensors], [])
 
     async def sft_step(self, rows: Sequence[dict[str, str]]) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on ``(prompt, response)`` rows (the loss
@@ -359,7 +379,7 @@ class Mesh:
             if rec.label:
                 await client.restore_snapshot(str((rec.folder / role).resolve()), rec.label)
         for batch, loss in rec.since:
-            await self.actor.forward_backward(batch, loss)
+            await self._forward_backward(batch, loss)
         return True
 
     async def _changed(self) -> None:
@@ -377,6 +397,11 @@ class Mesh:
 
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "response_mask")
+
+
+def as_batch(rows: Rows) -> TensorBatch:
+    """A batch as given, or ``Datum`` rows in the training layout (``batch_of``)."""
+    return rows if isinstance(rows, TensorBatch) else batch_of(rows)
 
 
 def prompt_batch(prompts: Sequence[str] | Sequence[dict[str, Any]]) -> TensorBatch:

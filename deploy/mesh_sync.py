@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 
 from controller.clients.base import RoleClient
-from deploy.mesh import Mesh, mesh
+from deploy.mesh import Loss, Mesh, Rows, mesh
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
 from transport.training import OptimConfig, PolicyLossConfig
@@ -269,7 +269,7 @@ class SyncMesh:
         """``sampling.n`` responses per prompt on the newest weights, as ``Mesh.sample``."""
         return self._loop.wait(self._mesh.sample(prompts, sampling))
 
-    def log_probs(self, batch: TensorBatch, role: str = "actor") -> torch.Tensor:
+    def log_probs(self, batch: Rows, role: str = "actor") -> torch.Tensor:
         """Per-token log-probs ``[B, T]`` of ``batch``'s tokens under a model role."""
         return self._loop.wait(self._mesh.log_probs(batch, role))
 
@@ -277,13 +277,13 @@ class SyncMesh:
         """One score per row from the reward role, and the batch means of its extras."""
         return self._loop.wait(self._mesh.score(batch))
 
-    def train_step(self, batch: TensorBatch, loss: PolicyLossConfig) -> dict[str, float]:
+    def train_step(self, batch: Rows, loss: PolicyLossConfig) -> dict[str, float]:
         """One optimizer step of the actor with the policy loss ``loss``; its metrics."""
         return self._loop.wait(self._mesh.train_step(batch, loss))
 
-    def forward_backward(self, batch: TensorBatch, loss: PolicyLossConfig) -> dict[str, float]:
-        """The policy loss's forward and backward on ``batch``; gradients add up until
-        ``optim_step``."""
+    def forward_backward(self, batch: Rows, loss: Loss) -> dict[str, float]:
+        """A loss's forward and backward on ``batch`` (a policy loss or ``"cross_entropy"``);
+        gradients add up until ``optim_step``."""
         return self._loop.wait(self._mesh.forward_backward(batch, loss))
 
     def optim_step(self) -> dict[str, float]:

@@ -24,6 +24,7 @@ from controller.clients import (
     RewardClient,
     RolloutClient,
 )
+from controller.datum import Datum, batch_of
 from deploy.experiment import ExperimentError
 from deploy.mesh import Mesh, mesh, prompt_batch, rows, run
 from deploy.mesh_sync import SyncMesh, mesh_sync
@@ -34,6 +35,7 @@ from transport.training import OptimConfig, PolicyLossConfig
 __all__ = [
     "ActorClient",
     "CriticClient",
+    "Datum",
     "EnvClient",
     "ExperimentError",
     "Mesh",
@@ -46,6 +48,7 @@ __all__ = [
     "SyncMesh",
     "TensorBatch",
     "advantages",
+    "batch_of",
     "mesh",
     "mesh_sync",
     "prompt_batch",

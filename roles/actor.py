@@ -43,6 +43,7 @@ from transport.columns import (
     RESPONSE_MASK,
     ROLLOUT_LOG_PROBS,
     TOKENS,
+    WEIGHTS,
 )
 from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
@@ -248,6 +249,24 @@ class Actor(Reference):
         add to those of earlier calls until ``optim_step`` (each call's loss normalised by its
         own batch's tokens or responses, as ``loss.agg`` says)."""
         loss_fn = self._policy_loss_fn(batch, loss, temperature)
+        return self.engine.forward_backward(batch, loss_fn)
+
+    @endpoint(DP_REDUCED)
+    def forward_backward_nll(self, batch: TensorBatch) -> dict[str, float]:
+        """Cross-entropy's forward and backward on token rows: the next-token loss of the
+        tokens ``response_mask`` marks, each times its ``weights`` column when there is one, over
+        the batch's marked tokens (``loss``); the gradients add up until ``optim_step``."""
+        batch.require_tensors(*TOKENS)
+
+        def loss_fn(
+            logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            nll = -token_log_probs(logits, micro.tensor(INPUT_IDS))
+            weights = micro.tensors.get(WEIGHTS)
+            if weights is not None:
+                nll = nll * weights
+            return aggregate(nll, micro.tensor(RESPONSE_MASK), "token-mean", tokens, seqs), {}
+
         return self.engine.forward_backward(batch, loss_fn)
 
     @endpoint(ONE_TO_ALL)

@@ -21,6 +21,7 @@ OLD_LOG_PROBS = "old_log_probs"  # pi_old, recomputed by the actor before an upd
 REF_LOG_PROBS = "ref_log_probs"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # the generator's own, for TIS / decoupled PPO
 ADVANTAGES = "advantages"
+WEIGHTS = "weights"  # per-token weights of a cross-entropy loss (forward_backward_nll)
 VALUES = "values"
 RETURNS = "returns"
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
 #: the policy-gradient term (docs/algorithms.md has each formula and its source)
-PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo"]
+PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo", "importance_sampling"]
 #: kinds whose objective is a mean over responses: their default ``agg`` is seq-mean-token-mean
 SEQUENCE_KINDS = ("gspo", "gspo-token")
 
@@ -32,7 +32,9 @@ class PolicyLossConfig(BaseModel):
         "ppo",
         description="the policy-gradient term: ppo (token-level clipped ratio), gspo / "
         "gspo-token (the sequence's geometric-mean ratio, clipped per sequence; Zheng et al. "
-        "2025), cispo (the clipped ratio as a stop-gradient weight on log pi; MiniMax-M1)",
+        "2025), cispo (the clipped ratio as a stop-gradient weight on log pi; MiniMax-M1), "
+        "importance_sampling (-A * pi / pi_old, no clipping: the REINFORCE gradient for "
+        "samples from another policy, as Tinker's loss of that name)",
     )
     custom: str | None = Field(
         None,

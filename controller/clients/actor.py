@@ -105,6 +105,14 @@ class ActorClient(ReferenceClient):
             Transfer.DP_REDUCED, "forward_backward", batch, loss, temperature, timeout=timeout
         )
 
+    async def forward_backward_nll(
+        self, batch: TensorBatch, *, timeout: float | None = None
+    ) -> dict[str, float]:
+        """Cross-entropy's forward and backward on token rows (``response_mask`` marks the
+        trained tokens, an optional ``weights`` column weighs them); the gradients add up until
+        ``optim_step``. ``loss``: the batch's weighted mean next-token loss."""
+        return await self._call(Transfer.DP_REDUCED, "forward_backward_nll", batch, timeout=timeout)
+
     async def optim_step(self, *, timeout: float | None = None) -> dict[str, float]:
         """One optimizer step on the gradients accumulated so far: ``grad_norm``, ``lr``."""
         return await self._call(Transfer.ONE_TO_ALL, "optim_step", timeout=timeout)

@@ -208,6 +208,15 @@ def cispo_terms(
     )
 
 
+def importance_sampling_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor) -> PolicyTerms:
+    """The unclipped importance-sampled policy gradient, loss_t = -A_t * pi_t / pi_old_t (the
+    REINFORCE gradient when pi_old is the sampler's policy; at pi = pi_old its gradient is
+    -A_t * grad log pi_t). Nothing is clipped."""
+    ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    nothing = torch.zeros_like(ratio, dtype=torch.bool)
+    return PolicyTerms(loss=-advantages * ratio, ratio=ratio, clipped=nothing, dual_clipped=nothing)
+
+
 #: a policy-gradient term of a user's own (``PolicyLossConfig.custom``): (logp, old_logp,
 #: advantages, mask, cfg) -> the per-token loss [B, T] to aggregate by ``cfg.agg``, or
 #: (that loss, {metric name: per-token values [B, T]}), each metric reported as a token mean
@@ -256,6 +265,8 @@ def policy_terms(
         return gspo_terms(logp, old_logp, advantages, mask, low, high, kind == "gspo-token")
     if kind == "cispo":
         return cispo_terms(logp, old_logp, advantages, low, high)
+    if kind == "importance_sampling":
+        return importance_sampling_terms(logp, old_logp, advantages)
     raise ValueError(f"kind={kind!r} is not one of {get_args(PolicyKind)}")
 
 

@@ -116,3 +116,15 @@ def test_gspo_defaults_to_the_mean_over_responses_and_an_explicit_agg_wins() -> 
         assert loss.item() == pytest.approx(-2.0)
     assert PolicyLossConfig(kind="ppo").agg == "token-mean"
     assert PolicyLossConfig(kind="cispo").agg == "token-mean"
+
+
+def test_importance_sampling_is_the_unclipped_ratio_times_the_advantage() -> None:
+    """-(A r) token-mean: -(1 x 2 + 1 x 0.5 - 2 x 1.5) / 3 = 1/6; its gradient -A r / 3 per
+    token, the ratio 2 kept whole (PPO would clip it at 1.2 and pass no gradient there)."""
+    advantages = torch.tensor([[0.0, 1.0, 1.0], [0.0, -2.0, 0.0]])
+    loss, metrics, grad = run(PolicyLossConfig(kind="importance_sampling"), advantages)
+    assert loss == pytest.approx(1 / 6)
+    assert close(grad, [[0.0, -2 / 3, -1 / 6], [0.0, 1.0, 0.0]])
+    assert float(metrics["pg_clipfrac"]) == 0.0
+    _, _, ppo_grad = run(PolicyLossConfig(kind="ppo", dual_clip=None), advantages)
+    assert ppo_grad[0, 1] == 0.0  # the contrast: PPO's clip drops that token

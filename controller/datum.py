@@ -1,0 +1,92 @@
+"""Training rows a person builds from token lists (Tinker's ``Datum``), without knowing
+``TensorBatch``'s column conventions: ``Mesh.forward_backward``, ``train_step`` and
+``log_probs`` take a list of them where they take a batch.
+
+    rows = [hf.Datum(prompt=[1, 5, 7], response=[9, 2], advantages=0.5, old_log_probs=[-1.2, -0.3])]
+    await m.forward_backward(rows, hf.PolicyLossConfig(kind="importance_sampling"))
+    await m.forward_backward([hf.Datum(prompt=p, response=r) for p, r in demos], "cross_entropy")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from transport.batch import TensorBatch
+from transport.columns import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    OLD_LOG_PROBS,
+    PAD_VALUES,
+    RESPONSE_MASK,
+    WEIGHTS,
+)
+
+#: the per-response-token inputs of a loss a Datum may carry, by its field and column name
+LOSS_INPUTS = {"advantages": ADVANTAGES, "old_log_probs": OLD_LOG_PROBS, "weights": WEIGHTS}
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training row from token ids: ``prompt`` (read, not trained on), then ``response``
+    (the tokens a loss is on), and the loss's inputs per response token: ``advantages`` (one
+    number for every token, or one per token), ``old_log_probs`` (the sampler's, e.g. a sampled
+    batch's ``log_probs``, or recomputed; one per token) and cross-entropy's ``weights`` (one
+    number or one per token; default 1)."""
+
+    prompt: Sequence[int]
+    response: Sequence[int]
+    advantages: float | Sequence[float] | None = None
+    old_log_probs: Sequence[float] | None = None
+    weights: float | Sequence[float] | None = None
+
+
+def batch_of(data: Sequence[Datum], pad_id: int = 0) -> TensorBatch:
+    """``data`` in the training layout: ``input_ids`` (prompt then response, right-padded with
+    ``pad_id``), ``attention_mask``, ``response_mask`` (1 on response tokens) and each loss input
+    the rows carry at its response positions (0 elsewhere). ValueError naming the row and field
+    when a row is empty, a per-token list does not match its response, or only some rows carry
+    an input."""
+    if not data:
+        raise ValueError("no rows: give at least one Datum")
+    for i, row in enumerate(data):
+        if not row.response:
+            raise ValueError(f"row {i}: response is empty; a loss needs at least one token")
+    width = max(len(r.prompt) + len(r.response) for r in data)
+    ids = torch.full((len(data), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(data), width, dtype=torch.long)
+    response = torch.zeros(len(data), width, dtype=torch.long)
+    for i, row in enumerate(data):
+        start, end = len(row.prompt), len(row.prompt) + len(row.response)
+        ids[i, :end] = torch.tensor([*row.prompt, *row.response], dtype=torch.long)
+        attention[i, :end] = 1
+        response[i, start:end] = 1
+    tensors = {INPUT_IDS: ids, ATTENTION_MASK: attention, RESPONSE_MASK: response}
+    for name, column in LOSS_INPUTS.items():
+        given = [getattr(r, name) is not None for r in data]
+        if any(given) and not all(given):
+            missing = given.index(False)
+            raise ValueError(f"row {missing}: {name} is missing; give it on every row or none")
+        if all(given):
+            tensors[column] = _per_token(data, name, width)
+    return TensorBatch(tensors, {}, {PAD_VALUES: {INPUT_IDS: pad_id}})
+
+
+def _per_token(data: Sequence[Datum], name: str, width: int) -> torch.Tensor:
+    found = torch.zeros(len(data), width, dtype=torch.float32)
+    for i, row in enumerate(data):
+        value = getattr(row, name)
+        start, n = len(row.prompt), len(row.response)
+        if isinstance(value, int | float):
+            found[i, start : start + n] = float(value)
+            continue
+        if len(value) != n:
+            raise ValueError(
+                f"row {i}: {name} has {len(value)} values for {n} response tokens; give one "
+                "per response token" + (" or one number" if name != "old_log_probs" else "")
+            )
+        found[i, start : start + n] = torch.tensor([float(v) for v in value])
+    return found

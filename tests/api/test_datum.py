@@ -1,0 +1,57 @@
+"""``hf.Datum`` rows into the training layout (``hf.batch_of``), by hand: prompt then response,
+right-padded; the loss inputs at the response positions; a bad row named with its field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridflow as hf
+
+
+def test_rows_become_the_training_layout() -> None:
+    rows = [
+        hf.Datum(prompt=[5, 6], response=[7], advantages=0.5, old_log_probs=[-1.0], weights=2.0),
+        hf.Datum(
+            prompt=[8],
+            response=[9, 10, 11],
+            advantages=[1.0, 2.0, 3.0],
+            old_log_probs=[-0.1, -0.2, -0.3],
+            weights=[1.0, 0.0, 1.0],
+        ),
+    ]
+    batch = hf.batch_of(rows, pad_id=3)
+    assert batch.tensors["input_ids"].tolist() == [[5, 6, 7, 3], [8, 9, 10, 11]]
+    assert batch.tensors["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert batch.tensors["response_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 1, 1]]
+    assert batch.tensors["advantages"].tolist() == [[0, 0, 0.5, 0], [0, 1, 2, 3]]
+    assert torch.allclose(
+        batch.tensors["old_log_probs"], torch.tensor([[0, 0, -1.0, 0], [0, -0.1, -0.2, -0.3]])
+    )
+    assert batch.tensors["weights"].tolist() == [[0, 0, 2, 0], [0, 1, 0, 1]]
+    assert batch.meta["pad_values"] == {"input_ids": 3}
+
+
+def test_rows_without_loss_inputs_carry_the_tokens_alone() -> None:
+    batch = hf.batch_of([hf.Datum(prompt=[1], response=[2])])
+    assert set(batch.tensors) == {"input_ids", "attention_mask", "response_mask"}
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([], "no rows"),
+        ([hf.Datum(prompt=[1], response=[])], "row 0: response is empty"),
+        (
+            [hf.Datum([1], [2], advantages=1.0), hf.Datum([1], [2])],
+            "row 1: advantages is missing; give it on every row or none",
+        ),
+        (
+            [hf.Datum([1], [2, 3], old_log_probs=[-1.0])],
+            "row 0: old_log_probs has 1 values for 2 response tokens",
+        ),
+    ],
+)
+def test_a_bad_row_is_named_with_its_field(rows: list[hf.Datum], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        hf.batch_of(rows)

@@ -1,0 +1,71 @@
+"""The training primitives on ``Datum`` rows, on a real mesh (the quickstart's actor on 2 ranks):
+the cross-entropy and importance-sampling losses accumulate through ``forward_backward`` with the
+values computed here by hand from the same rows' log-probs, and a batch that lacks a loss's
+column is refused before any call."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+import hybridflow as hf
+from transport.batch import BatchError
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+
+
+def as_rows(batch: hf.TensorBatch) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) token ids of each sampled row."""
+    found = []
+    columns = [batch.tensors[c] for c in ("input_ids", "attention_mask", "response_mask")]
+    for ids, attention, response in zip(*columns, strict=True):
+        real = ids[attention.bool()].tolist()
+        start = int(response.nonzero()[0])
+        found.append((real[:start], real[start : start + int(response.sum())]))
+    return found
+
+
+async def primitives(run_dir: Path) -> None:
+    async with hf.mesh(QUICKSTART, "logging.tensorboard=false", run_dir=run_dir) as m:
+        await m.configure_optim(hf.OptimConfig(lr=1e-3))
+        sampled = await m.sample(["12+7=", "30+4="], hf.SamplingConfig(n=2, max_new_tokens=4))
+        tokens = as_rows(sampled)
+        plain = [hf.Datum(p, r) for p, r in tokens]
+        logp = await m.log_probs(plain)
+        mask = hf.batch_of(plain).tensors["response_mask"].float()
+        per_row = [logp[i][mask[i].bool()].tolist() for i in range(len(tokens))]
+
+        # cross-entropy, the first row weighted 0: sum(w x nll) over all marked tokens
+        weights = [0.0, 1.0, 1.0, 1.0]
+        ce_rows = [hf.Datum(p, r, weights=w) for (p, r), w in zip(tokens, weights, strict=True)]
+        ce = await m.forward_backward(ce_rows, "cross_entropy")
+        nll = -(logp * mask).sum(-1)
+        expected = float((torch.tensor(weights) * nll).sum() / mask.sum())
+        assert ce["loss"] == pytest.approx(expected, rel=1e-4)
+
+        # importance sampling at pi = pi_old: the ratio is 1, the loss -sum(A) / tokens
+        advantages = [1.0, -1.0, 0.5, 2.0]
+        is_rows = [
+            hf.Datum(p, r, advantages=a, old_log_probs=old)
+            for (p, r), a, old in zip(tokens, advantages, per_row, strict=True)
+        ]
+        loss = hf.PolicyLossConfig(kind="importance_sampling")
+        found = await m.forward_backward(is_rows, loss)
+        expected = -float((torch.tensor(advantages) * mask.sum(-1)).sum() / mask.sum())
+        assert found["pg_loss"] == pytest.approx(expected, abs=1e-3)
+
+        with pytest.raises(BatchError, match="advantages"):  # refused here, no call made
+            await m.forward_backward(plain, loss)
+        assert m.version == 0
+        stepped = await m.optim_step()  # both calls' gradients, one step
+        assert m.version == 1 and stepped["grad_norm"] > 0
+        after = await m.log_probs(plain)
+        assert not torch.equal(after, logp)
+
+
+@pytest.mark.timeout(180)
+def test_datum_rows_through_both_losses_on_a_real_mesh(tmp_path: Path) -> None:
+    asyncio.run(primitives(tmp_path / "run"))
