@@ -10,18 +10,18 @@ run`` starts them, handed to the user's own program as typed clients and a few p
             ...  # advantages, then m.train_step(batch, hf.PolicyLossConfig())
 
 ``mesh`` checks the file as ``hybridflow run`` does (before any process starts), makes its models
-in a run folder, starts its groups on this machine under supervision (a dead stateless group is
-restarted and its call sent again), and stops them all on the way out. The file's ``stages`` are
-not run (a file without any is fine); ``trainer.agent`` makes ``sample`` multi-turn through the
-env group. ``Mesh`` keeps the actor's policy version: every ``train_step`` counts one, and
-``sample`` first brings a separate rollout group up to it (rank to rank, the same weight sync as a
-run). Records given to ``log`` go to ``RUN_DIR/metrics.jsonl`` (and TensorBoard when the file's
-``logging`` asks), which ``hybridflow report`` reads.
+in a run folder, starts its groups on this machine (or, with ``clusters``, on the clusters of a
+cluster spec, as ``hybridflow run --clusters``) under supervision, and stops them all on the way
+out. The file's ``stages`` are not run (a file without any is fine); ``trainer.agent`` makes
+``sample`` multi-turn through the env group. ``Mesh`` keeps the actor's policy version: every
+optimizer step counts one, and ``sample`` first brings a separate rollout group up to it (rank to
+rank, the same weight sync as a run). Records given to ``log`` go to ``RUN_DIR/metrics.jsonl``
+(and TensorBoard when the file's ``logging`` asks), which ``hybridflow report`` reads.
 
-Not built yet (docs/api.md says so): a user's step program inside an experiment, groups on
-SLURM or other hosts (``hybridflow run --clusters`` does that for the built-in programs), and
-replaying a training call after a training rank died (a run rolls back to its last snapshot
-instead).
+Faults stay below the loop (``Recovery``): a dead stateless group is restarted and its call sent
+again; when a training group with a restart policy loses a rank, every training group is
+restarted and restored from the in-memory snapshot taken after the last change of their state,
+the ``forward_backward`` calls since it are replayed, and the failed call runs again.
 """
 
 from __future__ import annotations
