@@ -12,7 +12,9 @@ p99 1 s, slept in the env group; the draws depend only on the trajectory and the
 run sees the same latencies):
 
 * (a) ``continuous``: hybridflow's multi-turn rollout (``controller/agent.py``): whenever the
-  generator is free it serves every turn waiting; tools run concurrently in the env group;
+  generator is free it serves every turn waiting; tools run concurrently in the env group; each
+  trajectory is a session whose KV the engine keeps between its turns;
+* ``no_sessions``: (a) with ``sessions: false``: every turn prefills the trajectory again;
 * (b) ``lockstep``: the same code with continuous serving off: each generation call waits until
   every live trajectory has asked for its next turn (the naive baseline: a turn of the whole
   batch waits for its slowest tool);
@@ -25,16 +27,19 @@ step) every mode is generation-bound and lock step loses little; docs/results.md
 Targets: (a) >= 2x (b), and (a) >= 0.7x (c). ``generator_idle_share`` is the share of (a)'s wall
 time with no generation call in flight. Each mode runs ``repeats`` times, taking turns; medians.
 
-**Prefix reuse.** Every turn is a new generation call whose prompt is the whole trajectory so far;
-the native engine keeps no KV cache between calls, so it prefills that prefix again.
-``reprefill_share`` is the share of the positions the generator ran that were such re-prefills
-(the positions of earlier turns and observations, run again): the most that reusing a
-trajectory's cache across its turns could save.
+**Prefix reuse.** Every turn is a new generation call whose prompt is the whole trajectory so far.
+With sessions the native engine keeps each trajectory's KV and prefills only what is new (the
+observation); without, it prefills the whole prefix again. ``reprefill_share`` (with sessions)
+and ``no_sessions_reprefill_share`` are the shares of the positions the generator ran (prefill
+as the engine reports it, plus one per sampled token) that it had run before;
+``session_speedup`` is (a) against ``no_sessions``; ``session_bytes_per_token`` what a kept
+session costs per token (keys and values of every layer, fp32).
 
-The last line is a JSON object: ``traj_per_s``, ``lockstep_traj_per_s``,
+The last line is a JSON object: ``traj_per_s``, ``no_sessions_traj_per_s``, ``lockstep_traj_per_s``,
 ``no_latency_traj_per_s``, ``tok_per_s`` (sampled tokens per second of (a)), ``lockstep_tok_per_s``,
 ``no_latency_tok_per_s``, ``speedup_vs_lockstep``, ``frac_of_no_latency``,
-``generator_idle_share``, ``reprefill_share``, and the workload.
+``generator_idle_share``, ``reprefill_share``, ``no_sessions_reprefill_share``,
+``session_speedup``, ``prefix_reuse``, ``session_bytes_per_token``, and the workload.
 """
 
 from __future__ import annotations
@@ -54,13 +59,13 @@ from controller.agent import AgentConfig, AgentRollout, run_trajectories
 from controller.clients import EnvClient, RolloutClient
 from controller.placement import GroupSpec, RoleSpec
 from deploy.session import local_session
-from roles.modeling.models import init_model
+from roles.modeling.models import init_model, load_config
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
 from transport.settings import Timeouts
 
 err = Console(stderr=True)
-MODES = ("continuous", "lockstep", "no_latency")
+MODES = ("continuous", "no_sessions", "lockstep", "no_latency")
 
 
 def group(name: str, role: str, cls: str, config: dict[str, Any]) -> GroupSpec:
@@ -101,6 +106,7 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                     max_turns=args.steps,
                     max_total_tokens=4096,
                     serving="lockstep" if mode == "lockstep" else "continuous",
+                    sessions=mode != "no_sessions",
                 )
                 setup = AgentRollout(generator, envs[which], cfg, specs[which], None, session)
                 session += args.prompts * args.n
@@ -108,7 +114,7 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                 found = dict(batch.meta["agent"])
                 mask = batch.tensors["response_mask"]
                 found["tokens"] = float(mask.sum())
-                found["positions"] = _positions(batch)
+                found["positions"] = _positions(batch, found["agent/prefilled_positions"])
                 if repeat:
                     runs[mode].append(found)
                 err.print(
@@ -116,26 +122,38 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                     f"{found['agent/traj_per_s']:.2f} traj/s, {found['agent/seconds']:.2f} s, "
                     f"idle {found['agent/generator_idle_share']:.0%}"
                 )
-    return summarize(runs, args)
+    found = summarize(runs, args)
+    config = load_config(str(model))
+    heads = int(getattr(config, "num_key_value_heads", config.num_attention_heads))
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    found["session_bytes_per_token"] = 2 * int(config.num_hidden_layers) * heads * dim * 4
+    return found
 
 
-def _positions(batch: TensorBatch) -> tuple[float, float]:
-    """(positions the generator ran over all turns, of which re-prefills): each turn prefills
-    the trajectory's whole context so far, which for every turn but the first was run before
-    (the prompt, earlier turns, observations)."""
-    ran, again = 0.0, 0.0
+def _positions(batch: TensorBatch, prefilled: float) -> tuple[float, float]:
+    """(positions the generator ran over all turns, of which re-prefills). It ran the
+    ``prefilled`` prompt positions (what the engine reports: with sessions, only what no kept
+    KV covered) and one decode position per sampled token. Of the prefilled ones, new are each
+    trajectory's first context and, at every later turn, its observation and the last token
+    sampled before it (never fed back); the rest were run before: re-prefills."""
+    new, sampled_total = 0.0, 0.0
     mask = batch.tensors["response_mask"]
     attention = batch.tensors["attention_mask"]
     for row in range(len(batch)):
         sampled = mask[row][attention[row].bool()].tolist()
         start = sampled.index(1) if 1 in sampled else len(sampled)
-        # a turn starts wherever a sampled run begins
+        # a turn starts wherever a sampled run begins, and ends where it stops
         turns = [i for i in range(start, len(sampled)) if sampled[i] and not sampled[i - 1]]
-        for index, begin in enumerate(turns):
-            ran += begin  # the context it prefilled
-            again += begin if index else 0
-        ran += sum(sampled)
-    return ran, again
+        ends = [
+            i
+            for i in range(start, len(sampled))
+            if sampled[i] and (i + 1 == len(sampled) or not sampled[i + 1])
+        ]
+        new += start
+        for index in range(1, len(turns)):
+            new += turns[index] - ends[index - 1]  # the observation, and the last sampled token
+        sampled_total += sum(sampled)
+    return prefilled + sampled_total, max(0.0, prefilled - new)
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
@@ -145,9 +163,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     def tok_s(mode: str) -> float:
         return statistics.median(r["tokens"] / r["agent/seconds"] for r in runs[mode])
 
-    a, b, c = (median(m, "agent/traj_per_s") for m in MODES)
-    ran = sum(r["positions"][0] for r in runs["continuous"])
-    again = sum(r["positions"][1] for r in runs["continuous"])
+    a, plain, b, c = (median(m, "agent/traj_per_s") for m in MODES)
+
+    def reprefill(mode: str) -> float:
+        ran = sum(r["positions"][0] for r in runs[mode])
+        again = sum(r["positions"][1] for r in runs[mode])
+        return round(again / max(ran, 1.0), 3)
+
     return {
         "traj_per_s": round(a, 3),
         "lockstep_traj_per_s": round(b, 3),
@@ -159,7 +181,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "frac_of_no_latency": round(a / c, 3),
         "generator_idle_share": round(median("continuous", "agent/generator_idle_share"), 3),
         "lockstep_generator_idle_share": round(median("lockstep", "agent/generator_idle_share"), 3),
-        "reprefill_share": round(again / max(ran, 1.0), 3),
+        "reprefill_share": reprefill("continuous"),
+        "no_sessions_reprefill_share": reprefill("no_sessions"),
+        "no_sessions_traj_per_s": round(plain, 3),
+        "session_speedup": round(a / plain, 3),
+        "prefix_reuse": round(median("continuous", "agent/prefix_reuse"), 3),
         "tool_latency_p50_s": round(median("continuous", "agent/tool_latency_p50_s"), 3),
         "tool_latency_p99_s": round(median("continuous", "agent/tool_latency_p99_s"), 3),
         "trajectories": args.prompts * args.n,

@@ -63,6 +63,7 @@ from controller.streaming import (
 )
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
+from transport.columns import PREFIX_REUSED, SESSION
 from transport.sampling import SamplingConfig
 
 #: text columns of a prompt batch that trajectories do not echo
@@ -87,6 +88,12 @@ class AgentConfig(BaseModel):
         "continuous",
         description="continuous: the generator serves whatever turns are waiting whenever it "
         "is free; lockstep: each call waits for every live trajectory (the naive baseline)",
+    )
+    sessions: bool = Field(
+        True,
+        description="name each trajectory as its turns' session: the generator (native engine) "
+        "keeps its KV between turns and prefills only what is new (the observation); off: every "
+        "turn prefills the whole trajectory again",
     )
     collect_wait_s: float = Field(
         0.02, gt=0, description="how long one collect call waits on the env group for a result"
@@ -164,6 +171,7 @@ class TurnServer:
         min_version: int,
         gate: WeightGate | None,
         lockstep: bool,
+        sessions: bool = False,
     ) -> None:
         self.generator = generator
         self.sampling = sampling
@@ -171,6 +179,9 @@ class TurnServer:
         self.min_version = min_version
         self.gate = gate
         self.lockstep = lockstep
+        self.sessions = sessions  # each turn names its trajectory (the generator keeps its KV)
+        self.positions = 0  # prompt positions the turns asked for
+        self.reused = 0  # of which the generator took from kept sessions
         self.waiting: list[Turn] = []
         self.live = 0  # trajectories that may still ask for a turn
         self.busy_s = 0.0  # time a generation call was in flight
@@ -218,6 +229,8 @@ class TurnServer:
         prompts = TensorBatch.from_dict(
             non_tensors={"prompt_ids": [t.ids for t in batch], "seed": [t.seed for t in batch]}
         )
+        if self.sessions:
+            prompts.non_tensors[SESSION] = [session_key(t.key) for t in batch]
         longest = max(t.max_new for t in batch)
         sampling = self.sampling.model_copy(
             update={"n": 1, "max_new_tokens": longest, "stop_token_ids": self.stops}
@@ -232,6 +245,9 @@ class TurnServer:
         version = int(reply.meta["weight_version"])
         ids, mask = reply.tensors["input_ids"], reply.tensors["response_mask"].bool()
         log_probs = reply.tensors["log_probs"]
+        reused = reply.non_tensors.get(PREFIX_REUSED)
+        self.positions += sum(len(t.ids) for t in batch)
+        self.reused += sum(int(reused[row]) for row in range(len(batch))) if reused else 0
         for row, t in enumerate(batch):
             tokens = ids[row][mask[row]].tolist()
             lps = log_probs[row][mask[row]].tolist()
@@ -321,6 +337,11 @@ class AgentRollout:
     desk: ActionDesk | None = None  # shared by the batches on one env group (default: its own)
 
 
+def session_key(session: int) -> str:
+    """A trajectory's session name at the generator (its env session, unique in a run)."""
+    return f"t{session}"
+
+
 def turn_seed(seed: int, sample: int, turn: int, part: int) -> int:
     """The sampling seed of one turn (``part``: a turn continued after a stop token that did not
     close a call) of sample ``sample`` of a request whose seed is ``seed``."""
@@ -344,7 +365,13 @@ async def run_trajectories(
     rows = _rows(prompts)
     stops = sorted({spec.eos_token_id, *spec.call_stop_token_ids})
     server = TurnServer(
-        setup.generator, sampling, stops, min_version, setup.gate, cfg.serving == "lockstep"
+        setup.generator,
+        sampling,
+        stops,
+        min_version,
+        setup.gate,
+        cfg.serving == "lockstep",
+        cfg.sessions,
     )
     desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
     began = time.perf_counter()
@@ -376,6 +403,8 @@ async def run_trajectories(
             task.cancel()
     elapsed = time.perf_counter() - began
     await setup.env.close([t.session for t in trajectories])
+    if cfg.sessions:  # the generator lets go of their KV
+        await setup.generator.drop_sessions([session_key(t.session) for t in trajectories])
     batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
     batch.meta["agent"] = agent_metrics(trajectories, elapsed, server, desk)
     return batch
@@ -508,6 +537,9 @@ def agent_metrics(
         "agent/tool_errors": float(sum(errors.values())),
         "agent/generator_idle_share": max(0.0, 1.0 - server.busy_s / max(elapsed, 1e-9)),
         "agent/generate_calls": float(server.calls),
+        # the share of the turns' prompt positions the generator did not prefill again
+        "agent/prefix_reuse": server.reused / max(server.positions, 1),
+        "agent/prefilled_positions": float(server.positions - server.reused),
         "agent/traj_per_s": len(trajectories) / max(elapsed, 1e-9),
         "agent/seconds": elapsed,
     }

@@ -18,6 +18,7 @@ import torch
 from roles.base import RoleContext
 from roles.engine_role import EngineRole
 from roles.engines.generation.serve import make_engine, serve
+from roles.engines.generation.sessions import SessionCache
 from roles.engines.generation.vllm import VLLMEngine
 from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.engines.training.interface import LossFn
@@ -98,6 +99,8 @@ class Actor(Reference):
         super().__init__(ctx, **config)
         self.hybrid: HybridEngine | None = None
         self.vllm: VLLMEngine | None = None  # generator vllm: built by the first generate
+        cfg = self.engine.cfg
+        self.sessions = SessionCache(int(cfg.session_cache_mb * 2**20), cfg.sessions_across_updates)
         if self.engine.cfg.lora is not None and ctx.layout.resharded:
             raise ValueError(
                 f"lora: the actor generates at its training layout with adapters; placement "
@@ -176,13 +179,18 @@ class Actor(Reference):
             gathered = time.perf_counter() - start
             engine = make_engine(self.engine.cfg.generator, module, self.tokenizer)
             with self.engine.autocast():
-                out = serve(engine, self.tokenizer, batch, sampling, min_version)
+                out = serve(engine, self.tokenizer, batch, sampling, min_version, self.sessions)
         out.meta["gather_s"] = gathered
         out.meta["offloaded_bytes"] = offloaded
         if self.hybrid is not None:
             out.meta.update(self.hybrid.last)  # reshard_s, reshard_recv_bytes
         out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
+
+    @endpoint(ONE_TO_ALL)
+    def drop_sessions(self, keys: list[str]) -> int:
+        """Forget the kept KV of these trajectories (they ended); how many this rank held."""
+        return self.sessions.drop(keys)
 
     def _generate_vllm(
         self, batch: TensorBatch, sampling: SamplingConfig | None, version: int

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from roles.base import Role, RoleContext
 from roles.engines.generation.interface import GenerationEngine, ServingEngine
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
+from roles.engines.generation.sessions import DEFAULT_SESSION_CACHE_MB, SessionCache
 from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB
 from roles.modeling.lora import LoraSettings, attach, is_adapter
 from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
@@ -57,6 +58,17 @@ class RolloutConfig(BaseModel):
         DEFAULT_KV_CACHE_MB,
         gt=0,
         description="engine vllm: KV cache per rank, MiB (VLLM_CPU_KVCACHE_SPACE, GiB, overrides)",
+    )
+    session_cache_mb: float = Field(
+        DEFAULT_SESSION_CACHE_MB,
+        ge=0,
+        description="native engine: KV caches of multi-turn trajectories kept between their turns "
+        "(per rank, MiB; the least recently used are dropped beyond it, then re-prefilled; 0: off)",
+    )
+    sessions_across_updates: bool = Field(
+        False,
+        description="keep using a trajectory's kept KV after a weight update (computed by the "
+        "older weights: faster, not exact); off: an update drops every kept session",
     )
 
 
@@ -94,6 +106,9 @@ class Rollout(WeightSink, Role):
         else:
             self._build_module_engine()
         self.version = 0
+        self.sessions = SessionCache(
+            int(self.cfg.session_cache_mb * 2**20), self.cfg.sessions_across_updates
+        )
 
     def _build_serving(self) -> None:
         config = load_config(self.cfg.model)
@@ -160,9 +175,14 @@ class Rollout(WeightSink, Role):
                 f"older than the version {min_version} asked for (did the last weight sync fail?)"
             )
         reset_peak_memory(self.ctx.device)
-        out = serve(self.engine, self.tokenizer, batch, sampling, self.version)
+        out = serve(self.engine, self.tokenizer, batch, sampling, self.version, self.sessions)
         out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
+
+    @endpoint(ONE_TO_ALL)
+    def drop_sessions(self, keys: list[str]) -> int:
+        """Forget the kept KV of these trajectories (they ended); how many this rank held."""
+        return self.sessions.drop(keys)
 
     @endpoint(DP_SPLIT)
     @torch.no_grad()

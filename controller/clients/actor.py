@@ -105,6 +105,10 @@ class ActorClient(ReferenceClient):
             Transfer.DP_REDUCED, "forward_backward", batch, loss, temperature, timeout=timeout
         )
 
+    async def drop_sessions(self, keys: list[str], *, timeout: float | None = None) -> int:
+        """Forget the kept KV of these trajectories (ended); how many rank 0 held."""
+        return await self._call(Transfer.ONE_TO_ALL, "drop_sessions", keys, timeout=timeout)
+
     async def forward_backward_nll(
         self, batch: TensorBatch, *, timeout: float | None = None
     ) -> dict[str, float]:

@@ -42,6 +42,10 @@ class RolloutClient(WeightSinkClient):
             Transfer.ONE_TO_ALL, "load_weights", state, version, timeout=timeout
         )
 
+    async def drop_sessions(self, keys: list[str], *, timeout: float | None = None) -> int:
+        """Forget the kept KV of these trajectories (ended); how many rank 0 held."""
+        return await self._call(Transfer.ONE_TO_ALL, "drop_sessions", keys, timeout=timeout)
+
     async def weight_version(self, *, timeout: float | None = None) -> int:
         """The policy version of the weights it now serves (0: the initial ones)."""
         return await self._call(Transfer.ONE_TO_ALL, "weight_version", timeout=timeout)

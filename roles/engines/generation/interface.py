@@ -84,6 +84,10 @@ class GenerationError(ValueError):
 
 
 class GenerationEngine(ABC):
+    #: per sample of the last ``generate``: its prompt's positions the engine did not compute
+    #: again (a kept session's, a prefix cache's); None: the engine keeps nothing between calls
+    last_reused: list[int] | None = None
+
     @abstractmethod
     def generate(
         self,

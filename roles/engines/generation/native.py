@@ -9,7 +9,9 @@ Where the time goes in generation on a CPU, and what this engine does about it:
 * **finished samples leave the batch** — the caches are compacted whenever a quarter of the rows
   have finished, so the remaining steps only compute live rows;
 * **no per-step framework overhead** — one preallocated cache per layer, attention over the
-  longest live row only, no generation-config machinery.
+  longest live row only, no generation-config machinery;
+* **sessions** — a multi-turn trajectory's keys and values are kept between its turns
+  (``sessions.py``): a turn prefills only what follows the kept prefix (its observation).
 
 Sampling is per sample: each draws its uniforms from its own generator (seeded from the request
 seed, the request index and the sample index), so a sample's tokens do not depend on the batch it
@@ -38,6 +40,7 @@ from roles.engines.generation.interface import (
     check_prompts,
     sample_seed,
 )
+from roles.engines.generation.sessions import Session, SessionRequest
 from roles.modeling.lora import effective_weight, is_lora_layer
 from roles.modeling.text import segment_positions
 from transport.device import in_host_memory
@@ -90,10 +93,18 @@ class NativeEngine(GenerationEngine):
         processor: LogitsProcessor | None = None,
         request_seeds: Sequence[int] | None = None,
         resume: Sequence[Resume] | None = None,
+        sessions: SessionRequest | None = None,
     ) -> list[Sample]:
+        """As ``GenerationEngine.generate``; ``sessions`` (with ``n = 1``) names each prompt's
+        session: its kept prefix is not prefilled again, and its state after this call is kept."""
         check_prompts(prompts, sampling, self.context, resume)
+        if sessions is not None and sampling.n != 1:
+            raise GenerationError(
+                f"sessions need n = 1 (one sample per prompt), got n = {sampling.n}"
+            )
         self._fuse()
         n, steps = sampling.n, sampling.max_new_tokens
+        past = self._take_sessions(prompts, sessions)
         requests = [i for i in range(len(prompts)) for _ in range(n)]  # per sample
         uniforms = torch.stack(
             [
@@ -102,7 +113,7 @@ class NativeEngine(GenerationEngine):
             ]
         ).to(self.device)
         stops = torch.tensor(sampling.stop_token_ids or [self.eos], device=self.device)
-        caches, lengths, logits = self._prefill(prompts, n, steps)
+        caches, lengths, logits = self._prefill(prompts, n, steps, past)
         # What the loop produces stays on the device: one column per step, and each sample's
         # length (steps + 1 = still live). The host looks every ``check_every`` steps.
         out_tokens = torch.zeros((len(requests), steps), dtype=torch.long, device=self.device)
@@ -127,11 +138,19 @@ class NativeEngine(GenerationEngine):
                 if finished == len(rows):
                     break
                 if finished >= max(1, int(len(rows) * COMPACT_FRACTION)):
+                    if sessions is not None:  # the rows leaving keep their keys and values
+                        gone = (~keep).nonzero()[:, 0].tolist()
+                        self._keep(sessions, prompts, caches, rows, gone, produced, out_tokens)
                     caches = [(k[keep], v[keep]) for k, v in caches]
                     rows, lengths, tokens = rows[keep], lengths[keep], tokens[keep]
                     longest = int(lengths.max())
             logits = self._decode(caches, lengths, tokens, longest + 1)
             lengths, longest = lengths + 1, longest + 1
+        if sessions is not None:
+            everyone = list(range(len(rows)))
+            self._keep(
+                sessions, prompts, caches, rows, everyone, produced.clamp(max=steps), out_tokens
+            )
         # the one read of the results
         counts = produced.clamp(max=steps).tolist()
         stopped = (produced <= steps).tolist()
@@ -241,25 +260,35 @@ class NativeEngine(GenerationEngine):
         return logits.float()
 
     def _prefill(
-        self, prompts: Sequence[Sequence[int]], n: int, max_new: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        max_new: int,
+        past: Sequence[tuple[Session, int] | None] | None = None,
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
         """All prompts packed in one forward pass; returns per-layer caches (one row per sample,
-        room for ``max_new`` more tokens), the lengths, and each sample's next-token logits."""
+        room for ``max_new`` more tokens), the lengths, and each sample's next-token logits.
+        ``past[i]``: a kept session holding prompt i's first ``r`` tokens; only the rest of the
+        prompt runs, attending to the session's keys and values."""
         device = self.device
-        ids = torch.tensor([t for p in prompts for t in p], device=device)[None]
-        owners = [i + 1 for i, p in enumerate(prompts) for _ in p]  # each token's prompt
+        kept_by_prompt = past if past is not None else [None] * len(prompts)
+        reused = [0 if kept is None else kept[1] for kept in kept_by_prompt]
+        tails = [p[r:] for p, r in zip(prompts, reused, strict=True)]
+        ids = torch.tensor([t for p in tails for t in p], device=device)[None]
+        owners = [i + 1 for i, p in enumerate(tails) for _ in p]  # each token's prompt
         segments = torch.tensor(owners, device=device)[None]
         x = self.base.embed_tokens(ids)
-        sizes = [len(p) for p in prompts]
+        sizes = [len(p) for p in tails]
         firsts = [sum(sizes[:i]) for i in range(len(sizes))]
         spans = [(a, a + size) for a, size in zip(firsts, sizes, strict=True)]
-        lengths = torch.tensor(sizes, device=device)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
         starts = torch.tensor(firsts, device=device)
-        width = max(sizes) + max_new
+        width = max(len(p) for p in prompts) + max_new
         # rotary tables for every position this call can reach, looked up per step
         where = torch.arange(width, device=device)[None]
         self.cos, self.sin = (t[0] for t in self.base.rotary_emb(x, where))
-        positions = segment_positions(segments)[0]
+        offsets = torch.tensor([reused[o - 1] for o in owners], device=device, dtype=torch.long)
+        positions = segment_positions(segments)[0] + offsets
         cos, sin = self.cos[positions][None], self.sin[positions][None]
         caches = []
         for index in range(len(self.base.layers)):
@@ -268,27 +297,117 @@ class NativeEngine(GenerationEngine):
             # per prompt (a dense block-diagonal mask would cost (sum of lengths)^2)
             attended = torch.cat(
                 [
-                    F.scaled_dot_product_attention(
-                        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
-                    )
-                    for a, b in spans
+                    self._prompt_attention(q, k, v, a, b, None if past is None else past[i], index)
+                    for i, (a, b) in enumerate(spans)
                 ],
                 dim=2,
             )
-            caches.append((self._scatter(k, spans, n, width), self._scatter(v, spans, n, width)))
+            caches.append(
+                (
+                    self._scatter(k, spans, n, width, past, index, keys=True),
+                    self._scatter(v, spans, n, width, past, index, keys=False),
+                )
+            )
             x = self._finish_layer(index, x, attended)
-        last = self._logits(x[0, starts + lengths - 1])
+        last = self._logits(x[0, starts + torch.tensor(sizes, device=device) - 1])
+        self.last_prefill = (sum(sizes), sum(reused))
+        self.last_reused = [r for r in reused for _ in range(n)]
         return caches, lengths.repeat_interleave(n), last.repeat_interleave(n, dim=0)
 
     @staticmethod
+    def _prompt_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: int,
+        b: int,
+        past: tuple[Session, int] | None,
+        layer: int,
+    ) -> torch.Tensor:
+        """Causal attention of one prompt's packed tokens ``[a, b)``, after a kept prefix."""
+        if past is None:
+            return F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
+            )
+        session, r = past
+        keys = torch.cat([session.keys[layer][None, :, :r], k[:, :, a:b]], dim=2)
+        values = torch.cat([session.values[layer][None, :, :r], v[:, :, a:b]], dim=2)
+        # query j sits at position r + j: it sees every kept key and the new ones up to itself
+        seen = (
+            torch.arange(r + b - a, device=q.device)[None, :]
+            <= (r + torch.arange(b - a, device=q.device))[:, None]
+        )
+        return F.scaled_dot_product_attention(
+            q[:, :, a:b], keys, values, attn_mask=seen, enable_gqa=True
+        )
+
+    @staticmethod
     def _scatter(
-        packed: torch.Tensor, spans: list[tuple[int, int]], n: int, width: int
+        packed: torch.Tensor,
+        spans: list[tuple[int, int]],
+        n: int,
+        width: int,
+        past: Sequence[tuple[Session, int] | None] | None = None,
+        layer: int = 0,
+        keys: bool = True,
     ) -> torch.Tensor:
         heads, dim = packed.shape[1], packed.shape[3]
         cache = packed.new_zeros((len(spans) * n, heads, width, dim))
         for i, (start, end) in enumerate(spans):
-            cache[i * n : (i + 1) * n, :, : end - start] = packed[0, :, start:end]
+            kept = None if past is None else past[i]
+            r = 0 if kept is None else kept[1]
+            if kept is not None:
+                held = kept[0].keys[layer] if keys else kept[0].values[layer]
+                cache[i * n : (i + 1) * n, :, :r] = held[:, :r]
+            cache[i * n : (i + 1) * n, :, r : r + end - start] = packed[0, :, start:end]
         return cache
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def _take_sessions(
+        self, prompts: Sequence[Sequence[int]], sessions: SessionRequest | None
+    ) -> list[tuple[Session, int] | None] | None:
+        """Each prompt's kept session and how much of the prompt it holds (None: none)."""
+        if sessions is None:
+            return None
+        found: list[tuple[Session, int] | None] = []
+        for key, prompt in zip(sessions.keys, prompts, strict=True):
+            if key is None:
+                found.append(None)
+                continue
+            session, r = sessions.cache.take(key, prompt, sessions.version)
+            found.append(None if session is None else (session, r))
+        return found
+
+    def _keep(
+        self,
+        sessions: SessionRequest,
+        prompts: Sequence[Sequence[int]],
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        rows: torch.Tensor,
+        picked: list[int],
+        produced: torch.Tensor,
+        out_tokens: torch.Tensor,
+    ) -> None:
+        """Keep the cache rows ``picked`` as their sessions: the keys and values of the prompt
+        and of the sampled tokens fed back (all but the last)."""
+        for row in picked:
+            request = int(rows[row])  # n = 1: the sample is its request
+            key = sessions.keys[request]
+            if key is None:
+                continue
+            count = int(produced[request])
+            held = len(prompts[request]) + count - 1
+            ids = [*prompts[request], *out_tokens[request, : count - 1].tolist()]
+            sessions.cache.put(
+                key,
+                Session(
+                    ids,
+                    [k[row, :, :held].clone() for k, _ in caches],
+                    [v[row, :, :held].clone() for _, v in caches],
+                    sessions.version,
+                ),
+            )
 
     def _decode(
         self,

@@ -25,8 +25,19 @@ from roles.engines.generation.interface import (
     Resume,
     samples_to_batch,
 )
+from roles.engines.generation.native import NativeEngine
+from roles.engines.generation.sessions import SessionCache, SessionRequest
 from transport.batch import BatchError, TensorBatch
-from transport.columns import CONTINUATION, PROMPT, PROMPT_IDS, RESPONSE, SEED, WEIGHT_VERSION
+from transport.columns import (
+    CONTINUATION,
+    PREFIX_REUSED,
+    PROMPT,
+    PROMPT_IDS,
+    RESPONSE,
+    SEED,
+    SESSION,
+    WEIGHT_VERSION,
+)
 from transport.sampling import SamplingConfig
 
 EngineName = Literal["native", "hf", "vllm", "sglang"]
@@ -41,8 +52,6 @@ def make_engine(name: EngineName, model: Any, tokenizer: Any) -> GenerationEngin
         from roles.engines.generation.hf import HFEngine
 
         return HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    from roles.engines.generation.native import NativeEngine
-
     return NativeEngine(model, tokenizer.eos_token_id)
 
 
@@ -61,18 +70,25 @@ def serve(
     batch: TensorBatch,
     sampling: SamplingConfig | dict[str, Any] | None,
     version: int,
+    cache: SessionCache | None = None,
 ) -> TensorBatch:
     """``sampling`` as the controller sent it: the struct, or (from a controller that sends
-    maps) its fields; None: the defaults."""
+    maps) its fields; None: the defaults. A ``session`` column names each row's trajectory: an
+    engine that keeps sessions (native) reuses and keeps their KV in ``cache``. ``meta`` says
+    how many prompt positions the call prefilled and how many it took from kept sessions."""
     settings = SamplingConfig.model_validate(sampling if sampling is not None else {})
     seeds = batch.non_tensors.get(SEED)
     resume = continuations(batch)
-    samples = engine.generate(
-        prompt_ids(batch, tokenizer),
-        settings,
-        request_seeds=[int(x) for x in seeds] if seeds else None,
-        resume=resume,
-    )
+    prompts = prompt_ids(batch, tokenizer)
+    keys = batch.non_tensors.get(SESSION)
+    sessions = None
+    if keys is not None and cache is not None and isinstance(engine, NativeEngine):
+        sessions = SessionRequest(cache, [None if k is None else str(k) for k in keys], version)
+    request_seeds = [int(x) for x in seeds] if seeds else None
+    if sessions is not None and isinstance(engine, NativeEngine):
+        samples = engine.generate(prompts, settings, None, request_seeds, resume, sessions)
+    else:
+        samples = engine.generate(prompts, settings, request_seeds=request_seeds, resume=resume)
     out = samples_to_batch(samples, tokenizer.pad_token_id)
     requests = [s.request for s in samples]
     echoed = [n for n in batch.non_tensors if n not in out.non_tensors]
@@ -83,6 +99,11 @@ def serve(
         for s in samples
     ]
     out.meta[WEIGHT_VERSION] = version
+    if sessions is not None and cache is not None:
+        out.meta.update(cache.take_stats().as_meta())
+    reused = engine.last_reused
+    if reused is not None and len(reused) == len(samples):
+        out.non_tensors[PREFIX_REUSED] = list(reused)
     return out
 
 

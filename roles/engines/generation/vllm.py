@@ -310,6 +310,8 @@ class VLLMEngine(ServingEngine):
                 outputs = self.llm.generate(requests, params, use_tqdm=False)
             for key, (sample, out) in enumerate(zip(samples, outputs, strict=True)):
                 self._fill(sample, out.outputs[0], bridge.finish(key, out.outputs[0].token_ids))
+            # the prompt positions vLLM's prefix cache served (automatic prefix caching)
+            self.last_reused = [int(out.num_cached_tokens or 0) for out in outputs]
         finally:
             bridge.reset(None)
         return samples

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from roles.engines.generation.sessions import DEFAULT_SESSION_CACHE_MB
 from roles.modeling.lora import LoraSettings
 from roles.runtime.device import Precision
 from transport.training import OptimConfig
@@ -62,6 +63,17 @@ class EngineConfig(BaseModel):
         "native",
         description="generation engine of the actor's colocated generate (vllm: the [vllm] "
         "extra; generates at gen_tp = tp or 1)",
+    )
+    session_cache_mb: float = Field(
+        DEFAULT_SESSION_CACHE_MB,
+        ge=0,
+        description="generator native: KV caches of multi-turn trajectories kept between their turns "
+        "(per rank, MiB; the least recently used are dropped beyond it, then re-prefilled; 0: off)",
+    )
+    sessions_across_updates: bool = Field(
+        False,
+        description="keep using a trajectory's kept KV after a weight update (computed by the "
+        "older weights: faster, not exact); off: an update drops every kept session",
     )
     vpp: int = Field(
         1, ge=1, description="megatron: virtual pipeline stages per rank (interleaved schedule)"
