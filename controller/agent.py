@@ -63,7 +63,7 @@ from controller.streaming import (
 )
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
-from transport.columns import PREFIX_REUSED, SESSION
+from transport.columns import PREFIX_REUSED, REPLICA, SESSION
 from transport.sampling import SamplingConfig
 
 #: text columns of a prompt batch that trajectories do not echo
@@ -226,16 +226,26 @@ class TurnServer:
                 self._wake.set()
 
     async def _call(self, batch: list[Turn]) -> None:
+        count = replicas(self.generator)
+        affine = self.sessions and count > 1  # each trajectory's turns go where its KV is kept
+        placed = by_replica(batch, count) if affine else [(t, 0) for t in batch]
+        rows = [t for t, _ in placed]  # None: a filler for a replica with no turn; dropped
         prompts = TensorBatch.from_dict(
-            non_tensors={"prompt_ids": [t.ids for t in batch], "seed": [t.seed for t in batch]}
+            non_tensors={
+                "prompt_ids": [(t or batch[0]).ids for t in rows],
+                "seed": [(t or batch[0]).seed for t in rows],
+            }
         )
         if self.sessions:
-            prompts.non_tensors[SESSION] = [session_key(t.key) for t in batch]
+            keys = [None if t is None else session_key(t.key) for t in rows]
+            prompts.non_tensors[SESSION] = keys
+        if affine:
+            prompts.non_tensors[REPLICA] = [replica for _, replica in placed]
         longest = max(t.max_new for t in batch)
         sampling = self.sampling.model_copy(
             update={"n": 1, "max_new_tokens": longest, "stop_token_ids": self.stops}
         )
-        padded = fill_replicas(prompts, replicas(self.generator))
+        padded = prompts if affine else fill_replicas(prompts, count)
         began = time.perf_counter()
         async with self.gate.generating() if self.gate else _nothing():
             reply = await self.generator.generate(padded, sampling, self.min_version)
@@ -247,8 +257,11 @@ class TurnServer:
         log_probs = reply.tensors["log_probs"]
         reused = reply.non_tensors.get(PREFIX_REUSED)
         self.positions += sum(len(t.ids) for t in batch)
-        self.reused += sum(int(reused[row]) for row in range(len(batch))) if reused else 0
-        for row, t in enumerate(batch):
+        if reused:
+            self.reused += sum(int(reused[row]) for row, t in enumerate(rows) if t is not None)
+        for row, t in enumerate(rows):
+            if t is None:
+                continue
             tokens = ids[row][mask[row]].tolist()
             lps = log_probs[row][mask[row]].tolist()
             finish = str(reply.non_tensors["finish"][row])
@@ -257,6 +270,17 @@ class TurnServer:
                 tokens, lps, finish = tokens[: t.max_new], lps[: t.max_new], "length"
                 text = ""  # not decoded here: a cut turn is never parsed
             t.done.set_result((tokens, lps, text, finish, version))
+
+
+def by_replica(batch: list[Turn], count: int) -> list[tuple[Turn | None, int]]:
+    """The turns with the replica that keeps their session (``key % count``: all of a
+    trajectory's turns go to one), ordered by it; a filler (None) for a replica with no turn in
+    this call (every replica of a call gets a row)."""
+    found: list[tuple[Turn | None, int]] = []
+    for replica in range(count):
+        mine = [t for t in batch if t.key % count == replica]
+        found += [(t, replica) for t in mine] or [(None, replica)]
+    return found
 
 
 class _nothing:

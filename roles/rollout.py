@@ -59,6 +59,12 @@ class RolloutConfig(BaseModel):
         gt=0,
         description="engine vllm: KV cache per rank, MiB (VLLM_CPU_KVCACHE_SPACE, GiB, overrides)",
     )
+    kv_block_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="engine vllm: tokens per KV block, the unit its prefix cache reuses (null: "
+        "vLLM's default, 128 on CPU; multi-turn rollouts of short turns reuse more with 32)",
+    )
     session_cache_mb: float = Field(
         DEFAULT_SESSION_CACHE_MB,
         ge=0,
@@ -73,7 +79,12 @@ class RolloutConfig(BaseModel):
 
 
 def vllm_engine(
-    model_dir: str, tokenizer: Any, dtype: torch.dtype, tp: int, kv_cache_mb: float
+    model_dir: str,
+    tokenizer: Any,
+    dtype: torch.dtype,
+    tp: int,
+    kv_cache_mb: float,
+    block_tokens: int | None = None,
 ) -> GenerationEngine:
     """A vLLM engine over the weights of ``model_dir`` (it loads its own copy)."""
     from roles.engines.generation.vllm import VLLMEngine
@@ -83,6 +94,7 @@ def vllm_engine(
         model_dir,
         tp=tp,
         kv_cache_mb=kv_cache_mb,
+        block_size=block_tokens,
         dtype=dtype,
         eos_token_id=tokenizer.eos_token_id,
         context=int(config.max_position_embeddings),
@@ -133,6 +145,7 @@ class Rollout(WeightSink, Role):
             self.dtype.torch_dtype,
             self.ctx.layout.tp,
             self.cfg.kv_cache_mb,
+            self.cfg.kv_block_tokens,
         )
 
     def _build_module_engine(self) -> None:

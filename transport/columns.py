@@ -38,6 +38,7 @@ MESSAGES = "messages"
 PROMPT_IDS = "prompt_ids"
 RESPONSE = "response"
 SESSION = "session"  # a multi-turn request's trajectory: the generator keeps its KV cache
+REPLICA = "replica"  # a generation row's dp replica: its session's KV is kept there
 PREFIX_REUSED = "prefix_reused"  # per reply row: prompt positions taken from its kept session
 SEED = "seed"  # a request's own seed: it samples the same on whichever dp rank it lands
 CONTINUATION = "continuation"  # [sample, offset]: continue a sample of an earlier call

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from reshard.layout import GenLayout, gen_place
-from transport.batch import TensorBatch
+from transport.batch import BatchError, TensorBatch
+from transport.columns import REPLICA
 from transport.protocol import Layout, Transfer
 
 P = ParamSpec("P")
@@ -54,12 +55,33 @@ def _first(results: list[Any], layout: Layout) -> Any:
     return results[0]
 
 
+def split(batch: TensorBatch, count: int) -> list[TensorBatch]:
+    """``count`` shards of ``batch`` in order: nearly equal, or, when it has a ``replica``
+    column (session affinity: a trajectory's turns go where its KV is kept), row i to shard
+    ``replica[i]``. That column must be sorted and name every shard at least once, so the shards'
+    results concatenated are in the batch's order."""
+    wanted = batch.non_tensors.get(REPLICA)
+    if wanted is None:
+        return batch.chunk(count)
+    replicas = [int(r) for r in wanted]
+    if replicas != sorted(replicas) or set(replicas) != set(range(count)):
+        raise BatchError(
+            f"a {REPLICA!r} column must be sorted and name each of the {count} replicas at "
+            f"least once; got {sorted(set(replicas))}"
+        )
+    bounds = [replicas.index(k) for k in range(count)] + [len(replicas)]
+    return [batch[bounds[k] : bounds[k + 1]] for k in range(count)]
+
+
 def _dp_scatter(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -> list[Args | None]:
-    """Split every TensorBatch argument into dp nearly-equal shards (in order); other arguments
-    go to every rank unchanged. The tp/pp peers of a dp rank get the same shard."""
+    """Split every TensorBatch argument into dp shards (``split``: nearly equal, in order, or
+    by its ``replica`` column); other arguments go to every rank unchanged. The tp/pp peers of a
+    dp rank get the same shard."""
 
     def shards(value: Any) -> list[Any]:
-        return value.chunk(layout.dp) if isinstance(value, TensorBatch) else [value] * layout.dp
+        if isinstance(value, TensorBatch):
+            return split(value, layout.dp)
+        return [value] * layout.dp
 
     arg_shards = [shards(a) for a in args]
     kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
@@ -125,7 +147,7 @@ def _micro_dp_scatter(
     count = 1 + max(p[0] for p in places)
 
     def shards(value: Any) -> list[Any]:
-        return value.chunk(count) if isinstance(value, TensorBatch) else [value] * count
+        return split(value, count) if isinstance(value, TensorBatch) else [value] * count
 
     arg_shards = [shards(a) for a in args]
     kwarg_shards = {k: shards(v) for k, v in kwargs.items()}

@@ -59,6 +59,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     texts = PROMPTS if name == "env" else PROMPTS[:2]
                     batch = await run_trajectories(setup, prompts(texts), SAMPLING, 0)
                     out[f"{name}_{serving}"] = batch
+            env = EnvClient(c, "env")  # lock step again, every turn prefilled in full
+            cfg = AgentConfig(max_turns=4, max_total_tokens=96, serving="lockstep", sessions=False)
+            setup = AgentRollout(actor, env, cfg, await env.spec(), first_session=9000)
+            out["env_lockstep_plain"] = await run_trajectories(setup, prompts(PROMPTS), SAMPLING, 0)
+            out["held_after"] = await actor.drop_sessions([f"t{1000 + i}" for i in range(8)])
             batch = out["env_continuous"]
             out["recomputed"] = (await actor.compute_log_prob(batch))["log_probs"]
         return out
@@ -140,6 +145,24 @@ def test_lockstep_serving_gives_the_same_trajectories(results: dict[str, Any]) -
         assert torch.equal(a.tensors[name], b.tensors[name])
     torch.testing.assert_close(a.tensors["log_probs"], b.tensors["log_probs"], atol=1e-5, rtol=0)
     assert a.non_tensors["transcript"] == b.non_tensors["transcript"]
+
+
+def test_sessions_prefill_only_what_is_new_and_sample_as_a_full_prefill(
+    results: dict[str, Any],
+) -> None:
+    """The actor keeps each trajectory's KV between its turns: later turns prefill only the
+    observation (and the last sampled token), the tokens are those of full re-prefills and the
+    log-probs agree to rounding; the rollout lets go of its sessions when it ends."""
+    kept, plain = results["env_lockstep"], results["env_lockstep_plain"]
+    for name in ("input_ids", "response_mask"):
+        assert torch.equal(kept.tensors[name], plain.tensors[name])
+    torch.testing.assert_close(
+        kept.tensors["log_probs"], plain.tensors["log_probs"], atol=1e-5, rtol=0
+    )
+    reuse = kept.meta["agent"]["agent/prefix_reuse"]
+    assert reuse > 0.5, reuse
+    assert plain.meta["agent"]["agent/prefix_reuse"] == 0.0
+    assert results["held_after"] == 0  # dropped at the end of their batch
 
 
 def test_a_slow_step_holds_back_only_its_own_trajectory_when_serving_continuously(

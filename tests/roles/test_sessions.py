@@ -5,7 +5,6 @@ other weights, or whose prompt no longer starts with its ids is prefilled again,
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

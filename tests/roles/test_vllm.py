@@ -477,6 +477,37 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
     assert all(r["train/rollout/logprob_gap_mean"] < LOGPROB_BOUND_MEAN for r in rl)
 
 
+MULTI_TURN = [
+    "roles.rollout={model: base, engine: vllm, kv_cache_mb: 64, kv_block_tokens: 32}",
+    "placement.gen={roles: [rollout], nproc: 1}",
+    "placement.main.nproc=1",
+    "roles.rollout.dtype=fp32",
+    "roles.actor.dtype=fp32",
+]
+
+
+@pytest.mark.timeout(600)
+def test_multi_turn_games_run_on_vllm_token_in_token_out_with_its_prefix_cache(
+    needs_vllm: None, tmp_path: Path
+) -> None:
+    """The number-guessing game's quick run (SFT, then GRPO over multi-turn games: the env
+    answers every guess) with a vLLM rollout group: every turn goes in as the trajectory's token ids and
+    comes out as ids, its later turns are served from vLLM's prefix cache (the step's
+    ``agent/prefix_reuse``), and in fp32 the log-probs vLLM reports are the trainer's, so no
+    token was re-tokenised and every turn was sampled from the actor's current weights."""
+    from tests.deploy.test_run import job, quick_argv, records
+
+    assert job(quick_argv("guess_number.yaml", tmp_path, MULTI_TURN)) == 0
+    rl = [r for r in records(tmp_path) if r["stage"] == "grpo" and "stage_step" in r]
+    assert len(rl) == 2
+    assert [r["train/staleness"] for r in rl] == [0] * 2
+    assert all(r["agent/turns"] > 1 for r in rl)  # games of several moves
+    reuse = [r["agent/prefix_reuse"] for r in rl]
+    print(f"multi-turn on vLLM: prefix-cache share of the turns' prompt positions {reuse}")
+    assert all(x > 0.2 for x in reuse)
+    assert max(r["train/rollout/logprob_gap_max"] for r in rl) < LOGPROB_BOUND_MAX
+
+
 @pytest.mark.timeout(600)
 def test_resume_with_vllm_reproduces_the_straight_run(needs_vllm: None, tmp_path: Path) -> None:
     """Stopped after step 3 (mid-GRPO) and resumed, with vLLM colocated in the actor: the same

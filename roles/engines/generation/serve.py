@@ -33,6 +33,7 @@ from transport.columns import (
     PREFIX_REUSED,
     PROMPT,
     PROMPT_IDS,
+    REPLICA,
     RESPONSE,
     SEED,
     SESSION,
@@ -91,7 +92,7 @@ def serve(
         samples = engine.generate(prompts, settings, request_seeds=request_seeds, resume=resume)
     out = samples_to_batch(samples, tokenizer.pad_token_id)
     requests = [s.request for s in samples]
-    echoed = [n for n in batch.non_tensors if n not in out.non_tensors]
+    echoed = [n for n in batch.non_tensors if n not in out.non_tensors and n != REPLICA]
     for name in echoed if resume is None else [n for n in echoed if n != PROMPT_IDS]:
         out.non_tensors[name] = [batch.non_tensors[name][r] for r in requests]
     out.non_tensors[RESPONSE] = [

@@ -222,7 +222,11 @@ class VLLMEngine(ServingEngine):
         seed: int = 0,
         load_from_dir: bool = True,
         kv_cache_mb: float = DEFAULT_KV_CACHE_MB,
+        block_size: int | None = None,
     ) -> None:
+        """``block_size``: tokens per KV block (vLLM's default when None), the granularity of
+        its automatic prefix caching, which is on: a multi-turn trajectory's earlier turns are
+        served from the cache when their blocks are still held."""
         vllm = import_vllm()
         self.eos, self.context, self.tp = eos_token_id, context, tp
         kwargs: dict[str, Any] = {}
@@ -236,6 +240,8 @@ class VLLMEngine(ServingEngine):
             self._shm_name = _group_token()
         elif tp != 1:
             raise GenerationError(f"vLLM at tp={tp} runs inside a torch.distributed group")
+        if block_size is not None:
+            kwargs["block_size"] = block_size
         if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_mb * 2**20)
         threads = torch.get_num_threads()
@@ -251,6 +257,7 @@ class VLLMEngine(ServingEngine):
                     seed=seed,
                     load_format="auto" if load_from_dir else "dummy",
                     logits_processors=[_bridge_class()],
+                    enable_prefix_caching=True,
                     **kwargs,
                 )
         finally:

@@ -1,0 +1,87 @@
+"""Session affinity with several rollout replicas: a rollout group of 2 dp ranks, each keeping
+the KV of the trajectories it served; every turn of a trajectory goes to the replica that keeps
+its session (its ``replica``), so later turns prefill only what is new, and the trajectories are
+those of full re-prefills. Also the split itself: rows to the replica they name, in order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from controller.agent import AgentConfig, AgentRollout, Turn, by_replica, run_trajectories
+from controller.clients import EnvClient, RolloutClient
+from deploy.session import local_session
+from roles.modeling.models import init_model
+from roles.runtime.endpoint import split
+from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.controller.test_agent import SAMPLING, prompts
+from transport.batch import BatchError, TensorBatch
+
+TEXTS = ["1+2=", "34+56=", "a longer prompt", "7+8=", "99+1="]
+
+
+def test_rows_go_to_the_replica_they_name_in_order() -> None:
+    batch = TensorBatch.from_dict(non_tensors={"x": list("abcde"), "replica": [0, 0, 0, 1, 1]})
+    shards = split(batch, 2)
+    assert [s.non_tensors["x"] for s in shards] == [["a", "b", "c"], ["d", "e"]]
+    assert [s.non_tensors["x"] for s in split(batch.select([], ["x"]), 2)] == [
+        ["a", "b", "c"],
+        ["d", "e"],
+    ]
+    for wrong in ([1, 0, 0, 1, 1], [0, 0, 0, 0, 0]):  # unsorted; a replica without a row
+        batch.non_tensors["replica"] = wrong
+        with pytest.raises(BatchError, match="sorted and name each of the 2 replicas"):
+            split(batch, 2)
+
+
+def test_turns_are_grouped_by_replica_with_a_filler_where_one_has_none() -> None:
+    turns = [Turn(k, [1], 0, 4, None) for k in (4, 7, 9, 2)]  # type: ignore[arg-type]
+    placed = by_replica(turns, 2)
+    assert [(None if t is None else t.key, r) for t, r in placed] == [
+        (4, 0), (2, 0), (7, 1), (9, 1)
+    ]  # fmt: skip
+    placed = by_replica(turns[:1], 3)
+    assert [(None if t is None else t.key, r) for t, r in placed] == [(None, 0), (4, 1), (None, 2)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+    rollout = {"model": str(model), "dtype": "fp32"}
+    counter = {"environment": "tests.fixtures.envs:Counter", "tokenizer": str(model)}
+    placement = [
+        group("g", 2, rollout=("roles.rollout:Rollout", rollout)),
+        group("e", 1, env=("roles.env:EnvRole", counter)),
+    ]
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with local_session(placement, TEST_TIMEOUTS) as c:
+            generator, env = RolloutClient(c, "rollout"), EnvClient(c, "env")
+            spec = await env.spec()
+            for name, sessions in (("kept", True), ("plain", False)):
+                cfg = AgentConfig(max_turns=4, max_total_tokens=96, sessions=sessions)
+                setup = AgentRollout(generator, env, cfg, spec, first_session=100 * len(out))
+                out[name] = await run_trajectories(setup, prompts(TEXTS), SAMPLING, 0)
+        return out
+
+    return run(main)
+
+
+def test_each_trajectory_keeps_its_replica_and_samples_as_full_prefills(
+    results: dict[str, Any],
+) -> None:
+    kept, plain = results["kept"], results["plain"]
+    for name in ("input_ids", "response_mask"):
+        assert torch.equal(kept.tensors[name], plain.tensors[name])
+    torch.testing.assert_close(
+        kept.tensors["log_probs"], plain.tensors["log_probs"], atol=1e-5, rtol=0
+    )
+    assert kept.non_tensors["turns"] == [3] * len(kept)
+    # every turn but the first found its session on the replica it went to: all that is
+    # prefilled again is the observation and the last sampled token
+    reuse = kept.meta["agent"]["agent/prefix_reuse"]
+    assert reuse > 0.6, reuse
+    assert plain.meta["agent"]["agent/prefix_reuse"] == 0.0
