@@ -258,6 +258,10 @@ class VLLMEngine(ServingEngine):
                     load_format="auto" if load_from_dir else "dummy",
                     logits_processors=[_bridge_class()],
                     enable_prefix_caching=True,
+                    # a prompt split over two scheduler steps rewinds its seeded generator,
+                    # which the CPU generators cannot ("CPU Generator does not use offset"):
+                    # prefills wait for room instead of being split
+                    enable_chunked_prefill=False,
                     **kwargs,
                 )
         finally:
