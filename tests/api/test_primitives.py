@@ -69,3 +69,25 @@ async def primitives(run_dir: Path) -> None:
 @pytest.mark.timeout(180)
 def test_datum_rows_through_both_losses_on_a_real_mesh(tmp_path: Path) -> None:
     asyncio.run(primitives(tmp_path / "run"))
+
+
+async def lora_primitives(run_dir: Path) -> None:
+    lora = "roles.actor.lora={rank: 8, alpha: 16}"
+    async with hf.mesh(QUICKSTART, lora, "logging.tensorboard=false", run_dir=run_dir) as m:
+        await m.configure_optim(hf.OptimConfig(lr=1e-2))
+        sampled = await m.sample(["12+7=", "30+4="], hf.SamplingConfig(n=2, max_new_tokens=4))
+        rows = [hf.Datum(p, r) for p, r in as_rows(sampled)]
+        base = await m.log_probs(rows, role="reference")  # the actor, adapters off
+        assert torch.equal(await m.log_probs(rows), base)  # B = 0: the adapters add nothing yet
+        await m.forward_backward(rows, "cross_entropy")
+        await m.optim_step()
+        assert not torch.equal(await m.log_probs(rows), base)  # the adapters learnt
+        assert torch.equal(await m.log_probs(rows, role="reference"), base)  # the base did not
+        merged = await m.export(run_dir / "export")
+        assert (merged / "model.safetensors").is_file()
+        assert (run_dir / "export-adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.timeout(180)
+def test_a_lora_actor_trains_its_adapters_through_the_same_primitives(tmp_path: Path) -> None:
+    asyncio.run(lora_primitives(tmp_path / "run"))
