@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from controller.clients.base import by_request
 from controller.clients.engine import EngineClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
@@ -69,9 +70,10 @@ class ActorClient(ReferenceClient):
         are always the newest: ``min_version`` is their policy version, echoed in
         ``meta["weight_version"]`` (the call a ``RolloutClient`` takes too). ``sampling`` None:
         ``SamplingConfig()``."""
-        return await self._call(
+        reply: TensorBatch = await self._call(
             Transfer.MICRO_DP, "generate", batch, sampling, min_version, timeout=timeout
         )
+        return by_request(reply, sampling)
 
     async def state_dict(self, *, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The full weights, e.g. for a rollout group's ``load_weights``."""

@@ -26,7 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 from controller.server import Controller
+from transport.batch import TensorBatch
+from transport.columns import REQUEST
 from transport.protocol import Transfer
+from transport.sampling import SamplingConfig
 
 
 class ProtocolMismatchError(TypeError):
@@ -79,3 +82,12 @@ class RoleClient:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role!r})"
+
+
+def by_request(reply: TensorBatch, sampling: SamplingConfig | None) -> TensorBatch:
+    """A generation reply's ``request`` column as the prompt's index in the whole call: each
+    shard of a split call numbers its own prompts from 0, and the rows come back request-major
+    (``sampling.n`` per prompt), shard after shard."""
+    n = sampling.n if sampling is not None else 1
+    reply.non_tensors[REQUEST] = [row // n for row in range(len(reply))]
+    return reply

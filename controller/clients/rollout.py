@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from controller.clients.base import by_request
 from controller.clients.weights import WeightSinkClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
@@ -23,9 +24,10 @@ class RolloutClient(WeightSinkClient):
     ) -> TensorBatch:
         """Samples for the prompts of ``batch`` on weights of version ``min_version`` or newer
         (older ones: an error); ``meta["weight_version"]`` says whose weights."""
-        return await self._call(
+        reply: TensorBatch = await self._call(
             Transfer.DP_RAGGED, "generate", batch, sampling, min_version, timeout=timeout
         )
+        return by_request(reply, sampling)
 
     async def prompt_logits(
         self, batch: TensorBatch, *, timeout: float | None = None

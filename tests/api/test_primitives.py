@@ -32,6 +32,8 @@ async def primitives(run_dir: Path) -> None:
     async with hf.mesh(QUICKSTART, "logging.tensorboard=false", run_dir=run_dir) as m:
         await m.configure_optim(hf.OptimConfig(lr=1e-3))
         sampled = await m.sample(["12+7=", "30+4="], hf.SamplingConfig(n=2, max_new_tokens=4))
+        # the prompt each row answers, over the whole call (each of the 2 ranks numbers its own)
+        assert sampled.non_tensors["request"] == [0, 0, 1, 1]
         tokens = as_rows(sampled)
         plain = [hf.Datum(p, r) for p, r in tokens]
         logp = await m.log_probs(plain)
