@@ -100,7 +100,7 @@ class Actor(Reference):
         self.hybrid: HybridEngine | None = None
         self.vllm: VLLMEngine | None = None  # generator vllm: built by the first generate
         cfg = self.engine.cfg
-        self.sessions = SessionCache(int(cfg.session_cache_mb * 2**20), cfg.sessions_across_updates)
+        self.sessions = SessionCache(int(cfg.session_cache_mb * 2**20))
         if self.engine.cfg.lora is not None and ctx.layout.resharded:
             raise ValueError(
                 f"lora: the actor generates at its training layout with adapters; placement "

@@ -71,11 +71,6 @@ class RolloutConfig(BaseModel):
         description="native engine: KV caches of multi-turn trajectories kept between their turns "
         "(per rank, MiB; the least recently used are dropped beyond it, then re-prefilled; 0: off)",
     )
-    sessions_across_updates: bool = Field(
-        False,
-        description="keep using a trajectory's kept KV after a weight update (computed by the "
-        "older weights: faster, not exact); off: an update drops every kept session",
-    )
 
 
 def vllm_engine(
@@ -118,9 +113,7 @@ class Rollout(WeightSink, Role):
         else:
             self._build_module_engine()
         self.version = 0
-        self.sessions = SessionCache(
-            int(self.cfg.session_cache_mb * 2**20), self.cfg.sessions_across_updates
-        )
+        self.sessions = SessionCache(int(self.cfg.session_cache_mb * 2**20))
 
     def _build_serving(self) -> None:
         config = load_config(self.cfg.model)

@@ -12,9 +12,11 @@ Correctness never depends on the cache: a request always carries its whole promp
 prefix is used only as far as it matches it, and a session that is missing (never seen, dropped,
 evicted under ``max_bytes``, or computed with other weights) is prefilled from the ids. A weight
 change makes every kept session stale: its keys and values were computed by the old weights.
-Sessions record the weight version they were computed at and are used only at that version
-(``keep_on_update`` uses them across versions, which is the old weights' KV under new weights: an
-approximation some systems accept for speed; off by default).
+Sessions record the weight version they were computed at and are used only at that version. In
+a run a weight update never meets a live session: the multi-turn rollout drops a batch's sessions
+when the batch ends, and a batch's trajectories all sample from one version (a push waits for
+the batch in flight); the version check guards any other caller. Keeping the old weights' KV
+under new weights (an approximation some systems accept for speed) is not offered.
 
 The kept keys and values are what decode computed for the sampled tokens: one token at a time,
 not in one packed pass as a re-prefill would. The numbers agree to float rounding (the matrix
@@ -71,7 +73,6 @@ class SessionCache:
     and values (0: sessions off)."""
 
     max_bytes: int
-    keep_on_update: bool = False
     held: OrderedDict[Hashable, Session] = field(default_factory=OrderedDict)
     stats: SessionStats = field(default_factory=SessionStats)
     nbytes: int = 0
@@ -87,7 +88,7 @@ class SessionCache:
             self.stats.misses += 1
             return None, 0
         self.nbytes -= found.nbytes
-        if found.version != version and not self.keep_on_update:
+        if found.version != version:
             self.stats.stale += 1
             self.stats.misses += 1
             return None, 0

@@ -70,11 +70,6 @@ class EngineConfig(BaseModel):
         description="generator native: KV caches of multi-turn trajectories kept between their turns "
         "(per rank, MiB; the least recently used are dropped beyond it, then re-prefilled; 0: off)",
     )
-    sessions_across_updates: bool = Field(
-        False,
-        description="keep using a trajectory's kept KV after a weight update (computed by the "
-        "older weights: faster, not exact); off: an update drops every kept session",
-    )
     vpp: int = Field(
         1, ge=1, description="megatron: virtual pipeline stages per rank (interleaved schedule)"
     )
