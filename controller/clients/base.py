@@ -88,6 +88,8 @@ def by_request(reply: TensorBatch, sampling: SamplingConfig | None) -> TensorBat
     """A generation reply's ``request`` column as the prompt's index in the whole call: each
     shard of a split call numbers its own prompts from 0, and the rows come back request-major
     (``sampling.n`` per prompt), shard after shard."""
-    n = sampling.n if sampling is not None else 1
+    if not isinstance(reply, TensorBatch) or REQUEST not in reply.non_tensors:
+        return reply
+    n = sampling.n if isinstance(sampling, SamplingConfig) else 1
     reply.non_tensors[REQUEST] = [row // n for row in range(len(reply))]
     return reply

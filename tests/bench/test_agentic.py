@@ -12,7 +12,9 @@ from bench.agentic import main
 from bench.agentic_env import latency
 
 KEYS = ("traj_per_s", "lockstep_traj_per_s", "no_latency_traj_per_s", "tok_per_s",
-        "generator_idle_share", "speedup_vs_lockstep", "frac_of_no_latency", "reprefill_share")  # fmt: skip
+        "generator_idle_share", "speedup_vs_lockstep", "frac_of_no_latency", "reprefill_share",
+        "no_sessions_traj_per_s", "no_sessions_reprefill_share", "session_speedup",
+        "prefix_reuse")  # fmt: skip
 
 
 def test_the_latencies_are_heavy_tailed_with_the_stated_median_and_p99() -> None:
@@ -33,4 +35,7 @@ def test_quick_run_prints_every_key_and_lock_step_waits_longest(
     assert found["trajectories"] == 16 and found["tool_calls_per_trajectory"] == 4
     # lock step sleeps through the slowest tool of every turn; continuous does not
     assert found["lockstep_generator_idle_share"] > found["generator_idle_share"]
-    assert 0 < found["reprefill_share"] < 1
+    # with sessions only observations (and each turn's last sampled token) are prefilled
+    assert found["reprefill_share"] <= 0.1 < found["no_sessions_reprefill_share"] < 1
+    assert found["prefix_reuse"] > 0.5
+    assert found["session_bytes_per_token"] == 2048  # 2 x 4 layers x 2 KV heads x 32 x 4 bytes
