@@ -90,6 +90,11 @@ def by_request(reply: TensorBatch, sampling: SamplingConfig | None) -> TensorBat
     (``sampling.n`` per prompt), shard after shard."""
     if not isinstance(reply, TensorBatch) or REQUEST not in reply.non_tensors:
         return reply
-    n = sampling.n if isinstance(sampling, SamplingConfig) else 1
+    if isinstance(sampling, SamplingConfig):
+        n = sampling.n
+    elif isinstance(sampling, dict):  # the settings as a map (SamplingConfig's fields)
+        n = int(sampling.get("n", 1))
+    else:  # None: the defaults
+        n = 1
     reply.non_tensors[REQUEST] = [row // n for row in range(len(reply))]
     return reply
