@@ -178,6 +178,26 @@ REDUCED_TOOL_USE = [
 ]
 
 
+def reduced_tool_use(tmp_path: Path, capsys: pytest.CaptureFixture[str], count: int) -> None:
+    argv = [str(EXAMPLES / "tool_use.yaml"), "--seeds", str(count), "--out", str(tmp_path)]
+    sets = [x for pair in REDUCED_TOOL_USE for x in ("--set", pair)]
+    code = seeds.main([*argv, *sets, "--timeout", "400", "--require-gain", "0.15"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["failed"] == [], result["seeds"]
+    assert all(r["calls_after"] >= 0.9 > r["calls_before"] for r in result["seeds"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_reduced_tool_use_demo_learns_to_call_the_calculator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Measured (fp32, seed 0): accuracy 0.57 -> 0.80, greedy tool-call rate 0.66 -> 1.00; about
+    # 85 s on 2 idle cores. The three-seed form is in the extended tier.
+    reduced_tool_use(tmp_path, capsys, 1)
+
+
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_reduced_tool_use_demo_learns_to_call_the_calculator_on_three_seeds(
@@ -185,9 +205,4 @@ def test_reduced_tool_use_demo_learns_to_call_the_calculator_on_three_seeds(
 ) -> None:
     # Measured (fp32, seeds 0-2): accuracy 0.57 / 0.10 / 0.18 -> 0.80 / 0.66 / 0.79, greedy
     # tool-call rate 0.66 / 0.24 / 0.26 -> 1.00 on each; about 85 s a seed on 2 idle cores.
-    argv = [str(EXAMPLES / "tool_use.yaml"), "--seeds", "3", "--out", str(tmp_path)]
-    sets = [x for pair in REDUCED_TOOL_USE for x in ("--set", pair)]
-    code = seeds.main([*argv, *sets, "--timeout", "400", "--require-gain", "0.15"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0 and result["failed"] == [], result["seeds"]
-    assert all(r["calls_after"] >= 0.9 > r["calls_before"] for r in result["seeds"])
+    reduced_tool_use(tmp_path, capsys, 3)

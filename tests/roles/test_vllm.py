@@ -445,7 +445,9 @@ RUNS = {
         "stages.1.algorithm.kl={coef: 0.01, mode: loss}",
     ],
 }
-EXTENDED_RUNS = ("actor-tp2", "actor")  # actor-lora covers the colocated path too
+# actor-lora covers the colocated path too; the multi-turn game's run covers a vLLM rollout
+# group taking the actor's weights every step (staleness 0, the fp32 log-prob bound)
+EXTENDED_RUNS = ("actor-tp2", "actor", "rollout")
 
 
 @pytest.mark.timeout(600)
