@@ -284,9 +284,7 @@ class NativeEngine(GenerationEngine):
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         starts = torch.tensor(firsts, device=device)
         width = max(len(p) for p in prompts) + max_new
-        # rotary tables for every position this call can reach, looked up per step
-        where = torch.arange(width, device=device)[None]
-        self.cos, self.sin = (t[0] for t in self.base.rotary_emb(x, where))
+        self._rotary(x, width)
         offsets = torch.tensor([reused[o - 1] for o in owners], device=device, dtype=torch.long)
         positions = segment_positions(segments)[0] + offsets
         cos, sin = self.cos[positions][None], self.sin[positions][None]
@@ -313,6 +311,16 @@ class NativeEngine(GenerationEngine):
         self.last_prefill = (sum(sizes), sum(reused))
         self.last_reused = [r for r in reused for _ in range(n)]
         return caches, lengths.repeat_interleave(n), last.repeat_interleave(n, dim=0)
+
+    def _rotary(self, x: torch.Tensor, width: int) -> None:
+        """Rotary tables (``self.cos``, ``self.sin``) for every position below ``width`` at
+        least, looked up per step; computed again only when too short (they depend on the
+        position alone)."""
+        held = getattr(self, "cos", None)
+        if held is not None and held.shape[0] >= width and held.dtype == x.dtype:
+            return
+        where = torch.arange(width, device=self.device)[None]
+        self.cos, self.sin = (t[0] for t in self.base.rotary_emb(x, where))
 
     @staticmethod
     def _prompt_attention(

@@ -1,0 +1,386 @@
+"""Iteration-level batching: requests join and leave the native engine's running decode batch at
+every decode step, and each returns as soon as it finishes.
+
+A call-level engine (``NativeEngine.generate``) serves a batch of prompts from prefill to its
+slowest row; a request that arrives meanwhile waits for the whole call. ``DecodeLoop`` instead
+runs one decode batch for as long as there is work, in a thread beside the role's call handling:
+
+* between two decode steps it **admits** every waiting request: their prompts are prefilled in
+  one packed pass (after a kept session's prefix, ``sessions.py``) and their keys and values
+  written into free **slots** of the loop's caches; the rows already decoding are not touched;
+* each step samples one token for every live row and **retires** the rows that finished (a stop
+  token or their own ``max_new``): the result is published at once, the session kept, the slot
+  freed for the next admission;
+* the caches are one tensor per layer, ``[slots, kv heads, width, head dim]``; slots and width
+  grow by doubling when a request needs more (a copy, rare), and when a quarter of the slots
+  below the highest live one are free, the highest live rows move down into the holes (only the
+  moved rows are copied), so a step computes at most a third more rows than are live.
+
+Samples are those of ``NativeEngine.generate`` for the same request: each row draws its uniforms
+from the stream ``generate`` would give it (``sample_seed(seed, request seed, 0)``), so its tokens
+do not depend on which rows shared its steps (their log-probs do, to float rounding). Rows only
+share a step when they sample alike (temperature, top-k, top-p, greedy) and with the same weight
+version; a request that differs waits until the running rows have finished.
+
+Threads: the role's main thread calls ``submit`` / ``take``; the loop thread runs the model. The
+engine is shared with the role's other calls (``generate``, a weight load), which hold ``lock``
+while they use it: the loop takes it for each step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from roles.engines.generation.interface import GenerationError, SamplingConfig, sample_seed
+from roles.engines.generation.native import NativeEngine
+from roles.engines.generation.sessions import Session, SessionCache, SessionRequest
+
+#: compact the slots once this share of those below the highest live row is free
+HOLE_FRACTION = 0.25
+
+
+@dataclass
+class Job:
+    """One request in the loop: ``prompt`` then up to ``max_new`` sampled tokens."""
+
+    id: int
+    channel: Hashable  # whose ``take`` returns it
+    prompt: list[int]
+    max_new: int
+    seed: int  # the request's seed: its uniforms are generate's for that request
+    sampling: SamplingConfig
+    version: int
+    session: Hashable | None = None
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str = ""
+    reused: int = 0  # prompt positions taken from its kept session
+
+    @property
+    def kind(self) -> tuple[object, ...]:
+        """What rows sharing a step must agree on."""
+        s = self.sampling
+        return (s.temperature, s.top_k, s.top_p, s.greedy, self.version)
+
+
+class DecodeLoop:
+    """The running decode batch of one ``NativeEngine`` (see the module's docstring)."""
+
+    def __init__(self, engine: NativeEngine, cache: SessionCache | None = None) -> None:
+        self.engine = engine
+        self.cache = cache
+        self.lock = threading.Lock()  # the engine: the loop's steps vs. the role's other calls
+        self._cond = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._done: dict[Hashable, list[Job]] = {}
+        self._failed: dict[Hashable, BaseException] = {}
+        self._out: dict[Hashable, int] = {}  # per channel: jobs submitted, not yet taken
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        # the running batch (the loop thread's alone)
+        self._jobs: list[Job | None] = []  # per slot
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lengths = torch.zeros(0, dtype=torch.long)
+        self._steps = torch.zeros(0, dtype=torch.long)
+        self._last = torch.zeros(0, dtype=torch.long)  # each slot's last sampled token
+        self._uniforms = torch.zeros((0, 0))
+        self._logits: torch.Tensor | None = None
+        self._fused_version: int | None = None
+        self.steps = 0  # decode steps run (for tests and metrics)
+        self.admissions = 0  # prefills that joined a running batch
+        self.compactions = 0
+
+    # -- the role's side ---------------------------------------------------------------------
+
+    @property
+    def busy(self) -> int:
+        """Requests submitted and not yet finished (running or waiting)."""
+        with self._cond:
+            return len(self._pending) + sum(j is not None for j in self._jobs)
+
+    def submit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.max_new < 1:
+                raise GenerationError(f"request {job.id}: max_new must be >= 1, got {job.max_new}")
+            if job.sampling.n != 1:
+                raise GenerationError(f"request {job.id}: one sample per request (n = 1)")
+            if len(job.prompt) + job.max_new > self.engine.context or not job.prompt:
+                raise GenerationError(
+                    f"request {job.id}: a prompt of {len(job.prompt)} tokens with max_new "
+                    f"{job.max_new} does not fit the model's context of {self.engine.context}"
+                )
+        with self._cond:
+            for job in jobs:
+                self._out[job.channel] = self._out.get(job.channel, 0) + 1
+            self._pending.extend(jobs)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def take(self, channel: Hashable, wait_s: float) -> list[Job]:
+        """``channel``'s finished requests, waiting up to ``wait_s`` for the first while any of
+        its requests are out; raises what made the loop fail them."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while (
+                not self._done.get(channel)
+                and channel not in self._failed
+                and self._out.get(channel, 0) > 0
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            failed = self._failed.pop(channel, None)
+            if failed is not None:
+                self._out.pop(channel, None)
+                self._done.pop(channel, None)
+                raise GenerationError(f"the decode loop failed: {failed}") from failed
+            found = self._done.pop(channel, [])
+            left_out = self._out.get(channel, 0) - len(found)
+            if left_out > 0:
+                self._out[channel] = left_out
+            else:
+                self._out.pop(channel, None)
+            return found
+
+    def release(self) -> None:
+        """Let the caches go (the next request allocates them again); only when nothing runs
+        (a weight change: a caller holding ``lock`` and finding ``busy`` 0)."""
+        self._caches, self._jobs, self._logits = [], [], None
+        self._fused_version = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    # -- the loop thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and not self._pending and not self._live():
+                    self._cond.wait()
+                if self._closing:
+                    return
+                admitted = self._admissible()
+            try:
+                with self.lock:
+                    if admitted:
+                        self._admit(admitted)
+                    finished = self._step()
+            except BaseException as exc:  # every request in the batch fails with the loop
+                self._fail([*admitted, *(j for j in self._jobs if j is not None)], exc)
+                continue
+            if finished:
+                with self._cond:
+                    for job in finished:
+                        self._done.setdefault(job.channel, []).append(job)
+                    self._cond.notify_all()
+
+    def _live(self) -> bool:
+        return any(j is not None for j in self._jobs)
+
+    def _admissible(self) -> list[Job]:
+        """The waiting requests that may join now: those sampling like the running rows (all
+        alike, as the first waiting one, when none runs)."""
+        running = next((j.kind for j in self._jobs if j is not None), None)
+        kind = running if running is not None else (self._pending[0].kind if self._pending else None)
+        taken = [j for j in self._pending if j.kind == kind]
+        if taken:
+            self._pending = deque(j for j in self._pending if j.kind != kind)
+        return taken
+
+    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
+        self._jobs, self._caches, self._logits = [], [], None
+        with self._cond:
+            for job in jobs:
+                self._failed[job.channel] = exc
+            self._cond.notify_all()
+
+    def _admit(self, jobs: list[Job]) -> None:
+        engine = self.engine
+        version = jobs[0].version
+        if self._fused_version != version:  # no row runs: a kind holds one version
+            engine._fuse()
+            self._fused_version = version
+        prompts = [j.prompt for j in jobs]
+        keys = [j.session for j in jobs]
+        past = None
+        if self.cache is not None and any(k is not None for k in keys):
+            past = engine._take_sessions(prompts, SessionRequest(self.cache, keys, version))
+        most = max(j.max_new for j in jobs)
+        caches, lengths, logits = engine._prefill(prompts, 1, most, past)
+        for job, reused in zip(jobs, engine.last_reused or [0] * len(jobs), strict=True):
+            job.reused = reused
+        widest = max(len(j.prompt) + j.max_new for j in jobs)
+        slots = self._slots(len(jobs), widest, most, caches, logits.shape[-1])
+        index = torch.tensor(slots, device=engine.device)
+        # the prefill's caches may be wider than any one request needs (its longest prompt
+        # plus its largest limit): the slots hold what each needs, ``widest``
+        width = min(caches[0][0].shape[2], self._caches[0][0].shape[2])
+        for (k, v), (new_k, new_v) in zip(self._caches, caches, strict=True):
+            k[index, :, :width] = new_k[:, :, :width]
+            v[index, :, :width] = new_v[:, :, :width]
+        self._lengths[index] = lengths
+        self._steps[index] = 0
+        self._uniforms[index] = 0.0
+        for slot, job in zip(slots, jobs, strict=True):
+            self._jobs[slot] = job
+            self._uniforms[slot, : job.max_new] = self._stream(job)
+        assert self._logits is not None
+        self._logits[index] = logits
+        self.admissions += 1
+
+    def _stream(self, job: Job) -> torch.Tensor:
+        """The uniforms ``NativeEngine.generate`` draws for this request's one sample."""
+        seed = sample_seed(job.sampling.seed, job.seed, 0)
+        return torch.rand(job.max_new, generator=torch.Generator().manual_seed(seed))
+
+    def _slots(
+        self,
+        count: int,
+        width: int,
+        draws: int,
+        like: list[tuple[torch.Tensor, torch.Tensor]],
+        vocab: int,
+    ) -> list[int]:
+        """``count`` free slots (the lowest), the caches grown to hold them and ``width``
+        positions (shaped as the prefill's caches ``like``), the uniforms ``draws`` per row."""
+        free = [s for s, j in enumerate(self._jobs) if j is None][:count]
+        need = len(self._jobs) + count - len(free)
+        rows = len(self._jobs)
+        held = self._caches[0][0].shape[2] if self._caches else 0
+        if need > rows or width > held or not self._caches:
+            rows = max(need, 2 * rows) if need > rows else rows
+            wide = min(self.engine.context, max(width, 2 * held)) if width > held else held
+            self._grow(rows, wide, like, vocab)
+        if draws > self._uniforms.shape[1] or rows > self._uniforms.shape[0]:
+            grown = torch.zeros((rows, max(draws, self._uniforms.shape[1])))
+            grown[: self._uniforms.shape[0], : self._uniforms.shape[1]] = self._uniforms
+            self._uniforms = grown.to(self.engine.device)
+        taken = [s for s, j in enumerate(self._jobs) if j is None][:count]
+        return taken
+
+    def _grow(
+        self, rows: int, width: int, like: list[tuple[torch.Tensor, torch.Tensor]], vocab: int
+    ) -> None:
+        old_rows = len(self._jobs)
+        grown = []
+        for layer, (k, _) in enumerate(like):
+            shape = (rows, k.shape[1], width, k.shape[3])
+            new_k, new_v = k.new_zeros(shape), k.new_zeros(shape)
+            if self._caches:
+                held_k, held_v = self._caches[layer]
+                new_k[:old_rows, :, : held_k.shape[2]] = held_k
+                new_v[:old_rows, :, : held_v.shape[2]] = held_v
+            grown.append((new_k, new_v))
+        self._caches = grown
+        device = self.engine.device
+        self._lengths = _extend(self._lengths, rows, device)
+        self._steps = _extend(self._steps, rows, device)
+        self._last = _extend(self._last, rows, device)
+        logits = torch.zeros((rows, vocab), device=device)
+        if self._logits is not None:
+            logits[: self._logits.shape[0]] = self._logits
+        self._logits = logits
+        self._jobs += [None] * (rows - old_rows)
+
+    def _step(self) -> list[Job]:
+        """One token for every live row; returns the rows that finished (their slots freed),
+        then runs the decode that gives the others' next logits."""
+        live = [s for s, j in enumerate(self._jobs) if j is not None]
+        if not live:
+            return []
+        engine = self.engine
+        assert self._logits is not None
+        rows = torch.tensor(live, device=engine.device)
+        sampling = self._jobs[live[0]].sampling  # type: ignore[union-attr]
+        tokens, log_probs = engine._choose(
+            self._logits[rows], rows, self._steps[rows], self._uniforms, sampling, None
+        )
+        finished = []
+        for slot, token, log_prob in zip(live, tokens.tolist(), log_probs.tolist(), strict=True):
+            job = self._jobs[slot]
+            assert job is not None
+            job.tokens.append(token)
+            job.log_probs.append(log_prob)
+            if token in (job.sampling.stop_token_ids or [engine.eos]):
+                job.finish = "stop"
+            elif len(job.tokens) >= job.max_new:
+                job.finish = "length"
+            else:
+                continue
+            finished.append(job)
+            self._keep(slot, job)
+            self._jobs[slot] = None
+        self._last[rows] = tokens
+        gone = torch.tensor([s for s in live if self._jobs[s] is None], dtype=torch.long)
+        self._lengths[gone] = 0  # a free slot decodes a dummy at position 0 until reused
+        self._last[gone] = 0
+        self.steps += 1
+        if not self._live():
+            return finished
+        self._compact()
+        top = max(s for s, j in enumerate(self._jobs) if j is not None) + 1
+        running = [s for s in range(top) if self._jobs[s] is not None]
+        span = int(self._lengths[running].max()) + 1  # the prefills' rotary tables reach it
+        caches = [(k[:top], v[:top]) for k, v in self._caches]
+        self._logits[:top] = engine._decode(caches, self._lengths[:top], self._last[:top], span)
+        moved = torch.tensor(running, device=engine.device)
+        self._lengths[moved] += 1
+        self._steps[moved] += 1
+        return finished
+
+    def _keep(self, slot: int, job: Job) -> None:
+        """Keep a finished row as its session: the prompt and the sampled tokens fed back."""
+        if self.cache is None or job.session is None:
+            return
+        held = len(job.prompt) + len(job.tokens) - 1
+        self.cache.put(
+            job.session,
+            Session(
+                [*job.prompt, *job.tokens[:-1]],
+                [k[slot, :, :held].clone() for k, _ in self._caches],
+                [v[slot, :, :held].clone() for _, v in self._caches],
+                job.version,
+            ),
+        )
+
+    def _compact(self) -> None:
+        """Move the highest live rows into the free slots below them once those holes are
+        ``HOLE_FRACTION`` of the slots a step computes."""
+        live = [s for s, j in enumerate(self._jobs) if j is not None]
+        top = live[-1] + 1
+        if top - len(live) < max(1, int(top * HOLE_FRACTION)):
+            return
+        self.compactions += 1
+        holes = [s for s in range(len(live)) if self._jobs[s] is None]
+        movers = [s for s in live if s >= len(live)]
+        src = torch.tensor(movers, device=self.engine.device)
+        dst = torch.tensor(holes, device=self.engine.device)
+        for k, v in self._caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+        for t in (self._lengths, self._steps, self._last, self._uniforms):
+            t[dst] = t[src]
+        assert self._logits is not None
+        self._logits[dst] = self._logits[src]
+        for s, d in zip(movers, holes, strict=True):
+            self._jobs[d], self._jobs[s] = self._jobs[s], None
+        self._lengths[src] = 0
+        self._last[src] = 0
+
+
+def _extend(t: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    grown = torch.zeros(rows, dtype=t.dtype, device=device)
+    grown[: len(t)] = t
+    return grown
