@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -65,7 +66,14 @@ from transport.sampling import SamplingConfig
 from transport.settings import Timeouts
 
 err = Console(stderr=True)
-MODES = ("continuous", "no_sessions", "lockstep", "no_latency")
+MODES = (
+    "continuous",
+    "no_sessions",
+    "lockstep",
+    "no_latency",
+    "iteration",
+    "iteration_no_latency",
+)
 
 
 def group(name: str, role: str, cls: str, config: dict[str, Any]) -> GroupSpec:
@@ -100,12 +108,15 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         specs = {k: await e.spec() for k, e in envs.items()}
         session = 0
         for repeat in range(args.repeats + 1):  # the first round warms up
-            for mode in MODES:
-                which = "fast" if mode == "no_latency" else "slow"
+            for mode in os.environ.get("AGENTIC_MODES", ",".join(MODES)).split(","):
+                which = "fast" if mode.endswith("no_latency") else "slow"
+                serving = "continuous"
+                if mode.startswith("iteration") or mode == "lockstep":
+                    serving = mode.split("_")[0]
                 cfg = AgentConfig(
                     max_turns=args.steps,
                     max_total_tokens=4096,
-                    serving="lockstep" if mode == "lockstep" else "continuous",
+                    serving=serving,
                     sessions=mode != "no_sessions",
                 )
                 setup = AgentRollout(generator, envs[which], cfg, specs[which], None, session)
@@ -163,7 +174,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     def tok_s(mode: str) -> float:
         return statistics.median(r["tokens"] / r["agent/seconds"] for r in runs[mode])
 
-    a, plain, b, c = (median(m, "agent/traj_per_s") for m in MODES)
+    a, plain, b, c, it, it_c = (median(m, "agent/traj_per_s") for m in MODES)
 
     def reprefill(mode: str) -> float:
         ran = sum(r["positions"][0] for r in runs[mode])
@@ -186,6 +197,16 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "no_sessions_traj_per_s": round(plain, 3),
         "session_speedup": round(a / plain, 3),
         "prefix_reuse": round(median("continuous", "agent/prefix_reuse"), 3),
+        "iteration_traj_per_s": round(it, 3),
+        "iteration_no_latency_traj_per_s": round(it_c, 3),
+        "iteration_tok_per_s": round(tok_s("iteration"), 1),
+        "iteration_vs_continuous": round(it / a, 3),
+        "iteration_speedup_vs_lockstep": round(it / b, 3),
+        "iteration_frac_of_no_latency": round(it / max(c, it_c), 3),
+        "iteration_reprefill_share": reprefill("iteration"),
+        "iteration_generator_idle_share": round(
+            median("iteration", "agent/generator_idle_share"), 3
+        ),
         "tool_latency_p50_s": round(median("continuous", "agent/tool_latency_p50_s"), 3),
         "tool_latency_p99_s": round(median("continuous", "agent/tool_latency_p99_s"), 3),
         "trajectories": args.prompts * args.n,

@@ -44,7 +44,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+import uuid
 from collections import Counter
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,6 +67,7 @@ from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
 from transport.columns import PREFIX_REUSED, REPLICA, SESSION
 from transport.sampling import SamplingConfig
+from transport.turns import TurnRequest
 
 #: text columns of a prompt batch that trajectories do not echo
 NOT_ECHOED = ("prompt_ids",)
@@ -84,10 +87,12 @@ class AgentConfig(BaseModel):
     max_total_tokens: int = Field(
         256, ge=2, description="a trajectory's tokens in all: prompt, turns, observations"
     )
-    serving: Literal["continuous", "lockstep"] = Field(
+    serving: Literal["iteration", "continuous", "lockstep"] = Field(
         "continuous",
-        description="continuous: the generator serves whatever turns are waiting whenever it "
-        "is free; lockstep: each call waits for every live trajectory (the naive baseline)",
+        description="iteration: each turn joins the generator's running decode batch as soon as "
+        "it is asked for and returns as soon as it is done (a rollout group, native engine, "
+        "tp 1); continuous: the generator serves whatever turns are waiting whenever a call is "
+        "not in flight; lockstep: each call waits for every live trajectory (the naive baseline)",
     )
     sessions: bool = Field(
         True,
@@ -97,6 +102,12 @@ class AgentConfig(BaseModel):
     )
     collect_wait_s: float = Field(
         0.02, gt=0, description="how long one collect call waits on the env group for a result"
+    )
+    exchange_wait_s: float = Field(
+        0.02,
+        gt=0,
+        description="serving iteration: how long one exchange call waits on the generator for "
+        "a finished turn (a turn asked for meanwhile is sent with the next call)",
     )
     action_timeout_s: float = Field(
         120.0,
@@ -172,6 +183,8 @@ class TurnServer:
         gate: WeightGate | None,
         lockstep: bool,
         sessions: bool = False,
+        iteration: bool = False,
+        wait_s: float = 0.02,
     ) -> None:
         self.generator = generator
         self.sampling = sampling
@@ -180,6 +193,9 @@ class TurnServer:
         self.gate = gate
         self.lockstep = lockstep
         self.sessions = sessions  # each turn names its trajectory (the generator keeps its KV)
+        self.iteration = iteration  # turns join the generator's running batch (exchange)
+        self.wait_s = wait_s
+        self.channel = uuid.uuid4().hex  # this batch's turns at the generator
         self.positions = 0  # prompt positions the turns asked for
         self.reused = 0  # of which the generator took from kept sessions
         self.waiting: list[Turn] = []
@@ -206,6 +222,9 @@ class TurnServer:
     async def serve(self) -> None:
         """Until cancelled: send the waiting turns whenever there are any (and, in lock step,
         every live trajectory is among them)."""
+        if self.iteration:
+            await self._serve_iterations()
+            return
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -271,6 +290,63 @@ class TurnServer:
                 text = ""  # not decoded here: a cut turn is never parsed
             t.done.set_result((tokens, lps, text, finish, version))
 
+    async def _serve_iterations(self) -> None:
+        """Iteration-level serving: every exchange sends the turns asked for since the last
+        one and hands back the turns the generator finished. The gate is held while any turn
+        is out (a push waits for them, as for a call)."""
+        out: dict[int, Turn] = {}
+        count = replicas(self.generator)
+        sampling = self.sampling.model_copy(update={"n": 1, "stop_token_ids": self.stops})
+        exchange = getattr(self.generator, "exchange")  # noqa: B009 (checked by run_trajectories)
+        held: AbstractAsyncContextManager[Any] | None = None
+        since = 0.0
+        try:
+            while True:
+                if not self.waiting and not out:
+                    if held is not None:
+                        await held.__aexit__(None, None, None)
+                        held = None
+                        self.busy_s += time.perf_counter() - since
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                new, self.waiting = self.waiting, []
+                if new and held is None:
+                    held = self.gate.generating() if self.gate else _nothing()
+                    await held.__aenter__()
+                    since = time.perf_counter()
+                requests = [
+                    TurnRequest(
+                        id=t.key,
+                        prompt_ids=t.ids,
+                        seed=t.seed,
+                        max_new=t.max_new,
+                        session=session_key(t.key) if self.sessions else None,
+                        replica=t.key % count,
+                    )
+                    for t in new
+                ]
+                out.update((t.key, t) for t in new)
+                self.positions += sum(len(t.ids) for t in new)
+                results = await exchange(
+                    self.channel, requests, sampling, self.wait_s, self.min_version
+                )
+                self.calls += 1
+                for r in results:
+                    t = out.pop(r.id)
+                    self.reused += r.reused
+                    self.pad_id = r.pad_id
+                    t.done.set_result((r.tokens, r.log_probs, r.text, r.finish, r.version))
+        except BaseException as exc:
+            for t in [*out.values(), *self.waiting]:
+                if not t.done.done():
+                    t.done.set_exception(exc)
+                    t.done.exception()  # retrieved here: its trajectory may be gone already
+            raise
+        finally:
+            if held is not None:
+                await held.__aexit__(None, None, None)
+
 
 def by_replica(batch: list[Turn], count: int) -> list[tuple[Turn | None, int]]:
     """The turns with the replica that keeps their session (``key % count``: all of a
@@ -283,7 +359,7 @@ def by_replica(batch: list[Turn], count: int) -> list[tuple[Turn | None, int]]:
     return found
 
 
-class _nothing:
+class _nothing(AbstractAsyncContextManager[None]):
     async def __aenter__(self) -> None:
         return None
 
@@ -396,7 +472,14 @@ async def run_trajectories(
         setup.gate,
         cfg.serving == "lockstep",
         cfg.sessions,
+        cfg.serving == "iteration",
+        cfg.exchange_wait_s,
     )
+    if server.iteration and not hasattr(setup.generator, "exchange"):
+        raise AgentError(
+            f"agent serving 'iteration' needs a rollout group as the generator (native engine, "
+            f"tp 1); {setup.generator.role!r} serves whole calls: use serving 'continuous'"
+        )
     desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
     began = time.perf_counter()
     opened = await setup.env.open(

@@ -44,9 +44,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,24 +90,52 @@ class PartialRollout(BaseModel):
 
 
 class WeightGate:
-    """Weight pushes and generation calls to one generator take turns, first come first served
-    (an ``asyncio.Lock`` is FIFO): the generator holds one copy of the weights."""
+    """Weight pushes and generation on one generator take turns: a push waits until no
+    generation holds the gate, and generation that asks while a push waits or runs waits for it
+    (pushes first, then whoever came). Generation holders share the gate with each other: the
+    batches of trajectories generated ahead of a step each hold it while their turns are out."""
 
     def __init__(self) -> None:
-        self._lock = asyncio.Lock()
+        self._cond = asyncio.Condition()
+        self._generating = 0  # holders of generating()
+        self._pushes = 0  # pushes waiting or running
+        self._pushing = False
         self.push_wait_s = 0.0  # how long pushes waited for generation, in all
 
     @asynccontextmanager
     async def push(self) -> AsyncIterator[None]:
         """Around a weight push to the generator."""
         start = time.perf_counter()
-        async with self._lock:
-            self.push_wait_s += time.perf_counter() - start
+        async with self._cond:
+            self._pushes += 1
+            try:
+                await self._cond.wait_for(lambda: not self._generating and not self._pushing)
+            except BaseException:
+                self._pushes -= 1
+                self._cond.notify_all()
+                raise
+            self._pushing = True
+        self.push_wait_s += time.perf_counter() - start
+        try:
             yield
+        finally:
+            async with self._cond:
+                self._pushing = False
+                self._pushes -= 1
+                self._cond.notify_all()
 
-    def generating(self) -> AbstractAsyncContextManager[Any]:
+    @asynccontextmanager
+    async def generating(self) -> AsyncIterator[None]:
         """Around generation that a push must not cut."""
-        return self._lock
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._pushes)
+            self._generating += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._generating -= 1
+                self._cond.notify_all()
 
 
 class VersionError(RuntimeError):

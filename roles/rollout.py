@@ -18,6 +18,8 @@ run: no SGLang build installs on this project's machines) works the same way at 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -25,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM
 
 from roles.base import Role, RoleContext
-from roles.engines.generation.interface import GenerationEngine, ServingEngine
+from roles.engines.generation.interface import GenerationEngine, GenerationError, ServingEngine
+from roles.engines.generation.iteration import DecodeLoop, Job
+from roles.engines.generation.native import NativeEngine
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
 from roles.engines.generation.sessions import DEFAULT_SESSION_CACHE_MB, SessionCache
 from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB
@@ -33,12 +37,13 @@ from roles.modeling.lora import LoraSettings, attach, is_adapter
 from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
 from roles.modeling.text import pad_rows
 from roles.runtime.device import Precision, group_dtype, peak_memory_bytes, reset_peak_memory
-from roles.runtime.endpoint import DP_RAGGED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
+from roles.runtime.endpoint import DP_RAGGED, DP_ROUTED, DP_SPLIT, ONE_TO_ALL, RANK_ZERO, endpoint
 from roles.weight_sync import WeightSink, local_piece
 from transport.batch import TensorBatch
 from transport.device import HOST
 from transport.protocol import PEAK_MEMORY, Layout
 from transport.sampling import SamplingConfig
+from transport.turns import TurnRequest, TurnResult
 
 
 class RolloutConfig(BaseModel):
@@ -114,6 +119,7 @@ class Rollout(WeightSink, Role):
             self._build_module_engine()
         self.version = 0
         self.sessions = SessionCache(int(self.cfg.session_cache_mb * 2**20))
+        self.loop: DecodeLoop | None = None  # iteration-level serving, from the first exchange
 
     def _build_serving(self) -> None:
         config = load_config(self.cfg.model)
@@ -181,14 +187,96 @@ class Rollout(WeightSink, Role):
                 f"older than the version {min_version} asked for (did the last weight sync fail?)"
             )
         reset_peak_memory(self.ctx.device)
-        out = serve(self.engine, self.tokenizer, batch, sampling, self.version, self.sessions)
+        with self._engine():
+            out = serve(self.engine, self.tokenizer, batch, sampling, self.version, self.sessions)
         out.meta[PEAK_MEMORY] = peak_memory_bytes(self.ctx.device)
         return out
+
+    @endpoint(DP_ROUTED)
+    def exchange(
+        self,
+        channel: str,
+        requests: list[TurnRequest],
+        sampling: SamplingConfig | None = None,
+        wait_s: float = 0.0,
+        min_version: int = 0,
+    ) -> list[TurnResult]:
+        """Iteration-level serving (``roles/engines/generation/iteration.py``, native engine at
+        tp = 1): ``requests`` join the running decode batch; returns ``channel``'s turns that
+        finished, waiting up to ``wait_s`` for the first while any are out."""
+        if self.version < min_version:
+            raise StaleWeightsError(
+                f"{self.ctx.role} rank {self.ctx.rank} holds weight version {self.version}, "
+                f"older than the version {min_version} asked for (did the last weight sync fail?)"
+            )
+        loop = self._decode_loop()
+        settings = SamplingConfig.model_validate(sampling if sampling is not None else {})
+        jobs = [
+            Job(
+                id=r.id,
+                channel=channel,
+                prompt=list(r.prompt_ids),
+                max_new=r.max_new,
+                seed=r.seed,
+                sampling=settings,
+                version=self.version,
+                session=r.session,
+            )
+            for r in requests
+        ]
+        if jobs:
+            loop.submit(jobs)
+        return [
+            TurnResult(
+                id=j.id,
+                tokens=j.tokens,
+                log_probs=j.log_probs,
+                text=self.tokenizer.decode(j.tokens, skip_special_tokens=True),
+                finish="stop" if j.finish == "stop" else "length",
+                version=j.version,
+                reused=j.reused,
+                pad_id=int(self.tokenizer.pad_token_id or 0),
+            )
+            for j in loop.take(channel, wait_s)
+        ]
+
+    def _decode_loop(self) -> DecodeLoop:
+        if self.loop is None:
+            if not isinstance(self.engine, NativeEngine) or self.ctx.layout.tp != 1:
+                raise GenerationError(
+                    f"iteration-level serving runs on engine 'native' at tp = 1 (this group: "
+                    f"engine {self.cfg.engine!r}, tp {self.ctx.layout.tp}); use agent serving "
+                    "'continuous'"
+                )
+            self.loop = DecodeLoop(self.engine, self.sessions)
+        return self.loop
+
+    def _engine(self) -> Any:
+        """Held around any other use of the engine while the decode loop may run."""
+        return self.loop.lock if self.loop is not None else nullcontext()
+
+    @contextmanager
+    def _weights_change(self) -> Iterator[None]:
+        """Around a weight change: refused while the decode loop has turns out (they were
+        admitted at the old version: pushes wait for them, ``controller/streaming.py``)."""
+        if self.loop is None:
+            yield
+            return
+        with self.loop.lock:
+            busy = self.loop.busy
+            if busy:
+                raise GenerationError(
+                    f"{self.ctx.role} rank {self.ctx.rank}: new weights arrived while {busy} "
+                    "turns are out in the decode loop (push weights through the WeightGate)"
+                )
+            self.loop.release()
+            yield
 
     @endpoint(ONE_TO_ALL)
     def drop_sessions(self, keys: list[str]) -> int:
         """Forget the kept KV of these trajectories (they ended); how many this rank held."""
-        return self.sessions.drop(keys)
+        with self._engine():
+            return self.sessions.drop(keys)
 
     @endpoint(DP_SPLIT)
     @torch.no_grad()
@@ -212,11 +300,12 @@ class Rollout(WeightSink, Role):
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         """Replace every weight with ``state`` (full tensors, names as the actor's export);
         tp ranks keep their slice. Returns the new version."""
-        if isinstance(self.engine, ServingEngine):
-            self.engine.load_weights(self._in_model_order(state))
-        else:
-            load_full_state(self.model, state)
-        self.version = version
+        with self._weights_change():
+            if isinstance(self.engine, ServingEngine):
+                self.engine.load_weights(self._in_model_order(state))
+            else:
+                load_full_state(self.model, state)
+            self.version = version
         return version
 
     @endpoint(ONE_TO_ALL)
@@ -273,7 +362,7 @@ class Rollout(WeightSink, Role):
             self.version = version
             return
         params = dict(self.model.named_parameters())
-        with torch.no_grad():
+        with self._weights_change(), torch.no_grad():
             for name, got in staged.items():
                 param = params[name]
                 same = got.dtype == param.dtype and got.device == param.device

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
+from transport.turns import TurnRequest, TurnResult
 from transport.batch import TensorBatch
 from transport.device import in_host_memory
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError, check_body
@@ -73,6 +74,8 @@ STRUCTS: dict[str, type] = {
     "env_open": EnvOpen,
     "env_action": EnvAction,
     "env_result": EnvResult,
+    "turn_request": TurnRequest,
+    "turn_result": TurnResult,
 }
 _TAGS = {cls: tag for tag, cls in STRUCTS.items()}
 

@@ -60,6 +60,9 @@ class Transfer(enum.StrEnum):
     # the paper's 3D_ALL_MICRO_DP: split over the d * d_g generation replicas of the layout's
     # generation tp (reshard/), each replica's first tp rank's rows concatenated in order (ragged)
     MICRO_DP = "3d-all-micro-dp"
+    # list arguments routed item by item to the dp rank their ``replica`` field names (every
+    # rank runs, with its items or none); the ranks' lists concatenated in dp order
+    DP_ROUTED = "dp-routed"
 
 
 class ProtocolError(ValueError):

@@ -9,6 +9,7 @@ from controller.clients.weights import WeightSinkClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
 from transport.sampling import SamplingConfig
+from transport.turns import TurnRequest, TurnResult
 
 
 class RolloutClient(WeightSinkClient):
@@ -28,6 +29,30 @@ class RolloutClient(WeightSinkClient):
             Transfer.DP_RAGGED, "generate", batch, sampling, min_version, timeout=timeout
         )
         return by_request(reply, sampling)
+
+    async def exchange(
+        self,
+        channel: str,
+        requests: list[TurnRequest],
+        sampling: SamplingConfig | None = None,
+        wait_s: float = 0.0,
+        min_version: int = 0,
+        *,
+        timeout: float | None = None,
+    ) -> list[TurnResult]:
+        """Iteration-level serving (native engine, tp = 1): ``requests`` join the running decode
+        batch of the dp rank each names (``replica``); returns ``channel``'s finished turns, in
+        any order, waiting up to ``wait_s`` for the first while any are out."""
+        return await self._call(
+            Transfer.DP_ROUTED,
+            "exchange",
+            channel,
+            requests,
+            sampling,
+            wait_s,
+            min_version,
+            timeout=timeout,
+        )
 
     async def prompt_logits(
         self, batch: TensorBatch, *, timeout: float | None = None

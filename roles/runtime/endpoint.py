@@ -167,6 +167,37 @@ def _micro_dp_gather(results: list[Any], layout: Layout) -> Any:
     return _pad_and_concat(picked)
 
 
+def _routed(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -> list[Args | None]:
+    """Every list argument whose items have a ``replica`` field split by it (item to dp rank
+    ``replica``); other arguments go to every rank unchanged. The tp/pp peers of a dp rank get
+    the same items."""
+
+    def shards(value: Any) -> list[Any]:
+        if not isinstance(value, list) or not all(hasattr(x, "replica") for x in value):
+            return [value] * layout.dp
+        if any(not 0 <= int(x.replica) < layout.dp for x in value):
+            raise BatchError(
+                f"an item names a replica outside the group's {layout.dp} dp ranks: "
+                f"{sorted({int(x.replica) for x in value})}"
+            )
+        return [[x for x in value if int(x.replica) == dp] for dp in range(layout.dp)]
+
+    arg_shards = [shards(a) for a in args]
+    kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
+    per_rank: list[Args | None] = []
+    for rank in range(layout.world_size):
+        dp, _, _ = layout.coords(rank)
+        per_rank.append(
+            (tuple(s[dp] for s in arg_shards), {k: s[dp] for k, s in kwarg_shards.items()})
+        )
+    return per_rank
+
+
+def _concat_lists(results: list[Any], layout: Layout) -> list[Any]:
+    """The lists of each dp group's tp rank 0 on the last pp stage, concatenated in dp order."""
+    return [x for dp in range(layout.dp) for x in results[layout.rank_of(dp, layout.pp - 1, 0)]]
+
+
 ONE_TO_ALL = TransferProtocol(Transfer.ONE_TO_ALL, _broadcast, _first)
 DP_SPLIT = TransferProtocol(Transfer.DP_SPLIT, _dp_scatter, _dp_gather)
 RANK_ZERO = TransferProtocol(Transfer.RANK_ZERO, _rank_zero_only, _first)
@@ -178,6 +209,8 @@ DP_RAGGED = TransferProtocol(Transfer.DP_RAGGED, _dp_scatter, _dp_gather_ragged)
 #: the paper's 3D_ALL_MICRO_DP: like DP_RAGGED over the generation replicas (reshard/); the same
 #: as DP_RAGGED when the group generates at its training layout.
 MICRO_DP = TransferProtocol(Transfer.MICRO_DP, _micro_dp_scatter, _micro_dp_gather)
+#: items of list arguments to the dp rank each names (``replica``), the ranks' lists joined
+DP_ROUTED = TransferProtocol(Transfer.DP_ROUTED, _routed, _concat_lists)
 
 
 @dataclass(frozen=True)

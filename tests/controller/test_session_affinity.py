@@ -1,7 +1,9 @@
 """Session affinity with several rollout replicas: a rollout group of 2 dp ranks, each keeping
 the KV of the trajectories it served; every turn of a trajectory goes to the replica that keeps
 its session (its ``replica``), so later turns prefill only what is new, and the trajectories are
-those of full re-prefills. Also the split itself: rows to the replica they name, in order."""
+those of full re-prefills. The same with iteration-level serving (each replica's decode loop
+admits turns as they come): the same trajectories again. Also the split itself: rows to the
+replica they name, in order."""
 
 from __future__ import annotations
 
@@ -61,10 +63,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         async with local_session(placement, TEST_TIMEOUTS) as c:
             generator, env = RolloutClient(c, "rollout"), EnvClient(c, "env")
             spec = await env.spec()
-            for name, sessions in (("kept", True), ("plain", False)):
-                cfg = AgentConfig(max_turns=4, max_total_tokens=96, sessions=sessions)
+            runs = (("kept", True, "continuous"), ("plain", False, "continuous"))
+            runs += (("iteration", True, "iteration"), ("iteration_plain", False, "iteration"))
+            for name, sessions, serving in runs:
+                cfg = AgentConfig(
+                    max_turns=4, max_total_tokens=96, sessions=sessions, serving=serving
+                )
                 setup = AgentRollout(generator, env, cfg, spec, first_session=100 * len(out))
                 out[name] = await run_trajectories(setup, prompts(TEXTS), SAMPLING, 0)
+            out["held"] = await generator.drop_sessions([f"t{200 + i}" for i in range(10)])
         return out
 
     return run(main)
@@ -85,3 +92,21 @@ def test_each_trajectory_keeps_its_replica_and_samples_as_full_prefills(
     reuse = kept.meta["agent"]["agent/prefix_reuse"]
     assert reuse > 0.6, reuse
     assert plain.meta["agent"]["agent/prefix_reuse"] == 0.0
+
+
+def test_iteration_level_serving_gives_the_same_trajectories_on_both_replicas(
+    results: dict[str, Any],
+) -> None:
+    plain = results["plain"]
+    for name in ("iteration", "iteration_plain"):
+        found = results[name]
+        for column in ("input_ids", "response_mask"):
+            assert torch.equal(found.tensors[column], plain.tensors[column]), (name, column)
+        torch.testing.assert_close(
+            found.tensors["log_probs"], plain.tensors["log_probs"], atol=1e-5, rtol=0
+        )
+        assert found.non_tensors["turns"] == [3] * len(found)
+        assert found.meta["pad_values"] == plain.meta["pad_values"]
+    assert results["iteration"].meta["agent"]["agent/prefix_reuse"] > 0.6
+    assert results["iteration_plain"].meta["agent"]["agent/prefix_reuse"] == 0.0
+    assert results["held"] == 0  # the batch's sessions were dropped at its end

@@ -38,8 +38,14 @@ def one_call(engine: NativeEngine, prompt: list[int], seed: int, max_new: int) -
 def job(i: int, prompt: list[int], max_new: int, channel: str = "a", **kw: object) -> Job:
     sampling = kw.pop("sampling", SAMPLING.model_copy(update={"stop_token_ids": [0]}))
     return Job(
-        id=i, channel=channel, prompt=prompt, max_new=max_new, seed=500 + i,
-        sampling=sampling, version=0, **kw,  # type: ignore[arg-type]
+        id=i,
+        channel=channel,
+        prompt=prompt,
+        max_new=max_new,
+        seed=500 + i,
+        sampling=sampling,
+        version=0,
+        **kw,  # type: ignore[arg-type]
     )
 
 

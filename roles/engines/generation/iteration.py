@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from roles.engines.generation.interface import GenerationError, SamplingConfig, sample_seed
-from roles.engines.generation.native import NativeEngine
+from roles.engines.generation.native import NativeEngine, decode_attention
 from roles.engines.generation.sessions import Session, SessionCache, SessionRequest
 
 #: compact the slots once this share of those below the highest live row is free
@@ -174,9 +174,7 @@ class DecodeLoop:
                 admitted = self._admissible()
             try:
                 with self.lock:
-                    if admitted:
-                        self._admit(admitted)
-                    finished = self._step()
+                    finished = self._iterate(admitted)
             except BaseException as exc:  # every request in the batch fails with the loop
                 self._fail([*admitted, *(j for j in self._jobs if j is not None)], exc)
                 continue
@@ -193,7 +191,9 @@ class DecodeLoop:
         """The waiting requests that may join now: those sampling like the running rows (all
         alike, as the first waiting one, when none runs)."""
         running = next((j.kind for j in self._jobs if j is not None), None)
-        kind = running if running is not None else (self._pending[0].kind if self._pending else None)
+        kind = (
+            running if running is not None else (self._pending[0].kind if self._pending else None)
+        )
         taken = [j for j in self._pending if j.kind == kind]
         if taken:
             self._pending = deque(j for j in self._pending if j.kind != kind)
@@ -206,97 +206,29 @@ class DecodeLoop:
                 self._failed[job.channel] = exc
             self._cond.notify_all()
 
-    def _admit(self, jobs: list[Job]) -> None:
-        engine = self.engine
-        version = jobs[0].version
-        if self._fused_version != version:  # no row runs: a kind holds one version
-            engine._fuse()
-            self._fused_version = version
-        prompts = [j.prompt for j in jobs]
-        keys = [j.session for j in jobs]
-        past = None
-        if self.cache is not None and any(k is not None for k in keys):
-            past = engine._take_sessions(prompts, SessionRequest(self.cache, keys, version))
-        most = max(j.max_new for j in jobs)
-        caches, lengths, logits = engine._prefill(prompts, 1, most, past)
-        for job, reused in zip(jobs, engine.last_reused or [0] * len(jobs), strict=True):
-            job.reused = reused
-        widest = max(len(j.prompt) + j.max_new for j in jobs)
-        slots = self._slots(len(jobs), widest, most, caches, logits.shape[-1])
-        index = torch.tensor(slots, device=engine.device)
-        # the prefill's caches may be wider than any one request needs (its longest prompt
-        # plus its largest limit): the slots hold what each needs, ``widest``
-        width = min(caches[0][0].shape[2], self._caches[0][0].shape[2])
-        for (k, v), (new_k, new_v) in zip(self._caches, caches, strict=True):
-            k[index, :, :width] = new_k[:, :, :width]
-            v[index, :, :width] = new_v[:, :, :width]
-        self._lengths[index] = lengths
-        self._steps[index] = 0
-        self._uniforms[index] = 0.0
-        for slot, job in zip(slots, jobs, strict=True):
-            self._jobs[slot] = job
-            self._uniforms[slot, : job.max_new] = self._stream(job)
-        assert self._logits is not None
-        self._logits[index] = logits
-        self.admissions += 1
+    def _iterate(self, admitted: list[Job]) -> list[Job]:
+        """One iteration: a token for every live row (the rows that finish leave), then one
+        forward pass over the others' last tokens and the admitted requests' prompts (what
+        their kept sessions do not hold), packed together. Returns the rows that finished."""
+        finished = self._choose()
+        continuing = [s for s, j in enumerate(self._jobs) if j is not None]
+        if continuing:
+            self._compact()
+            continuing = [s for s, j in enumerate(self._jobs) if j is not None]
+        top = continuing[-1] + 1 if continuing else 0  # the decode part: slots [0, top)
+        new = self._place(admitted) if admitted else []
+        if continuing or new:
+            self._forward(top, continuing, new)
+            if continuing:
+                moved = torch.tensor(continuing, device=self.engine.device)
+                self._lengths[moved] += 1
+                self._steps[moved] += 1
+            for slot, job, _ in new:
+                self._lengths[slot] = len(job.prompt)
+        return finished
 
-    def _stream(self, job: Job) -> torch.Tensor:
-        """The uniforms ``NativeEngine.generate`` draws for this request's one sample."""
-        seed = sample_seed(job.sampling.seed, job.seed, 0)
-        return torch.rand(job.max_new, generator=torch.Generator().manual_seed(seed))
-
-    def _slots(
-        self,
-        count: int,
-        width: int,
-        draws: int,
-        like: list[tuple[torch.Tensor, torch.Tensor]],
-        vocab: int,
-    ) -> list[int]:
-        """``count`` free slots (the lowest), the caches grown to hold them and ``width``
-        positions (shaped as the prefill's caches ``like``), the uniforms ``draws`` per row."""
-        free = [s for s, j in enumerate(self._jobs) if j is None][:count]
-        need = len(self._jobs) + count - len(free)
-        rows = len(self._jobs)
-        held = self._caches[0][0].shape[2] if self._caches else 0
-        if need > rows or width > held or not self._caches:
-            rows = max(need, 2 * rows) if need > rows else rows
-            wide = min(self.engine.context, max(width, 2 * held)) if width > held else held
-            self._grow(rows, wide, like, vocab)
-        if draws > self._uniforms.shape[1] or rows > self._uniforms.shape[0]:
-            grown = torch.zeros((rows, max(draws, self._uniforms.shape[1])))
-            grown[: self._uniforms.shape[0], : self._uniforms.shape[1]] = self._uniforms
-            self._uniforms = grown.to(self.engine.device)
-        taken = [s for s, j in enumerate(self._jobs) if j is None][:count]
-        return taken
-
-    def _grow(
-        self, rows: int, width: int, like: list[tuple[torch.Tensor, torch.Tensor]], vocab: int
-    ) -> None:
-        old_rows = len(self._jobs)
-        grown = []
-        for layer, (k, _) in enumerate(like):
-            shape = (rows, k.shape[1], width, k.shape[3])
-            new_k, new_v = k.new_zeros(shape), k.new_zeros(shape)
-            if self._caches:
-                held_k, held_v = self._caches[layer]
-                new_k[:old_rows, :, : held_k.shape[2]] = held_k
-                new_v[:old_rows, :, : held_v.shape[2]] = held_v
-            grown.append((new_k, new_v))
-        self._caches = grown
-        device = self.engine.device
-        self._lengths = _extend(self._lengths, rows, device)
-        self._steps = _extend(self._steps, rows, device)
-        self._last = _extend(self._last, rows, device)
-        logits = torch.zeros((rows, vocab), device=device)
-        if self._logits is not None:
-            logits[: self._logits.shape[0]] = self._logits
-        self._logits = logits
-        self._jobs += [None] * (rows - old_rows)
-
-    def _step(self) -> list[Job]:
-        """One token for every live row; returns the rows that finished (their slots freed),
-        then runs the decode that gives the others' next logits."""
+    def _choose(self) -> list[Job]:
+        """Sample every live row's next token; free the slots of the rows that finished."""
         live = [s for s, j in enumerate(self._jobs) if j is not None]
         if not live:
             return []
@@ -323,22 +255,151 @@ class DecodeLoop:
             self._keep(slot, job)
             self._jobs[slot] = None
         self._last[rows] = tokens
-        gone = torch.tensor([s for s in live if self._jobs[s] is None], dtype=torch.long)
-        self._lengths[gone] = 0  # a free slot decodes a dummy at position 0 until reused
-        self._last[gone] = 0
         self.steps += 1
-        if not self._live():
-            return finished
-        self._compact()
-        top = max(s for s, j in enumerate(self._jobs) if j is not None) + 1
-        running = [s for s in range(top) if self._jobs[s] is not None]
-        span = int(self._lengths[running].max()) + 1  # the prefills' rotary tables reach it
-        caches = [(k[:top], v[:top]) for k, v in self._caches]
-        self._logits[:top] = engine._decode(caches, self._lengths[:top], self._last[:top], span)
-        moved = torch.tensor(running, device=engine.device)
-        self._lengths[moved] += 1
-        self._steps[moved] += 1
         return finished
+
+    def _place(self, jobs: list[Job]) -> list[tuple[int, Job, int]]:
+        """Slots for the admitted requests, their kept sessions' keys and values copied in;
+        per request: (slot, job, prompt positions its session holds)."""
+        engine = self.engine
+        version = jobs[0].version
+        if self._fused_version != version:  # no row runs: rows sharing a step share a version
+            engine._fuse()
+            self._fused_version = version
+        past: list[tuple[Session, int] | None] = [None] * len(jobs)
+        keys = [j.session for j in jobs]
+        if self.cache is not None and any(k is not None for k in keys):
+            prompts = [j.prompt for j in jobs]
+            found = engine._take_sessions(prompts, SessionRequest(self.cache, keys, version))
+            past = list(found) if found is not None else past
+        widest = max(len(j.prompt) + j.max_new for j in jobs)
+        slots = self._slots(len(jobs), widest, max(j.max_new for j in jobs))
+        placed = []
+        for slot, job, kept in zip(slots, jobs, past, strict=True):
+            reused = 0
+            if kept is not None:
+                session, reused = kept
+                for layer, (k, v) in enumerate(self._caches):
+                    k[slot, :, :reused] = session.keys[layer][:, :reused]
+                    v[slot, :, :reused] = session.values[layer][:, :reused]
+            job.reused = reused
+            self._jobs[slot] = job
+            self._steps[slot] = 0
+            self._uniforms[slot] = 0.0
+            self._uniforms[slot, : job.max_new] = self._stream(job)
+            placed.append((slot, job, reused))
+        self.admissions += 1
+        return placed
+
+    def _stream(self, job: Job) -> torch.Tensor:
+        """The uniforms ``NativeEngine.generate`` draws for this request's one sample."""
+        seed = sample_seed(job.sampling.seed, job.seed, 0)
+        return torch.rand(job.max_new, generator=torch.Generator().manual_seed(seed))
+
+    def _slots(self, count: int, width: int, draws: int) -> list[int]:
+        """``count`` free slots (the lowest), the caches grown to hold them and ``width``
+        positions, the uniforms to ``draws`` per row."""
+        free = [s for s, j in enumerate(self._jobs) if j is None][:count]
+        need = len(self._jobs) + count - len(free)
+        rows = len(self._jobs)
+        held = self._caches[0][0].shape[2] if self._caches else 0
+        if need > rows or width > held or not self._caches:
+            rows = max(need, 2 * rows) if need > rows else rows
+            wide = min(self.engine.context, max(width, 2 * held)) if width > held else held
+            self._grow(rows, wide)
+        if draws > self._uniforms.shape[1] or rows > self._uniforms.shape[0]:
+            grown = torch.zeros((rows, max(draws, self._uniforms.shape[1])))
+            grown[: self._uniforms.shape[0], : self._uniforms.shape[1]] = self._uniforms
+            self._uniforms = grown.to(self.engine.device)
+        return [s for s, j in enumerate(self._jobs) if j is None][:count]
+
+    def _grow(self, rows: int, width: int) -> None:
+        engine = self.engine
+        weight = engine.base.embed_tokens.weight
+        fused = engine.fused[0]
+        heads = fused.split[1] // engine.head_dim if fused.qkv is not None else _kv_heads(engine)
+        old_rows = len(self._jobs)
+        grown = []
+        for layer in range(len(engine.base.layers)):
+            shape = (rows, heads, width, engine.head_dim)
+            new_k, new_v = weight.new_zeros(shape), weight.new_zeros(shape)
+            if self._caches:
+                held_k, held_v = self._caches[layer]
+                new_k[:old_rows, :, : held_k.shape[2]] = held_k
+                new_v[:old_rows, :, : held_v.shape[2]] = held_v
+            grown.append((new_k, new_v))
+        self._caches = grown
+        device = engine.device
+        self._lengths = _extend(self._lengths, rows, device)
+        self._steps = _extend(self._steps, rows, device)
+        self._last = _extend(self._last, rows, device)
+        logits = torch.zeros((rows, engine.model.lm_head.weight.shape[0]), device=device)
+        if self._logits is not None:
+            logits[: self._logits.shape[0]] = self._logits
+        self._logits = logits
+        self._jobs += [None] * (rows - old_rows)
+
+    def _forward(self, top: int, continuing: list[int], new: list[tuple[int, Job, int]]) -> None:
+        """One pass of the model over ``top`` decode tokens (slot s's last token at its length
+        for the continuing slots; a dummy elsewhere, whose result is never read) followed by
+        the admitted prompts' tails, packed: the projections and MLPs run once for all of them.
+        Attention runs in two parts, each one operation: the decode rows over their slots (a
+        view of the caches), the tails' tokens each over its own slot up to itself (gathered).
+        Writes the next-token logits of every row it ran for."""
+        engine = self.engine
+        device = engine.device
+        width = self._caches[0][0].shape[2]
+        tails = [job.prompt[reused:] for _, job, reused in new]
+        go_on = torch.zeros(top, dtype=torch.bool, device=device)
+        go_on[torch.tensor(continuing, dtype=torch.long, device=device)] = True
+        lengths = torch.where(go_on, self._lengths[:top], 0)
+        # a dummy's key and value go to the slot's last position: a position a row writes
+        # (its own decode) before it ever reads it
+        write_at = torch.where(go_on, lengths, width - 1)
+        # each tail token: its slot and its position (after the session's kept prefix)
+        owner = [slot for (slot, _, _), tail in zip(new, tails, strict=True) for _ in tail]
+        at = [r + i for (_, _, r), tail in zip(new, tails, strict=True) for i in range(len(tail))]
+        tail_ids = torch.tensor([t for tail in tails for t in tail], dtype=torch.long)
+        tail_slots = torch.tensor(owner, dtype=torch.long, device=device)
+        tail_at = torch.tensor(at, dtype=torch.long, device=device)
+        ids = torch.cat([torch.where(go_on, self._last[:top], 0), tail_ids.to(device)])
+        x = engine.base.embed_tokens(ids)[None]
+        engine._rotary(x, width)
+        positions = torch.cat([lengths, tail_at])
+        cos, sin = engine.cos[positions][None], engine.sin[positions][None]
+        batch = torch.arange(top, device=device)
+        span = int(lengths.max()) + 1 if top else 0
+        hidden = (torch.arange(span, device=device)[None, :] > lengths[:, None])[:, None, None, :]
+        tail_span = max(at) + 1 if at else 0
+        tail_hidden = (torch.arange(tail_span, device=device)[None, :] > tail_at[:, None])[
+            :, None, None, :
+        ]
+        for index, (k_cache, v_cache) in enumerate(self._caches):
+            q, k, v = engine._attention_block(index, x, cos, sin)
+            k_cache[batch, :, write_at] = k[0, :, :top].transpose(0, 1)
+            v_cache[batch, :, write_at] = v[0, :, :top].transpose(0, 1)
+            k_cache[tail_slots, :, tail_at] = k[0, :, top:].transpose(0, 1)
+            v_cache[tail_slots, :, tail_at] = v[0, :, top:].transpose(0, 1)
+            parts = []
+            if top:
+                q_rows = q[0, :, :top].transpose(0, 1)[:, :, None]
+                kept = (k_cache[:top, :, :span], v_cache[:top, :, :span])
+                parts.append(decode_attention(q_rows, *kept, hidden)[:, :, 0].transpose(0, 1))
+            if at:
+                q_tail = q[0, :, top:].transpose(0, 1)[:, :, None]
+                gathered = (
+                    k_cache[tail_slots, :, :tail_span],
+                    v_cache[tail_slots, :, :tail_span],
+                )
+                parts.append(
+                    decode_attention(q_tail, *gathered, tail_hidden)[:, :, 0].transpose(0, 1)
+                )
+            x = engine._finish_layer(index, x, torch.cat(parts, dim=1)[None])
+        lasts = [top + sum(len(t) for t in tails[: i + 1]) - 1 for i in range(len(tails))]
+        picks = torch.tensor(continuing + lasts, dtype=torch.long, device=device)
+        where = torch.tensor(continuing + [slot for slot, _, _ in new], device=device)
+        assert self._logits is not None
+        self._logits[where] = engine._logits(x[0, picks])
 
     def _keep(self, slot: int, job: Job) -> None:
         """Keep a finished row as its session: the prompt and the sampled tokens fed back."""
@@ -376,8 +437,11 @@ class DecodeLoop:
         self._logits[dst] = self._logits[src]
         for s, d in zip(movers, holes, strict=True):
             self._jobs[d], self._jobs[s] = self._jobs[s], None
-        self._lengths[src] = 0
-        self._last[src] = 0
+
+
+def _kv_heads(engine: NativeEngine) -> int:
+    config = engine.model.config
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
 def _extend(t: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:

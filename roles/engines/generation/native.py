@@ -447,15 +447,21 @@ class NativeEngine(GenerationEngine):
     def _choose(
         logits: torch.Tensor,
         rows: torch.Tensor,
-        step: int,
+        step: int | torch.Tensor,
         uniforms: torch.Tensor,
         sampling: SamplingConfig,
         processor: LogitsProcessor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token per row and its log-prob under the unfiltered, temperature-scaled softmax."""
+        """Next token per row and its log-prob under the unfiltered, temperature-scaled softmax.
+        ``step``: the index of the token being chosen, for every row or (iteration-level
+        batching) per row; a processor is only given a shared one."""
         temperature = sampling.temperature or 1.0
         log_probs = torch.log_softmax(logits / temperature, dim=-1)
-        shaped = processor(rows, step, logits) if processor is not None else logits
+        shaped = logits
+        if processor is not None:
+            if not isinstance(step, int):
+                raise GenerationError("a logits processor needs one step shared by every row")
+            shaped = processor(rows, step, logits)
         if sampling.greedy:
             tokens = shaped.argmax(-1)
         else:
