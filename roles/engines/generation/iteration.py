@@ -36,6 +36,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from roles.engines.generation.interface import GenerationError, SamplingConfig, sample_seed
 from roles.engines.generation.native import NativeEngine, decode_attention
@@ -343,8 +344,8 @@ class DecodeLoop:
         """One pass of the model over ``top`` decode tokens (slot s's last token at its length
         for the continuing slots; a dummy elsewhere, whose result is never read) followed by
         the admitted prompts' tails, packed: the projections and MLPs run once for all of them.
-        Attention runs in two parts, each one operation: the decode rows over their slots (a
-        view of the caches), the tails' tokens each over its own slot up to itself (gathered).
+        Attention runs per part: the decode rows in one operation over their slots (a view of
+        the caches), each prompt's tail over its own slot (the kept prefix and itself).
         Writes the next-token logits of every row it ran for."""
         engine = self.engine
         device = engine.device
@@ -370,10 +371,7 @@ class DecodeLoop:
         batch = torch.arange(top, device=device)
         span = int(lengths.max()) + 1 if top else 0
         hidden = (torch.arange(span, device=device)[None, :] > lengths[:, None])[:, None, None, :]
-        tail_span = max(at) + 1 if at else 0
-        tail_hidden = (torch.arange(tail_span, device=device)[None, :] > tail_at[:, None])[
-            :, None, None, :
-        ]
+        starts = [sum(len(t) for t in tails[:i]) for i in range(len(tails))]
         for index, (k_cache, v_cache) in enumerate(self._caches):
             q, k, v = engine._attention_block(index, x, cos, sin)
             k_cache[batch, :, write_at] = k[0, :, :top].transpose(0, 1)
@@ -385,14 +383,15 @@ class DecodeLoop:
                 q_rows = q[0, :, :top].transpose(0, 1)[:, :, None]
                 kept = (k_cache[:top, :, :span], v_cache[:top, :, :span])
                 parts.append(decode_attention(q_rows, *kept, hidden)[:, :, 0].transpose(0, 1))
-            if at:
-                q_tail = q[0, :, top:].transpose(0, 1)[:, :, None]
-                gathered = (
-                    k_cache[tail_slots, :, :tail_span],
-                    v_cache[tail_slots, :, :tail_span],
-                )
+            for (slot, _, r), tail, a in zip(new, tails, starts, strict=True):
+                b = a + len(tail)
                 parts.append(
-                    decode_attention(q_tail, *gathered, tail_hidden)[:, :, 0].transpose(0, 1)
+                    _prompt_attention(
+                        q[:, :, top + a : top + b],
+                        k_cache[slot : slot + 1, :, : r + len(tail)],
+                        v_cache[slot : slot + 1, :, : r + len(tail)],
+                        r,
+                    )[0]
                 )
             x = engine._finish_layer(index, x, torch.cat(parts, dim=1)[None])
         lasts = [top + sum(len(t) for t in tails[: i + 1]) - 1 for i in range(len(tails))]
@@ -437,6 +436,21 @@ class DecodeLoop:
         self._logits[dst] = self._logits[src]
         for s, d in zip(movers, holes, strict=True):
             self._jobs[d], self._jobs[s] = self._jobs[s], None
+
+
+def _prompt_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: int
+) -> torch.Tensor:
+    """Causal attention of a prompt's new tokens (query j at position ``kept + j``) over its
+    slot's keys and values: the kept prefix and the new tokens."""
+    if kept == 0:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+    count = q.shape[2]
+    seen = (
+        torch.arange(kept + count, device=q.device)[None, :]
+        <= (kept + torch.arange(count, device=q.device))[:, None]
+    )
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
 
 
 def _kv_heads(engine: NativeEngine) -> int:
