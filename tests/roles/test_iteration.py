@@ -79,6 +79,11 @@ def test_requests_joining_a_running_batch_sample_as_their_own_calls(
     # one step per token of the longest request, not one call after another
     assert loop.steps <= max(limits) + steps_then
     assert loop.busy == 0
+    # the loop thread runs without autograd (grad mode is per thread): the caches its in-place
+    # writes fill would otherwise chain every step's graph (memory growing with each step)
+    assert any(p.requires_grad for p in engine.model.parameters())
+    assert not loop._caches[0][0].requires_grad and loop._logits is not None
+    assert not loop._logits.requires_grad
     loop.close()
 
 

@@ -174,7 +174,9 @@ class DecodeLoop:
                     return
                 admitted = self._admissible()
             try:
-                with self.lock:
+                # grad mode is per thread, and on in a new one: without this every step would
+                # record an autograd graph that the caches' in-place writes chain together
+                with self.lock, torch.no_grad():
                     finished = self._iterate(admitted)
             except BaseException as exc:  # every request in the batch fails with the loop
                 self._fail([*admitted, *(j for j in self._jobs if j is not None)], exc)
