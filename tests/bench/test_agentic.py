@@ -14,7 +14,8 @@ from bench.agentic_env import latency
 KEYS = ("traj_per_s", "lockstep_traj_per_s", "no_latency_traj_per_s", "tok_per_s",
         "generator_idle_share", "speedup_vs_lockstep", "frac_of_no_latency", "reprefill_share",
         "no_sessions_traj_per_s", "no_sessions_reprefill_share", "session_speedup",
-        "prefix_reuse")  # fmt: skip
+        "prefix_reuse", "iteration_traj_per_s", "iteration_vs_continuous",
+        "iteration_frac_of_no_latency", "latency_floor_s", "frac_of_floor")  # fmt: skip
 
 
 def test_the_latencies_are_heavy_tailed_with_the_stated_median_and_p99() -> None:
@@ -39,3 +40,6 @@ def test_quick_run_prints_every_key_and_lock_step_waits_longest(
     assert found["reprefill_share"] <= 0.1 < found["no_sessions_reprefill_share"] < 1
     assert found["prefix_reuse"] > 0.5
     assert found["session_bytes_per_token"] == 2048  # 2 x 4 layers x 2 KV heads x 32 x 4 bytes
+    # iteration-level serving keeps sessions too, and no run beats its slowest trajectory's tools
+    assert found["iteration_reprefill_share"] <= 0.1
+    assert 0 < found["frac_of_floor"] <= 1 and 0 < found["iteration_frac_of_floor"] <= 1
