@@ -19,6 +19,9 @@ run sees the same latencies):
   every live trajectory has asked for its next turn (the naive baseline: a turn of the whole
   batch waits for its slowest tool);
 * (c) ``no_latency``: (a) with tools that answer at once: the generator's own limit;
+* ``vllm``: (a) on a vLLM rollout group (token ids in and out, its automatic prefix cache in
+  blocks of 32 tokens): ``vllm_traj_per_s`` and ``vllm_prefix_hit_rate``, the share of the turns'
+  prompt positions its prefix cache served (not in ``--quick``);
 * ``iteration`` and ``iteration_no_latency``: (a) and (c) with ``serving: iteration``: each turn
   joins the native engine's running decode batch when it is asked for and returns when it is
   done (``roles/engines/generation/iteration.py``), instead of waiting for the call in flight.
@@ -85,6 +88,8 @@ MODES = (
     "iteration",
     "iteration_no_latency",
 )
+#: vLLM's KV blocks: its prefix cache reuses whole blocks, and a turn here adds ~22 tokens
+VLLM_BLOCKS = {"kv_block_tokens": 32}
 
 
 def group(name: str, role: str, cls: str, config: dict[str, Any]) -> GroupSpec:
@@ -111,10 +116,15 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         group("slow", "env", "roles.env:EnvRole", slow),
         group("fast", "fast_env", "roles.env:EnvRole", fast),
     ]
+    if "vllm" in args.modes:  # the same work on vLLM: token ids in and out, its prefix cache
+        vllm = {"model": str(model), "dtype": "fp32", "engine": "vllm", "kv_cache_mb": 512}
+        groups.append(group("vgen", "vllm", "roles.rollout:Rollout", {**vllm, **VLLM_BLOCKS}))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.turn_tokens, n=args.n, seed=1)
-    runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
     async with local_session(groups, Timeouts(call_s=600, connect_s=120)) as c:
-        generator = RolloutClient(c, "rollout")
+        generators = {"native": RolloutClient(c, "rollout")}
+        if "vllm" in args.modes:
+            generators["vllm"] = RolloutClient(c, "vllm")
         envs = {"slow": EnvClient(c, "env"), "fast": EnvClient(c, "fast_env")}
         specs = {k: await e.spec() for k, e in envs.items()}
         session = 0
@@ -130,6 +140,7 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                     serving=serving,
                     sessions=mode != "no_sessions",
                 )
+                generator = generators["vllm" if mode == "vllm" else "native"]
                 setup = AgentRollout(generator, envs[which], cfg, specs[which], None, session)
                 session += args.prompts * args.n
                 batch = await run_trajectories(setup, prompts(args.prompts), sampling, 0)
@@ -187,9 +198,18 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     def tok_s(mode: str) -> float:
         return statistics.median(r["tokens"] / r["agent/seconds"] for r in runs[mode])
 
-    if set(args.modes) != set(MODES):  # a subset: each mode's throughput only
+    if not set(MODES) <= set(args.modes):  # a subset: each mode's throughput only
         return {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
     a, plain, b, c, it, it_c = (median(m, "agent/traj_per_s") for m in MODES)
+    if "vllm" in args.modes:
+        vllm = {
+            "vllm_traj_per_s": round(median("vllm", "agent/traj_per_s"), 3),
+            "vllm_tok_per_s": round(tok_s("vllm"), 1),
+            "vllm_prefix_hit_rate": round(median("vllm", "agent/prefix_reuse"), 3),
+            "vllm_vs_native": round(median("vllm", "agent/traj_per_s") / a, 3),
+        }
+    else:
+        vllm = {}
 
     def reprefill(mode: str) -> float:
         ran = sum(r["positions"][0] for r in runs[mode])
@@ -236,6 +256,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "latency_median_s": MEDIAN_S,
         "latency_p99_s": P99_S,
         "repeats": args.repeats,
+        **vllm,
     }
 
 
@@ -249,11 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="CI-sized: 8 prompts, 1 repeat")
     parser.add_argument(
-        "--modes", type=lambda x: x.split(","), default=list(MODES), help="a comma list of modes"
+        "--modes",
+        type=lambda x: x.split(","),
+        default=[*MODES, "vllm"],
+        help="a comma list of modes (default: all; --quick: all but vllm)",
     )
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.n, args.repeats, args.steps = 8, 2, 1, 4
+        args.modes = [m for m in args.modes if m != "vllm"]
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / args.model, args.model, seed=0)
         report = asyncio.run(measure(args, model))
