@@ -591,6 +591,16 @@ def _check_agent(exp: Experiment) -> None:
             "trainer.agent: multi-turn rollouts need a role named 'env' hosting the tools "
             "(env: {tools: [roles.tools.calculator:calculator]}) or an environment"
         )
+    if agent.serving == "iteration":
+        rollout = exp.roles.get("rollout")
+        engine = rollout.settings().get("engine", "native") if rollout is not None else None
+        tp = next((g.tp for g in placement(exp).values() if "rollout" in g.roles), 1)
+        if engine != "native" or tp != 1:
+            raise ExperimentError(
+                "trainer.agent.serving: 'iteration' runs in a rollout group's native engine at "
+                f"tp 1 (here: {'no rollout role' if rollout is None else f'engine {engine}, tp {tp}'}"
+                "); use serving 'continuous'"
+            )
     for i, stage in enumerate(exp.stages):
         if not isinstance(stage, RLStage):
             continue

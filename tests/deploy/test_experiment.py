@@ -246,6 +246,7 @@ def tool_use() -> dict[str, Any]:
         (["stages.1.algorithm.stream_chunks=2"], "stages.1.algorithm.stream_chunks: trajectories"),
         (["stages.1.algorithm.partial_rollout={chunk_tokens: 4}"], "partial_rollout: not supp"),
         (["trainer.agent.max_turns=0"], "trainer.agent.max_turns"),
+        (["trainer.agent.serving=iteration"], "serving: 'iteration' runs in a rollout group"),
         (
             ["stages.1.algorithm.overlong={cache: 16}", "trainer.agent.max_total_tokens=16"],
             "stages.1.algorithm.overlong.cache=16: with trainer.agent",

@@ -155,3 +155,22 @@ def test_a_failed_step_fails_its_requests_owner_and_the_loop_goes_on(
     loop.submit([job(1, prompts[1], 5)])
     assert drain(loop, "a", 1)[1].tokens == one_call(engine, prompts[1], 501, 5)
     loop.close()
+
+
+def test_after_a_release_the_loop_starts_a_new_batch_of_any_shape(
+    setup: tuple[NativeEngine, list[list[int]]],
+) -> None:
+    """A weight change releases the caches between batches: the next batch may be smaller and
+    ask for more tokens than any before (a run's validation after its training batches)."""
+    engine, prompts = setup
+    loop = DecodeLoop(engine)
+    loop.submit([job(i, prompts[i], 8) for i in range(8)])
+    drain(loop, "a", 8)
+    with loop.lock:
+        assert loop.busy == 0
+        loop.release()
+    loop.submit([job(30 + i, prompts[i], 40) for i in range(3)])
+    found = drain(loop, "a", 3)
+    for i in range(3):
+        assert found[30 + i].tokens == one_call(engine, prompts[i], 530 + i, 40)
+    loop.close()

@@ -84,15 +84,7 @@ class DecodeLoop:
         self._out: dict[Hashable, int] = {}  # per channel: jobs submitted, not yet taken
         self._thread: threading.Thread | None = None
         self._closing = False
-        # the running batch (the loop thread's alone)
-        self._jobs: list[Job | None] = []  # per slot
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._lengths = torch.zeros(0, dtype=torch.long)
-        self._steps = torch.zeros(0, dtype=torch.long)
-        self._last = torch.zeros(0, dtype=torch.long)  # each slot's last sampled token
-        self._uniforms = torch.zeros((0, 0))
-        self._logits: torch.Tensor | None = None
-        self._fused_version: int | None = None
+        self._empty()
         self.steps = 0  # decode steps run (for tests and metrics)
         self.admissions = 0  # prefills that joined a running batch
         self.compactions = 0
@@ -155,8 +147,18 @@ class DecodeLoop:
     def release(self) -> None:
         """Let the caches go (the next request allocates them again); only when nothing runs
         (a weight change: a caller holding ``lock`` and finding ``busy`` 0)."""
-        self._caches, self._jobs, self._logits = [], [], None
-        self._fused_version = None
+        self._empty()
+
+    def _empty(self) -> None:
+        """No running batch (the loop thread's state, or the lock holder's while it runs none)."""
+        self._jobs: list[Job | None] = []  # per slot
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lengths = torch.zeros(0, dtype=torch.long)
+        self._steps = torch.zeros(0, dtype=torch.long)
+        self._last = torch.zeros(0, dtype=torch.long)  # each slot's last sampled token
+        self._uniforms = torch.zeros((0, 0))
+        self._logits: torch.Tensor | None = None
+        self._fused_version: int | None = None
 
     def close(self) -> None:
         with self._cond:
@@ -203,7 +205,7 @@ class DecodeLoop:
         return taken
 
     def _fail(self, jobs: list[Job], exc: BaseException) -> None:
-        self._jobs, self._caches, self._logits = [], [], None
+        self._empty()
         with self._cond:
             for job in jobs:
                 self._failed[job.channel] = exc
