@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from controller.agent import AgentConfig, AgentRollout, Turn, by_replica, run_trajectories
 from controller.clients import EnvClient, RolloutClient
@@ -72,6 +73,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 setup = AgentRollout(generator, env, cfg, spec, first_session=100 * len(out))
                 out[name] = await run_trajectories(setup, prompts(TEXTS), SAMPLING, 0)
             out["held"] = await generator.drop_sessions([f"t{200 + i}" for i in range(10)])
+            # new weights between batches (each decode loop lets its caches go), then a batch
+            # of another shape on them
+            state = {k: v * 1.5 for k, v in load_file(model / "model.safetensors").items()}
+            await generator.load_weights(state, 1)
+            cfg = AgentConfig(max_turns=2, max_total_tokens=96, serving="iteration")
+            setup = AgentRollout(generator, env, cfg, spec, first_session=900)
+            out["pushed"] = await run_trajectories(setup, prompts(TEXTS[:3]), SAMPLING, 1)
         return out
 
     return run(main)
@@ -110,3 +118,12 @@ def test_iteration_level_serving_gives_the_same_trajectories_on_both_replicas(
     assert results["iteration"].meta["agent"]["agent/prefix_reuse"] > 0.6
     assert results["iteration_plain"].meta["agent"]["agent/prefix_reuse"] == 0.0
     assert results["held"] == 0  # the batch's sessions were dropped at its end
+
+
+def test_iteration_level_serving_goes_on_after_a_weight_push(results: dict[str, Any]) -> None:
+    pushed = results["pushed"]
+    mask = pushed.tensors["response_mask"].bool()
+    assert len(pushed) == 3 * SAMPLING.n and mask.sum() > 0
+    assert (pushed.tensors["token_versions"][mask] == 1).all()
+    assert pushed.non_tensors["turns"] == [2] * len(pushed)
+    assert pushed.non_tensors["finish"] == ["turns"] * len(pushed)
