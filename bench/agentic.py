@@ -28,10 +28,10 @@ run sees the same latencies):
 
 **The tools' floor.** No serving finishes a batch before its slowest trajectory's tools have
 run: ``latency_floor_s`` is that trajectory's summed tool latency (median over rounds), and
-``frac_of_floor`` (``iteration_frac_of_floor``) the floor over the batch's wall time. With
-these latencies (8 draws per trajectory, 128 trajectories) the floor alone is about 4 s, longer
-than the no-latency batch takes, so ``frac_of_no_latency`` cannot reach 0.9 here whatever the
-serving; ``frac_of_floor`` says how much of the rest is the generator's.
+``frac_of_floor`` (``iteration_frac_of_floor``) the floor over the batch's wall time. The
+slowest trajectory also needs all of its turns' decode steps one after another; with 8 tool
+calls per trajectory the floor (about 3 s here) is close to what the whole batch takes without
+tool latency, so ``frac_of_no_latency`` near 1 would need that trajectory to decode nearly alone.
 
 Where the targets hold depends on how much generation there is per tool call: with much more
 (``--model small --steps 4 --turn-tokens 24``: 20 s of generation against 4 s of waiting in lock

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
-from transport.turns import TurnRequest, TurnResult
 from transport.batch import TensorBatch
 from transport.device import in_host_memory
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError, check_body
@@ -46,6 +45,7 @@ from transport.sampling import SamplingConfig
 from transport.shm import ShmArena, ShmReader
 from transport.structs import StructError, from_map, to_map
 from transport.training import OptimConfig, PolicyLossConfig, ValueLossConfig
+from transport.turns import TurnRequest, TurnResult
 from transport.weight_sync import (
     Source,
     Target,
