@@ -75,7 +75,8 @@ class Reference(EngineRole):
             logp = token_log_probs(logits, micro.tensor(INPUT_IDS), temperature) * mask
             if not entropy:
                 return logp
-            return torch.stack([logp, token_entropy(logits, temperature) * mask], dim=-1)
+            width = int(mask.shape[1])
+            return torch.stack([logp, token_entropy(logits, temperature, width) * mask], dim=-1)
 
         out = self.engine.infer(batch, read)
         if entropy:
@@ -303,7 +304,9 @@ class Actor(Reference):
                 cfg,
                 tokens,
                 seqs,
-                entropy=token_entropy(logits, temperature) if cfg.entropy_coef else None,
+                entropy=token_entropy(logits, temperature, int(ids.shape[1]))
+                if cfg.entropy_coef
+                else None,
                 ref_logp=micro.tensors.get(REF_LOG_PROBS) if cfg.kl_coef else None,
                 rollout_logp=micro.tensors.get(ROLLOUT_LOG_PROBS),
             )

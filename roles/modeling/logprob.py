@@ -27,21 +27,38 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 def token_log_probs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """``[B, T, V]`` logits of a forward pass over ``input_ids`` ``[B, T]`` → ``[B, T]`` log-probs
-    of each token under the temperature-scaled distribution (column 0 is 0)."""
+    """``[B, K, V]`` logits of a forward pass over ``input_ids`` ``[B, T]`` → ``[B, T]`` log-probs
+    of each token under the temperature-scaled distribution (column 0 is 0). ``K`` is ``T``, or
+    less when the pass computed logits only at the last ``K`` positions (``logits_kept``): the
+    columns it cannot read then hold 0."""
     scaled = logits[:, :-1].float() / temperature
-    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return aligned(picked - torch.logsumexp(scaled, dim=-1))
+    start = input_ids.shape[1] - logits.shape[1]
+    picked = scaled.gather(-1, input_ids[:, start + 1 :, None]).squeeze(-1)
+    return aligned(picked - torch.logsumexp(scaled, dim=-1), start + 1)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the temperature-scaled next-token distribution, aligned like the log-probs."""
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, width: int = 0) -> torch.Tensor:
+    """Entropy of the temperature-scaled next-token distribution, aligned like the log-probs
+    (``width``: the row's length ``T`` when the logits cover only its last positions)."""
     scaled = logits[:, :-1].float() / temperature
     log_p = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
-    return aligned(-(log_p.exp() * log_p).sum(-1))
+    start = max(width - logits.shape[1], 0)
+    return aligned(-(log_p.exp() * log_p).sum(-1), start + 1)
 
 
-def aligned(from_second: torch.Tensor) -> torch.Tensor:
-    """``[B, T-1]`` values for tokens 1..T-1 (read at positions 0..T-2) → ``[B, T]`` aligned with
-    the tokens, column 0 zero."""
-    return torch.cat([torch.zeros_like(from_second[:, :1]), from_second], dim=1)
+def aligned(from_second: torch.Tensor, first: int = 1) -> torch.Tensor:
+    """``[B, T-first]`` values for tokens ``first``..T-1 → ``[B, T]`` aligned with the tokens,
+    the columns before ``first`` zero."""
+    return torch.cat([from_second.new_zeros((from_second.shape[0], first)), from_second], dim=1)
+
+
+def logits_kept(response_mask: torch.Tensor) -> int:
+    """How many of a batch's last positions a pass needs logits at to score its response tokens:
+    from the position before the earliest response token of any row (0: every position). The
+    prompt's positions are never scored, and their vocabulary projection and softmax are the
+    largest part of a small model's step on a large vocabulary."""
+    columns = response_mask.bool().any(0).nonzero()
+    if not len(columns):
+        return 0
+    first = int(columns[0])
+    return 0 if first <= 1 else response_mask.shape[1] - first + 1

@@ -192,12 +192,15 @@ def test_update_changes_the_policy_and_checkpoint_replays_it_exactly(
         assert result["policy"]["grad_norm"] > 0 and result["policy"]["kl"] > 0
 
 
-def test_log_probs_are_zero_outside_the_sequence(fp32: dict[str, dict[str, Any]]) -> None:
+def test_log_probs_are_zero_outside_what_is_read(fp32: dict[str, dict[str, Any]]) -> None:
+    """Padding and column 0 hold 0; so do the columns before the earliest response token of any
+    row (the pass computes logits only from there on); every other real token has a log-prob."""
     batch = token_batch(6, seed=1)
     padding = batch["attention_mask"] == 0
+    first = int(batch["response_mask"].bool().any(0).nonzero()[0])
     logp = fp32["one"]["log_probs"]
-    assert bool((logp[padding] == 0).all()) and bool((logp[:, 0] == 0).all())
-    assert bool((logp[:, 1:][~padding[:, 1:]] < 0).all())
+    assert bool((logp[padding] == 0).all()) and bool((logp[:, :first] == 0).all())
+    assert bool((logp[:, first:][~padding[:, first:]] < 0).all())
 
 
 def test_param_layout_names_the_sharded_dims(fp32: dict[str, dict[str, Any]]) -> None:

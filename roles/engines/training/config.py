@@ -45,6 +45,12 @@ class EngineConfig(BaseModel):
         "EAGER_MAX_WIDTH tokens a row, where torch's CPU flash kernel is the slower "
         "(python -m bench.attention), sdpa otherwise",
     )
+    logits_at: Literal["response", "all"] = Field(
+        "response",
+        description="where a pass computes the vocabulary projection and softmax: response "
+        "(from the position before a batch's earliest response token; the prompt's positions "
+        "are never scored, and their log-probs read 0) or all",
+    )
     dp_mode: Literal["fsdp", "replicate"] = Field(
         "fsdp",
         description="fsdp: shard weights, gradients and optimizer state over dp (FSDP2); "

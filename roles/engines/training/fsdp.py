@@ -47,6 +47,7 @@ from roles.engines.training.common import (
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.engines.training.interface import Head, LossFn, ParamLayout, Read, TrainingEngine
 from roles.engines.training.snapshot import RankSnapshots, fill
+from roles.modeling.logprob import logits_kept
 from roles.modeling.lora import (
     adapter_dropout,
     adapter_folder,
@@ -213,9 +214,20 @@ class FSDPEngine(TrainingEngine):
         choice = "sdpa" if segments is not None else self.cfg.attention
         kernel = attention_kernel(choice, self.device, self.precision.dtype, int(ids.shape[1]))
         self.model_config._attn_implementation = kernel  # read by every layer at each forward
+        # logits only where they are read: from the position before the first response token
+        # (a critic's values and a batch without a response mask: everywhere)
+        response = micro.tensors.get("response_mask")
+        keep = 0
+        if self.head == "lm" and self.cfg.logits_at == "response" and response is not None:
+            keep = logits_kept(response)
+        kept = {"logits_to_keep": keep} if keep else {}
         with self.autocast():
             out = self.module(
-                input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False
+                input_ids=ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=False,
+                **kept,
             )
         logits = out.logits
         return logits.squeeze(-1) if self.head == "token" else logits
