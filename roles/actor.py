@@ -64,7 +64,9 @@ class Reference(EngineRole):
     def compute_log_prob(
         self, batch: TensorBatch, temperature: float = 1.0, entropy: bool = False
     ) -> TensorBatch:
-        """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``."""
+        """``log_probs`` (and ``entropy``) ``[B, T]`` aligned with ``input_ids``. With a
+        ``response_mask``, each row's columns before its first response token hold 0: the
+        engine computes logits only where responses are read (``logits_at``)."""
         return self._log_probs(batch, temperature, entropy)
 
     def _log_probs(self, batch: TensorBatch, temperature: float, entropy: bool) -> TensorBatch:
@@ -72,6 +74,9 @@ class Reference(EngineRole):
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
             mask = micro.tensor(ATTENTION_MASK)
+            response = micro.tensors.get(RESPONSE_MASK)
+            if response is not None:  # from each row's first response token on (what is read)
+                mask = mask * (response.cumsum(-1) > 0)
             logp = token_log_probs(logits, micro.tensor(INPUT_IDS), temperature) * mask
             if not entropy:
                 return logp

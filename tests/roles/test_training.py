@@ -193,14 +193,13 @@ def test_update_changes_the_policy_and_checkpoint_replays_it_exactly(
 
 
 def test_log_probs_are_zero_outside_what_is_read(fp32: dict[str, dict[str, Any]]) -> None:
-    """Padding and column 0 hold 0; so do the columns before the earliest response token of any
-    row (the pass computes logits only from there on); every other real token has a log-prob."""
+    """Padding holds 0, and so does each row's prompt (a pass computes logits only from the
+    earliest response token of its micro-batch on; what a row reads does not depend on its
+    micro-batch's other rows); every other real token has a log-prob."""
     batch = token_batch(6, seed=1)
-    padding = batch["attention_mask"] == 0
-    first = int(batch["response_mask"].bool().any(0).nonzero()[0])
+    read = (batch["attention_mask"] * (batch["response_mask"].cumsum(-1) > 0)).bool()
     logp = fp32["one"]["log_probs"]
-    assert bool((logp[padding] == 0).all()) and bool((logp[:, :first] == 0).all())
-    assert bool((logp[:, first:][~padding[:, first:]] < 0).all())
+    assert bool((logp[~read] == 0).all()) and bool((logp[read] < 0).all())
 
 
 def test_param_layout_names_the_sharded_dims(fp32: dict[str, dict[str, Any]]) -> None:
@@ -247,7 +246,8 @@ def test_export_is_a_plain_hf_model_with_the_trained_weights(
     batch = token_batch(6, seed=1)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = token_log_probs(logits, batch["input_ids"]) * batch["attention_mask"]
+    read = batch["attention_mask"] * (batch["response_mask"].cumsum(-1) > 0)  # see above
+    logp = token_log_probs(logits, batch["input_ids"]) * read
     close(logp, fp32["tp"]["after_again"], 1e-5)
 
 
