@@ -1,0 +1,157 @@
+"""The RL step's levers on a real model, each measured alone: SmolLM2-135M with LoRA rank 16.
+
+    python -m bench.levers            (about 3 minutes on 2 idle cores)
+
+One GRPO-shaped micro-batch (``--rows`` rows of a ``--prompt``-token prompt and a
+``--response``-token response, right-padded to a common width, as the actor sees it), under the
+training engine's precision (bf16 autocast on a CPU with avx512_bf16, else fp32), one thread per
+process as the ranks run. Timed, alternating the variants, medians of ``--repeats``:
+
+* ``logprob``: the no-grad log-prob pass (old and reference log-probs) with logits at every
+  position (``logits_at: all``) against logits only from the position before the first response
+  token (``logits_at: response``, the engine's default): ``logprob_all_s``,
+  ``logprob_response_s``, ``logprob_ratio``;
+* ``step``: the update's forward and backward of the policy loss, the same two ways:
+  ``step_all_s``, ``step_response_s``, ``step_ratio``;
+* ``lora``: the log-prob pass with the adapters against the same pass with them disabled (the
+  frozen base alone): ``lora_overhead`` (with / without - 1).
+
+The last line is one JSON object with those keys and the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roles.modeling.logprob import logits_kept, token_log_probs
+from roles.modeling.lora import LoraSettings, adapters_disabled, attach
+from roles.modeling.models import import_gguf, load_causal_lm
+from roles.runtime.device import choose_dtype, rank_device
+from transport.device import DeviceKind
+
+
+def batch(rows: int, prompt: int, response: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Rows of ``prompt`` + a response of ``response`` tokens less a ragged tail (0-24%)."""
+    gen = torch.Generator().manual_seed(0)
+    width = prompt + response
+    ids = torch.randint(100, vocab, (rows, width), generator=gen)
+    lengths = width - (torch.rand(rows, generator=gen) * 0.25 * response).long()
+    attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    response_mask = attention * (torch.arange(width)[None, :] >= prompt).long()
+    return {
+        "input_ids": ids * attention,
+        "attention_mask": attention,
+        "response_mask": response_mask,
+    }
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = load_causal_lm(str(model_dir))
+    attach(model, LoraSettings(rank=16, alpha=32))
+    torch.nn.init.normal_(next(p for n, p in model.named_parameters() if "lora_B" in n), std=0.01)
+    bf16 = choose_dtype("auto", rank_device(DeviceKind.CPU, 0, "bench")).dtype == "bf16"
+    data = batch(args.rows, args.prompt, args.response, int(model.config.vocab_size))
+    ids, attention, response = data["input_ids"], data["attention_mask"], data["response_mask"]
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    keep = logits_kept(response)
+
+    def forward(kept: int) -> torch.Tensor:
+        extra = {"logits_to_keep": kept} if kept else {}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(
+                input_ids=ids, attention_mask=attention, position_ids=positions, **extra
+            ).logits
+        return token_log_probs(logits, ids) * response
+
+    def logprob(kept: int) -> Callable[[], Any]:
+        def run() -> None:
+            with torch.no_grad():
+                forward(kept)
+
+        return run
+
+    def step(kept: int) -> Callable[[], Any]:
+        def run() -> None:
+            loss = -(forward(kept) * 0.5).sum() / response.sum()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    def base_only() -> None:
+        with adapters_disabled(model):
+            logprob(keep)()
+
+    # the two ways give the same numbers where responses are read
+    with torch.no_grad():
+        same = (forward(0) - forward(keep)).abs().max().item()
+    variants = {
+        "logprob_all": logprob(0),
+        "logprob_response": logprob(keep),
+        "step_all": step(0),
+        "step_response": step(keep),
+        "base_only": base_only,
+    }
+    for fn in variants.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):  # alternating: the machine's drift hits every variant alike
+        for name, fn in variants.items():
+            times[name] += timed(fn, 1)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "logprob_all_s": round(med["logprob_all"], 3),
+        "logprob_response_s": round(med["logprob_response"], 3),
+        "logprob_ratio": round(med["logprob_response"] / med["logprob_all"], 3),
+        "step_all_s": round(med["step_all"], 3),
+        "step_response_s": round(med["step_response"], 3),
+        "step_ratio": round(med["step_response"] / med["step_all"], 3),
+        "lora_overhead": round(med["logprob_response"] / med["base_only"] - 1, 3),
+        "max_logprob_gap": same,
+        "rows": args.rows,
+        "prompt_tokens": args.prompt,
+        "response_tokens": args.response,
+        "logits_kept": keep,
+        "dtype": "bf16" if bf16 else "fp32",
+        "repeats": args.repeats,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a model folder (default: SmolLM2)"
+    )
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or import_gguf(Path(tmp) / "smollm2")
+        print(json.dumps(measure(args, model)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
