@@ -22,7 +22,7 @@ from roles.engines.generation.sessions import SessionCache
 from roles.engines.generation.vllm import VLLMEngine
 from roles.engines.hybrid import HybridEngine, optimizer_offloaded
 from roles.engines.training.interface import LossFn
-from roles.modeling.logprob import token_entropy, token_log_probs
+from roles.modeling.logprob import read_columns, token_entropy, token_log_probs
 from roles.modeling.lora import merged_state
 from roles.modeling.losses import aggregate, policy_loss
 from roles.modeling.models import load_tokenizer
@@ -73,10 +73,7 @@ class Reference(EngineRole):
         batch.require_tensors(INPUT_IDS, ATTENTION_MASK)
 
         def read(logits: torch.Tensor, micro: TensorBatch) -> torch.Tensor:
-            mask = micro.tensor(ATTENTION_MASK)
-            response = micro.tensors.get(RESPONSE_MASK)
-            if response is not None:  # from each row's first response token on (what is read)
-                mask = mask * (response.cumsum(-1) > 0)
+            mask = read_columns(micro.tensor(ATTENTION_MASK), micro.tensors.get(RESPONSE_MASK))
             logp = token_log_probs(logits, micro.tensor(INPUT_IDS), temperature) * mask
             if not entropy:
                 return logp

@@ -52,6 +52,15 @@ def aligned(from_second: torch.Tensor, first: int = 1) -> torch.Tensor:
     return torch.cat([from_second.new_zeros((from_second.shape[0], first)), from_second], dim=1)
 
 
+def read_columns(attention_mask: torch.Tensor, response_mask: torch.Tensor | None) -> torch.Tensor:
+    """Where a log-prob pass reports values: every real token, or, given a ``response_mask``,
+    each row's real tokens from its first response token on (the pass computes logits only
+    there; ``logits_kept``)."""
+    if response_mask is None:
+        return attention_mask
+    return attention_mask * (response_mask.cumsum(-1) > 0)
+
+
 def logits_kept(response_mask: torch.Tensor) -> int:
     """How many of a batch's last positions a pass needs logits at to score its response tokens:
     from the position before the earliest response token of any row (0: every position). The

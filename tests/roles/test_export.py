@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from controller.clients import ActorClient
 from deploy.session import local_session
-from roles.modeling.logprob import token_log_probs
+from roles.modeling.logprob import read_columns, token_log_probs
 from roles.modeling.models import build_tokenizer
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.roles.test_training import token_batch
@@ -60,5 +60,6 @@ def test_tied_embeddings_survive_training_and_export(tmp_path: Path) -> None:
         logits = exported(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
         ).logits
-    logp = token_log_probs(logits, batch["input_ids"]) * batch["attention_mask"]
+    logp = token_log_probs(logits, batch["input_ids"])
+    logp = logp * read_columns(batch["attention_mask"], batch["response_mask"])
     torch.testing.assert_close(logp, trained, atol=1e-5, rtol=0)

@@ -21,7 +21,7 @@ import torch
 from controller.clients import ActorClient, CriticClient, ReferenceClient, RolloutClient
 from controller.sync import WeightSync
 from deploy.session import local_session
-from roles.modeling.logprob import token_log_probs
+from roles.modeling.logprob import read_columns, token_log_probs
 from roles.modeling.lora import adapter_folder, is_adapter
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
@@ -230,7 +230,9 @@ def _hf_log_probs(module: torch.nn.Module, batch: TensorBatch) -> torch.Tensor:
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = module(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    return token_log_probs(logits, ids, 1.0) * mask
+    return token_log_probs(logits, ids, 1.0) * read_columns(
+        mask, batch.tensors.get("response_mask")
+    )
 
 
 def test_the_merged_export_and_the_peft_folder_give_the_trained_model(

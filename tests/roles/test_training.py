@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from controller.clients import CriticClient, RewardModelClient
 from controller.tasks import preference
 from deploy.session import local_session
-from roles.modeling.logprob import token_log_probs
+from roles.modeling.logprob import read_columns, token_log_probs
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import ProbedActorClient
@@ -197,7 +197,7 @@ def test_log_probs_are_zero_outside_what_is_read(fp32: dict[str, dict[str, Any]]
     earliest response token of its micro-batch on; what a row reads does not depend on its
     micro-batch's other rows); every other real token has a log-prob."""
     batch = token_batch(6, seed=1)
-    read = (batch["attention_mask"] * (batch["response_mask"].cumsum(-1) > 0)).bool()
+    read = read_columns(batch["attention_mask"], batch["response_mask"]).bool()
     logp = fp32["one"]["log_probs"]
     assert bool((logp[~read] == 0).all()) and bool((logp[read] < 0).all())
 
@@ -246,8 +246,8 @@ def test_export_is_a_plain_hf_model_with_the_trained_weights(
     batch = token_batch(6, seed=1)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    read = batch["attention_mask"] * (batch["response_mask"].cumsum(-1) > 0)  # see above
-    logp = token_log_probs(logits, batch["input_ids"]) * read
+    logp = token_log_probs(logits, batch["input_ids"])
+    logp = logp * read_columns(batch["attention_mask"], batch["response_mask"])
     close(logp, fp32["tp"]["after_again"], 1e-5)
 
 
