@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -124,18 +124,31 @@ class WeightGate:
                 self._pushes -= 1
                 self._cond.notify_all()
 
-    @asynccontextmanager
-    async def generating(self) -> AsyncIterator[None]:
-        """Around generation that a push must not cut."""
+    def generating(self) -> AbstractAsyncContextManager[None]:
+        """Around generation that a push must not cut (one object may be entered again, after
+        each exit: a batch's chunks each hold it)."""
+        return _Generating(self)
+
+    async def _enter_generating(self) -> None:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._pushes)
             self._generating += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._generating -= 1
-                self._cond.notify_all()
+
+    async def _exit_generating(self) -> None:
+        async with self._cond:
+            self._generating -= 1
+            self._cond.notify_all()
+
+
+class _Generating(AbstractAsyncContextManager[None]):
+    def __init__(self, gate: WeightGate) -> None:
+        self.gate = gate
+
+    async def __aenter__(self) -> None:
+        await self.gate._enter_generating()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.gate._exit_generating()
 
 
 class VersionError(RuntimeError):
