@@ -5,7 +5,6 @@ entered again after each exit (a batch's chunks)."""
 from __future__ import annotations
 
 import asyncio
-
 from collections.abc import Callable
 
 from controller.streaming import WeightGate
