@@ -148,7 +148,7 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                 mask = batch.tensors["response_mask"]
                 found["tokens"] = float(mask.sum())
                 found["positions"] = _positions(batch, found["agent/prefilled_positions"])
-                floor = found.get("agent/tool_seconds_max", 0.0)
+                floor = found.get("agent/tool_latency_max_total_s", 0.0)
                 found["floor_share"] = floor / found["agent/seconds"]
                 if repeat:
                     runs[mode].append(found)
@@ -234,7 +234,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "prefix_reuse": round(median("continuous", "agent/prefix_reuse"), 3),
         # the bound the tools set: the batch's slowest trajectory's summed tool latencies,
         # against the batch's wall time (1.0: the run took no longer than its tools)
-        "latency_floor_s": round(median("continuous", "agent/tool_seconds_max"), 3),
+        "latency_floor_s": round(median("continuous", "agent/tool_latency_max_total_s"), 3),
         "frac_of_floor": round(median("continuous", "floor_share"), 3),
         "iteration_frac_of_floor": round(median("iteration", "floor_share"), 3),
         "iteration_traj_per_s": round(it, 3),

@@ -654,7 +654,7 @@ def agent_metrics(
         found[f"agent/tool_errors/{kind}"] = float(n)
     if latencies.numel():
         # no serving finishes the batch before its slowest trajectory's tools have run
-        found["agent/tool_seconds_max"] = max(sum(t.latencies) for t in trajectories)
+        found["agent/tool_latency_max_total_s"] = max(sum(t.latencies) for t in trajectories)
         found["agent/tool_latency_p50_s"] = float(latencies.quantile(0.5))
         found["agent/tool_latency_p99_s"] = float(latencies.quantile(0.99))
     for finish, n in sorted(Counter(t.finish for t in trajectories).items()):
