@@ -19,6 +19,7 @@ from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.sampling import SamplingConfig
 from transport.structs import StructError, from_map, to_map
 from transport.training import OptimConfig, PolicyLossConfig, ValueLossConfig
+from transport.turns import TurnRequest, TurnResult
 from transport.weight_sync import (
     Inbox,
     Peer,
@@ -63,6 +64,8 @@ EXAMPLES: list[Any] = [
     EnvOpen(session=4, row={"prompt": "12*34=", "answer": "408", "uid": 0}),
     EnvAction(session=4, text="[calculator 12*34]", finish="stop", turn=0),
     EnvResult(session=4, observation_ids=[32, 61], observation=" = 408\n", called="calculator"),
+    TurnRequest(id=3, prompt_ids=[257, 49, 50], seed=11, max_new=16, session="t3", replica=1),
+    TurnResult(id=3, tokens=[52, 258], log_probs=[-0.5, -1.25], text="4", finish="stop", version=2),
 ]
 
 
