@@ -181,9 +181,13 @@ REDUCED_TOOL_USE = [
 def reduced_tool_use(tmp_path: Path, capsys: pytest.CaptureFixture[str], count: int) -> None:
     argv = [str(EXAMPLES / "tool_use.yaml"), "--seeds", str(count), "--out", str(tmp_path)]
     sets = [x for pair in REDUCED_TOOL_USE for x in ("--set", pair)]
-    code = seeds.main([*argv, *sets, "--timeout", "400", "--require-gain", "0.15"])
+    # RL's bar is where it ends, not how far it came: how well SFT alone does moves a lot with
+    # float-level changes (seed 0 after SFT: 0.57, then 0.65 once the engine computed logits only
+    # at response positions, 0.33 with them everywhere in bf16), and what RL adds moves with it
+    code = seeds.main([*argv, *sets, "--timeout", "400", "--require-after", "0.6"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and result["failed"] == [], result["seeds"]
+    assert all(r["gain"] > 0 for r in result["seeds"]), result["seeds"]
     assert all(r["calls_after"] >= 0.9 > r["calls_before"] for r in result["seeds"])
 
 
