@@ -73,6 +73,25 @@ def split(batch: TensorBatch, count: int) -> list[TensorBatch]:
     return [batch[bounds[k] : bounds[k + 1]] for k in range(count)]
 
 
+def _by_dp(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    layout: Layout,
+    shards: Callable[[Any], list[Any]],
+) -> list[Args | None]:
+    """Each argument cut into one shard per dp rank by ``shards``; every rank gets its dp rank's
+    shards (the tp/pp peers of a dp rank the same)."""
+    arg_shards = [shards(a) for a in args]
+    kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
+    per_rank: list[Args | None] = []
+    for rank in range(layout.world_size):
+        dp, _, _ = layout.coords(rank)
+        per_rank.append(
+            (tuple(s[dp] for s in arg_shards), {k: s[dp] for k, s in kwarg_shards.items()})
+        )
+    return per_rank
+
+
 def _dp_scatter(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -> list[Args | None]:
     """Split every TensorBatch argument into dp shards (``split``: nearly equal, in order, or
     by its ``replica`` column); other arguments go to every rank unchanged. The tp/pp peers of a
@@ -83,15 +102,7 @@ def _dp_scatter(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -
             return split(value, layout.dp)
         return [value] * layout.dp
 
-    arg_shards = [shards(a) for a in args]
-    kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
-    per_rank: list[Args | None] = []
-    for rank in range(layout.world_size):
-        dp, _, _ = layout.coords(rank)
-        per_rank.append(
-            (tuple(s[dp] for s in arg_shards), {k: s[dp] for k, s in kwarg_shards.items()})
-        )
-    return per_rank
+    return _by_dp(args, kwargs, layout, shards)
 
 
 def _dp_gather(results: list[Any], layout: Layout) -> Any:
@@ -182,15 +193,7 @@ def _routed(args: tuple[Any, ...], kwargs: dict[str, Any], layout: Layout) -> li
             )
         return [[x for x in value if int(x.replica) == dp] for dp in range(layout.dp)]
 
-    arg_shards = [shards(a) for a in args]
-    kwarg_shards = {k: shards(v) for k, v in kwargs.items()}
-    per_rank: list[Args | None] = []
-    for rank in range(layout.world_size):
-        dp, _, _ = layout.coords(rank)
-        per_rank.append(
-            (tuple(s[dp] for s in arg_shards), {k: s[dp] for k, s in kwarg_shards.items()})
-        )
-    return per_rank
+    return _by_dp(args, kwargs, layout, shards)
 
 
 def _concat_lists(results: list[Any], layout: Layout) -> list[Any]:
