@@ -25,6 +25,13 @@ run sees the same latencies):
 * ``iteration`` and ``iteration_no_latency``: (a) and (c) with ``serving: iteration``: each turn
   joins the native engine's running decode batch when it is asked for and returns when it is
   done (``roles/engines/generation/iteration.py``), instead of waiting for the call in flight.
+* ``stale`` (``--max-staleness K``, K >= 1): (a) while new weights arrive as they do when the
+  trainer runs beside generation: every ``--push-every-s`` seconds (a training step's time) the
+  rollout group loads a new weight version. A session's KV holds the old weights' keys and
+  values, so each push drops every live session (``roles/engines/generation/sessions.py``: a
+  session is used only at its version) and the next turn of each trajectory prefills it again:
+  ``stale_traj_per_s``, ``stale_pushes`` (per batch), ``stale_reprefill_share`` and
+  ``stale_vs_continuous``, the cost of keeping samples exact under pushes.
 
 **The tools' floor.** No serving finishes a batch before its slowest trajectory's tools have
 run: ``latency_floor_s`` is that trajectory's summed tool latency (median over rounds), and
@@ -68,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from safetensors.torch import load_file
 
 from bench.agentic_env import MEDIAN_S, P99_S, STEPS
 from controller.agent import AgentConfig, AgentRollout, run_trajectories
@@ -127,6 +135,7 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             generators["vllm"] = RolloutClient(c, "vllm")
         envs = {"slow": EnvClient(c, "env"), "fast": EnvClient(c, "fast_env")}
         specs = {k: await e.spec() for k, e in envs.items()}
+        weights = load_file(str(model / "model.safetensors")) if "stale" in args.modes else {}
         session = 0
         for repeat in range(args.repeats + 1):  # the first round warms up
             for mode in args.modes:
@@ -143,8 +152,19 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                 generator = generators["vllm" if mode == "vllm" else "native"]
                 setup = AgentRollout(generator, envs[which], cfg, specs[which], None, session)
                 session += args.prompts * args.n
+                pushes: list[int] = []
+                done = asyncio.Event()
+                pusher = (
+                    asyncio.create_task(_push(generator, weights, args.push_every_s, done, pushes))
+                    if mode == "stale"
+                    else None
+                )
                 batch = await run_trajectories(setup, prompts(args.prompts), sampling, 0)
+                if pusher is not None:
+                    done.set()
+                    await pusher
                 found = dict(batch.meta["agent"])
+                found["pushes"] = float(len(pushes))
                 mask = batch.tensors["response_mask"]
                 found["tokens"] = float(mask.sum())
                 found["positions"] = _positions(batch, found["agent/prefilled_positions"])
@@ -163,6 +183,25 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     found["session_bytes_per_token"] = 2 * int(config.num_hidden_layers) * heads * dim * 4
     return found
+
+
+async def _push(
+    generator: RolloutClient,
+    weights: dict[str, Any],
+    every_s: float,
+    done: asyncio.Event,
+    pushed: list[int],
+) -> None:
+    """A new weight version every ``every_s`` seconds until ``done``: the same values (the
+    samples' cost is what is measured, not a policy change), each a new version."""
+    version = await generator.weight_version()
+    while True:
+        try:
+            await asyncio.wait_for(done.wait(), every_s)
+            return
+        except TimeoutError:
+            version += 1
+            pushed.append(await generator.load_weights(weights, version))
 
 
 def _positions(batch: TensorBatch, prefilled: float) -> tuple[float, float]:
@@ -198,8 +237,26 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     def tok_s(mode: str) -> float:
         return statistics.median(r["tokens"] / r["agent/seconds"] for r in runs[mode])
 
+    def reprefill(mode: str) -> float:
+        ran = sum(r["positions"][0] for r in runs[mode])
+        again = sum(r["positions"][1] for r in runs[mode])
+        return round(again / max(ran, 1.0), 3)
+
+    stale = {}
+    if "stale" in args.modes:
+        stale = {
+            "stale_traj_per_s": round(median("stale", "agent/traj_per_s"), 3),
+            "stale_pushes": median("stale", "pushes"),
+            "stale_reprefill_share": reprefill("stale"),
+            "push_every_s": args.push_every_s,
+        }
+        if "continuous" in args.modes:
+            stale["stale_vs_continuous"] = round(
+                stale["stale_traj_per_s"] / median("continuous", "agent/traj_per_s"), 3
+            )
     if not set(MODES) <= set(args.modes):  # a subset: each mode's throughput only
-        return {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
+        found = {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
+        return found | stale
     a, plain, b, c, it, it_c = (median(m, "agent/traj_per_s") for m in MODES)
     if "vllm" in args.modes:
         vllm = {
@@ -210,11 +267,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         }
     else:
         vllm = {}
-
-    def reprefill(mode: str) -> float:
-        ran = sum(r["positions"][0] for r in runs[mode])
-        again = sum(r["positions"][1] for r in runs[mode])
-        return round(again / max(ran, 1.0), 3)
 
     return {
         "traj_per_s": round(a, 3),
@@ -257,6 +309,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "latency_p99_s": P99_S,
         "repeats": args.repeats,
         **vllm,
+        **stale,
     }
 
 
@@ -275,7 +328,19 @@ def main(argv: list[str] | None = None) -> int:
         default=[*MODES, "vllm"],
         help="a comma list of modes (default: all; --quick: all but vllm)",
     )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="K >= 1 adds mode 'stale': weight pushes during generation, as a run with "
+        "max_staleness K meets them",
+    )
+    parser.add_argument(
+        "--push-every-s", type=float, default=1.0, help="mode stale: seconds between pushes"
+    )
     args = parser.parse_args(argv)
+    if args.max_staleness > 0 and "stale" not in args.modes:
+        args.modes = [*args.modes, "stale"]
     if args.quick:
         args.prompts, args.n, args.repeats, args.steps = 8, 2, 1, 4
         args.modes = [m for m in args.modes if m != "vllm"]

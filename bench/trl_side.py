@@ -67,6 +67,7 @@ def run_trl(
     threads: int = 1,
     bf16: bool = False,
     gpu: bool = False,
+    lora: Any = None,
 ) -> dict[str, Any]:
     """Train with trl.GRPOTrainer on CPU for ``steps`` steps; timings, token counts and rewards.
 
@@ -74,7 +75,9 @@ def run_trl(
     third argument. Rows are taken in the order given (``shuffle_dataset=False``), cycling if
     fewer than ``steps * prompts_per_step``. ``bf16`` is the Trainer's own ``bf16=True`` (bf16
     autocast through accelerate, on CPU too), TRL's mixed-precision setting. ``gpu``: on the
-    first CUDA device (the Trainer moves the model there; ``use_cpu=False``).
+    first CUDA device (the Trainer moves the model there; ``use_cpu=False``). ``lora``: a
+    ``roles.modeling.lora.LoraSettings``; TRL then trains PEFT adapters of the same rank, alpha,
+    dropout and target modules (its ``peft_config``) and the base stays frozen.
     """
     from trl import GRPOConfig, GRPOTrainer
 
@@ -121,6 +124,7 @@ def run_trl(
             train_dataset=_dataset(prompts, bos),
             processing_class=tokenizer,
             callbacks=[recorder],
+            peft_config=lora.peft_config() if lora is not None else None,
         )
         t0 = time.perf_counter()
         trainer.train()

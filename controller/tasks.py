@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import operator
 import random
 from collections.abc import Callable
@@ -191,6 +192,15 @@ CALL = "[calculator {expression}]"
 #: what follows a call in the trajectory, before the final answer ("123*45=[calculator 123*45] =
 #: 5535\n5535"). An SFT tool message holds it rendered, so SFT and RL see the same bytes.
 OBSERVATION = " = {text}\n"
+#: tool_arithmetic's call formats: the env role's (``roles/tools/calls.py``)
+CALL_FORMATS = ("bracket", "hermes")
+#: calls=hermes: the system message of every conversation, which the experiment's
+#: prompt_template writes too (examples/smollm2_tools.yaml; a test renders both and compares)
+HERMES_SYSTEM = "You are a helpful assistant. You can use a calculator."
+#: calls=hermes: the user's question, and how a result comes back (the env role's hermes
+#: observation between its user turn's header and end)
+QUESTION = "What is {expression}?"
+HERMES_RESPONSE = "<tool_response>\n{text}\n</tool_response>"
 # The operands of tool_arithmetic: mostly 3-digit by 2-digit products, past what the 1M-parameter
 # model learns to compute (it learns 2-digit sums, not long multiplication).
 _TOOL_A = range(10, 1000)
@@ -208,7 +218,7 @@ def tool_problems(split: str) -> tuple[Problem, ...]:
 
 
 def tool_arithmetic(
-    n: int, split: str, seed: int = 0, tool_share: float = 0.3
+    n: int, split: str, seed: int = 0, tool_share: float = 0.3, calls: str = "bracket"
 ) -> list[dict[str, Any]]:
     """n multiplication problems the model can solve exactly only by calling a calculator tool.
 
@@ -219,7 +229,17 @@ def tool_arithmetic(
     rendered: `` = 5535\n``), the assistant's ``5535`` — and the rest answer at once with the
     right number, which the model cannot learn to compute, so it learns to guess. RL then finds
     that calling pays. Rows are drawn as in ``arithmetic``.
+
+    ``calls=hermes`` writes the rows for a chat model (``examples/smollm2_tools.yaml``): the
+    prompt is a question ("What is 708*62?", ``QUESTION``) the experiment's ``prompt_template``
+    puts into a chat turn after ``HERMES_SYSTEM``; a conversation starts with that system message,
+    the call is ``<tool_call>{"name": "calculator", "arguments": {"expression": "708*62"}}
+    </tool_call>`` and the result comes back as a user turn ``<tool_response>\n43896\n
+    </tool_response>``: rendered by the model's chat template, the bytes the env role's hermes
+    format writes in a rollout (``roles/tools/calls.py``).
     """
+    if calls not in CALL_FORMATS:
+        raise ValueError(f"calls={calls!r} must be one of {', '.join(CALL_FORMATS)}")
     if not 0.0 <= tool_share <= 1.0:
         raise ValueError(f"tool_share={tool_share} must be a fraction in [0, 1]")
     if n < 1:
@@ -227,16 +247,38 @@ def tool_arithmetic(
     rng = random.Random(seed)
     pool = tool_problems(split)
     picked = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
-    calls = set(random.Random(f"tool/{seed}").sample(range(n), round(n * tool_share)))
+    called = set(random.Random(f"tool/{seed}").sample(range(n), round(n * tool_share)))
     rows = []
     for i, p in enumerate(picked):
         row: dict[str, Any] = {"answer": p.answer, "data_source": "tool_arithmetic"}
         if split == "sft":
-            row = {"messages": _demonstration(p, i in calls), **row}
+            demonstrate = _hermes_demonstration if calls == "hermes" else _demonstration
+            row = {"messages": demonstrate(p, i in called), **row}
         else:
-            row = {"prompt": p.prompt, **row}
+            row = {"prompt": _question(p) if calls == "hermes" else p.prompt, **row}
         rows.append(row)
     return rows
+
+
+def _question(p: Problem) -> str:
+    return QUESTION.format(expression=p.prompt.removesuffix("="))
+
+
+def _hermes_demonstration(p: Problem, call: bool) -> list[dict[str, str]]:
+    system = {"role": "system", "content": HERMES_SYSTEM}
+    user = {"role": "user", "content": _question(p)}
+    answer = {"role": "assistant", "content": p.answer}
+    if not call:
+        return [system, user, answer]
+    arguments = {"expression": p.prompt.removesuffix("=")}
+    request = json.dumps({"name": "calculator", "arguments": arguments})
+    return [
+        system,
+        user,
+        {"role": "assistant", "content": f"<tool_call>{request}</tool_call>"},
+        {"role": "user", "content": HERMES_RESPONSE.format(text=p.answer)},
+        answer,
+    ]
 
 
 def _demonstration(p: Problem, call: bool) -> list[dict[str, str]]:
@@ -390,6 +432,8 @@ PARAMETERS = {
     "style": "short (the number) or explain (the number, then a restatement: ~20 tokens)",
     "kinds": "how the rejected answer is wrong, comma-separated: operand, format, near",
     "tool_share": "fraction of sft rows that call the calculator (the rest answer directly)",
+    "calls": "tool_arithmetic's call format: bracket (the byte-level demo model's) or hermes (a "
+    "chat model's JSON calls in ChatML turns)",
     "low": "the smallest secret number",
     "high": "the largest secret number",
     "max_moves": "guesses a game allows; the environment's own (its environment_args)",

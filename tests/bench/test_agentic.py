@@ -1,4 +1,4 @@
-"""bench/agentic.py in its CI size: the JSON line has the keys docs/agentic.md quotes, and the
+"""bench/agentic.py in its CI size (with weight pushes during a batch): the JSON line has the keys docs/agentic.md quotes, and the
 simulated tool has the latency it claims. Speeds are not compared here (the machine is shared);
 the idle shares are, since lock step sleeps through every turn's slowest tool whatever the load."""
 
@@ -30,7 +30,7 @@ def test_the_latencies_are_heavy_tailed_with_the_stated_median_and_p99() -> None
 def test_quick_run_prints_every_key_and_lock_step_waits_longest(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["--quick"]) == 0
+    assert main(["--quick", "--max-staleness", "1", "--push-every-s", "0.2"]) == 0
     found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert all(isinstance(found[k], float) for k in KEYS), found
     assert found["trajectories"] == 16 and found["tool_calls_per_trajectory"] == 4
@@ -43,3 +43,7 @@ def test_quick_run_prints_every_key_and_lock_step_waits_longest(
     # iteration-level serving keeps sessions too, and no run beats its slowest trajectory's tools
     assert found["iteration_reprefill_share"] <= 0.1
     assert 0 < found["frac_of_floor"] <= 1 and 0 < found["iteration_frac_of_floor"] <= 1
+    # a weight push mid-batch drops every live session: their next turns prefill again
+    assert found["stale_pushes"] >= 1
+    assert found["stale_reprefill_share"] > found["reprefill_share"]
+    assert isinstance(found["stale_vs_continuous"], float)

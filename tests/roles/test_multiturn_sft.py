@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from controller.clients import ActorClient
@@ -16,8 +17,11 @@ from controller.tasks import tool_arithmetic
 from deploy.session import local_session
 from roles.modeling.models import build_tokenizer, faithful_tokenizer, find_smollm2_gguf, init_model
 from roles.modeling.text import encode_conversation, encode_rows, renders_chat
+from roles.tools.calculator import calculator
+from roles.tools.calls import CLOSE, OBSERVATIONS, parse_call
 from tests.conftest import TEST_TIMEOUTS, group, run
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BOS, EOS = 257, 258  # the byte tokenizer's: ids 0..255 are the bytes
 CALL = [
     {"role": "user", "content": "2*3="},
@@ -177,6 +181,42 @@ def test_smollm2_two_turns_by_hand(smollm2: PreTrainedTokenizerBase) -> None:
     reply = smollm2.encode("Yo<|im_end|>", add_special_tokens=False)
     assert ids == [*head, *reply, *smollm2.encode("\n", add_special_tokens=False)]
     assert mask == [0] * len(head) + [1] * len(reply) + [0]
+
+
+def test_smollm2_tool_demonstration_is_token_for_token_the_hermes_rollout(
+    smollm2: PreTrainedTokenizerBase,
+) -> None:
+    """examples/smollm2_tools.yaml's SFT rows and its RL rollouts are the same tokens: the
+    prompt its prompt_template writes after BOS, the sampled call, the env role's hermes
+    observation, the sampled answer; SFT trains on the two sampled turns (and their ends)."""
+    example = yaml.safe_load((EXAMPLES / "smollm2_tools.yaml").read_text())
+    demo = next(
+        r
+        for r in tool_arithmetic(8, "sft", tool_share=0.5, calls="hermes")
+        if len(r["messages"]) == 5
+    )
+    question, call = demo["messages"][1]["content"], demo["messages"][2]["content"]
+    assert question == "What is 708*62?" and demo["answer"] == "43896"
+    assert (
+        call
+        == '<tool_call>{"name": "calculator", "arguments": {"expression": "708*62"}}</tool_call>'
+    )
+    assert parse_call("hermes", call).arguments == {"expression": "708*62"}
+    ids, mask = encode_conversation(smollm2, demo["messages"])
+
+    def encode(text: str) -> list[int]:
+        return smollm2.encode(text, add_special_tokens=False)
+
+    prompt = [
+        smollm2.bos_token_id,
+        *encode(example["trainer"]["prompt_template"].format(prompt=question)),
+    ]
+    observation = encode(OBSERVATIONS["hermes"].format(text=calculator("708*62")))
+    rollout = [*prompt, *encode(call), *observation, *encode("43896<|im_end|>")]
+    assert ids == [*rollout, *encode("\n")]
+    # the call turn stops on the close tag's last token, as the env role's spec says
+    assert encode(call)[-1] == encode(CLOSE["hermes"])[-1]
+    assert trained(smollm2, ids, mask) == call + "<|im_end|>" + "43896<|im_end|>"
 
 
 def test_actor_trains_on_conversations_as_on_the_same_pairs(tmp_path: Path) -> None:
