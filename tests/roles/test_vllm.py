@@ -197,6 +197,55 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     return out
 
 
+def _tied_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A model whose head is its embedding (as SmolLM2's): new weights, then a release and the
+    same weights again; vLLM's greedy tokens against the native engine's on the new model."""
+    from roles.engines.generation.interface import SamplingConfig
+    from roles.engines.generation.native import NativeEngine
+    from roles.engines.generation.vllm import VLLMEngine
+
+    model, tokenizer = load_causal_lm(path).eval(), load_tokenizer(path)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=12)
+    native = NativeEngine(model, tokenizer.eos_token_id)
+    vllm = VLLMEngine(path, eos_token_id=tokenizer.eos_token_id, context=512)
+    before = [s.tokens for s in vllm.generate(prompts, greedy)]
+    new = perturbed(model, seed=11)  # the embedding (so the head) changes too
+    with torch.no_grad():
+        for (_, tensor), (_, param) in zip(new, model.named_parameters(), strict=True):
+            param.copy_(tensor)
+    vllm.load_weights(new)
+    reloaded = [s.tokens for s in vllm.generate(prompts, greedy)]
+    vllm.release(weights=True)
+    vllm.load_weights(new)
+    return {
+        "before": before,
+        "reloaded": reloaded,
+        "after_release": [s.tokens for s in vllm.generate(prompts, greedy)],
+        "native": [s.tokens for s in native.generate(prompts, greedy)],
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_a_head_tied_to_the_embedding_takes_new_weights_and_survives_a_release(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's reload re-packs the linear layers whose weights it loads; a tied head is not one of
+    them, so after a release it had no packed copy and the next generate failed (the colocated
+    actor releases after every generate). The engine re-packs every layer the reload left out."""
+    tied = tmp_path / "tied"
+    model, tokenizer = load_causal_lm(model_dir), load_tokenizer(model_dir)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tied)
+    tokenizer.save_pretrained(tied)
+    found = run_ranks(_tied_rank, 1, tmp_path / "ranks", str(tied))[0]
+    assert found["tied"]
+    assert found["reloaded"] == found["native"] != found["before"]
+    assert found["after_release"] == found["native"]
+
+
 @pytest.fixture(scope="module")
 def one(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     found: dict[str, Any] = run_ranks(_one_rank, 1, tmp_path_factory.mktemp("one"), str(model_dir))[

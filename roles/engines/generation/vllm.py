@@ -508,7 +508,18 @@ def _check_world(tp: int) -> None:
 
 
 def _reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load the weights and re-pack every linear layer's CPU GEMM copy. vLLM's reload re-packs
+    the layers whose weights it loads; a head tied to the embedding (SmolLM2's) is not among
+    them, so after ``release`` it had no packed copy and the next generate failed. Every layer
+    is marked first, and those the reload left marked are packed here."""
+    model = worker.model_runner.get_model()
+    for module in model.modules():
+        if getattr(module, "cpu_linear", None) is not None:
+            module.cpu_linear = _released_linear
     worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    for module in model.modules():
+        if getattr(module, "cpu_linear", None) is _released_linear:
+            module.quant_method.process_weights_after_loading(module)
 
 
 def _kv_tensors(worker: Any) -> list[torch.Tensor]:
