@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from controller.tasks import (
+    HERMES_SYSTEM,
     OBSERVATION,
     SPLITS,
     TASKS,
@@ -193,6 +194,33 @@ def test_tool_arithmetic_prompt_rows_of_train_and_test() -> None:
         a, b = (int(x) for x in row["prompt"].rstrip("=").split("*"))
         assert 10 <= a <= 999 and 2 <= b <= 99
     assert rows == tool_arithmetic(300, "test", seed=2)
+
+
+def test_hermes_rows_ask_the_same_problems_in_a_chat_and_call_in_json() -> None:
+    """calls=hermes: the same problems and answers as bracket rows; prompts are questions, a
+    demonstration is system, user, call, tool response (a user turn), answer."""
+    plain, chat = (
+        tool_arithmetic(50, "test", seed=4),
+        tool_arithmetic(50, "test", seed=4, calls="hermes"),
+    )
+    assert [r["answer"] for r in plain] == [r["answer"] for r in chat]
+    assert [f"What is {r['prompt'][:-1]}?" for r in plain] == [r["prompt"] for r in chat]
+    rows = tool_arithmetic(40, "sft", seed=5, tool_share=0.25, calls="hermes")
+    called = [r["messages"] for r in rows if len(r["messages"]) == 5]
+    assert len(called) == 10
+    system, user, call, response, answer = called[0]
+    assert system == {"role": "system", "content": HERMES_SYSTEM}
+    expression = user["content"].removeprefix("What is ").removesuffix("?")
+    product = evaluate(expression + "=")
+    request = '{"name": "calculator", "arguments": {"expression": "' + expression + '"}}'
+    assert call["content"] == f"<tool_call>{request}</tool_call>"
+    assert response == {
+        "role": "user",
+        "content": f"<tool_response>\n{product}\n</tool_response>",
+    }
+    assert answer == {"role": "assistant", "content": str(product)}
+    with pytest.raises(ValueError, match="calls='xml' must be one of bracket, hermes"):
+        tool_arithmetic(5, "sft", calls="xml")
 
 
 def test_tool_arithmetic_sft_conversations_by_hand() -> None:
