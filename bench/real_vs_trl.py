@@ -19,14 +19,17 @@ here) and train LoRA adapters of rank 16, alpha 32 on every attention and MLP pr
   ``--trl-threads``; each side's faster run counts (all are in the JSON).
 
 Tokens are response tokens (EOS included; TRL's completion mask counts the same); a step's time is
-the median after the first; tok/s the median of tokens / step time. ``real_limit_frac`` is
-hybridflow's tok/s against what the step's FLOPs allow at the matmul rate of every core at once
-(the faster of fp32 and bf16, measured in the same run; ``limit.frac_at_own_dtype`` uses the
-run's own dtype's rate), the FLOPs counted as ``bench.e2e_vs_trl`` counts them for ``limit_frac`` (``bench/e2e_stages.py``: the update counted
-as full fine-tuning, so a LoRA step, which computes no weight gradients of the base, is credited
-with more work than it does). The last line is one JSON object: ``real_tok_s``, ``trl_peft_tok_s``,
-``real_vs_trl``, ``real_reward_second_half``, ``trl_reward_second_half``, ``real_limit_frac`` and
-the details.
+the median after the first; tok/s the median of tokens / step time.
+
+``real_limit_frac`` is hybridflow's tok/s against what the step's FLOPs allow at the matmul rate
+of every core at once: the faster of fp32 and bf16, measured in the same run
+(``limit.frac_at_own_dtype`` uses the run's own dtype's rate). The FLOPs are counted as
+``bench.e2e_vs_trl`` counts them for ``limit_frac`` (``bench/e2e_stages.py``), with the update
+counted as full fine-tuning: a LoRA step computes no weight gradients of the base, so it is
+credited with more work than it does.
+
+The last line is one JSON object: ``real_tok_s``, ``trl_peft_tok_s``, ``real_vs_trl``,
+``real_reward_second_half``, ``trl_reward_second_half``, ``real_limit_frac`` and the details.
 """
 
 from __future__ import annotations
