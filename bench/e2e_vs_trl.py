@@ -167,19 +167,22 @@ def experiment(
         "models": {"sft": {"path": str(model)}},
         "roles": roles,
         "placement": placement,
-        "stages": [
-            {
-                "name": "grpo",
-                "kind": "rl",
-                "steps": args.steps,
-                "data": data,
-                "shuffle": False,
-                "optim": {"lr": args.lr, "warmup_steps": 0, "schedule": "constant"},
-                "algorithm": algorithm,
-            }
-        ],
+        "stages": [grpo_stage(args, data, algorithm)],
         "trainer": {"val_data": None, "export": False},
         "logging": {"tensorboard": False, "live": False},
+    }
+
+
+def grpo_stage(args: argparse.Namespace, data: str, algorithm: dict[str, Any]) -> dict[str, Any]:
+    """The benchmarks' one GRPO stage: ``args.steps`` steps over ``data`` in order, constant lr."""
+    return {
+        "name": "grpo",
+        "kind": "rl",
+        "steps": args.steps,
+        "data": data,
+        "shuffle": False,
+        "optim": {"lr": args.lr, "warmup_steps": 0, "schedule": "constant"},
+        "algorithm": algorithm,
     }
 
 

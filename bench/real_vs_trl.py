@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e_stages import matmul_peak, matmul_peak_cores
-from bench.e2e_vs_trl import _limit, log, run_hybridflow, stages_of
+from bench.e2e_vs_trl import _limit, grpo_stage, log, run_hybridflow, stages_of
 
 #: examples/smollm2_lora_grpo.yaml's task and chat turn (the model's own BOS, <|im_start|>, first)
 TEMPLATE = "user\nWhat is {prompt}? Reply with the number only.<|im_end|>\n<|im_start|>assistant\n"
@@ -76,14 +76,10 @@ def experiment(model: Path, data: str, args: argparse.Namespace, wide: bool) -> 
         },
         "placement": {"main": group},
         "stages": [
-            {
-                "name": "grpo",
-                "kind": "rl",
-                "steps": args.steps,
-                "data": data,
-                "shuffle": False,
-                "optim": {"lr": args.lr, "warmup_steps": 0, "schedule": "constant"},
-                "algorithm": {
+            grpo_stage(
+                args,
+                data,
+                {
                     "name": "grpo",
                     "prompts_per_step": args.prompts,
                     "n": 8,
@@ -92,7 +88,7 @@ def experiment(model: Path, data: str, args: argparse.Namespace, wide: bool) -> 
                     "loss": {"dual_clip": None, "agg": "token-mean", "clip_ratio_low": 0.2},
                     "old_log_probs": "rollout",
                 },
-            }
+            )
         ],
         "trainer": {"val_data": None, "export": False, "prompt_template": TEMPLATE},
         "logging": {"tensorboard": False, "live": False},
