@@ -13,6 +13,10 @@ process as the ranks run. Timed, alternating the variants, medians of ``--repeat
   ``logprob_response_s``, ``logprob_ratio``;
 * ``step``: the update's forward and backward of the policy loss, the same two ways:
   ``step_all_s``, ``step_response_s``, ``step_ratio``;
+* ``shared``: both of those with each group's prompt computed once (``--group`` rows share a
+  prompt; ``share_prompts``, ``roles/modeling/shared_prompt.py``) against the rows as they are:
+  ``logprob_shared_s``, ``step_shared_s``, ``shared_logprob_ratio``, ``shared_step_ratio``, and
+  ``shared_token_share`` (the packed tokens over the rows' real tokens);
 * ``lora``: the log-prob pass with the adapters against the same pass with them disabled (the
   frozen base alone): ``lora_overhead`` (with / without - 1).
 
@@ -35,15 +39,20 @@ import torch
 from roles.modeling.logprob import logits_kept, token_log_probs
 from roles.modeling.lora import LoraSettings, adapters_disabled, attach
 from roles.modeling.models import import_gguf, load_causal_lm
-from roles.runtime.device import choose_dtype, rank_device
+from roles.modeling.shared_prompt import pack_shared_prompts
+from roles.runtime.device import HOST_DEVICE, attention_kernel, choose_dtype, rank_device
 from transport.device import DeviceKind
 
 
-def batch(rows: int, prompt: int, response: int, vocab: int) -> dict[str, torch.Tensor]:
-    """Rows of ``prompt`` + a response of ``response`` tokens less a ragged tail (0-24%)."""
+def batch(
+    rows: int, prompt: int, response: int, vocab: int, group: int = 1
+) -> dict[str, torch.Tensor]:
+    """Rows of ``prompt`` + a response of ``response`` tokens less a ragged tail (0-24%); each
+    ``group`` rows in a row share their prompt (GRPO's samples of one prompt)."""
     gen = torch.Generator().manual_seed(0)
     width = prompt + response
     ids = torch.randint(100, vocab, (rows, width), generator=gen)
+    ids[:, :prompt] = ids[torch.arange(rows) // group * group, :prompt]
     lengths = width - (torch.rand(rows, generator=gen) * 0.25 * response).long()
     attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
     response_mask = attention * (torch.arange(width)[None, :] >= prompt).long()
@@ -70,10 +79,16 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     attach(model, LoraSettings(rank=16, alpha=32))
     torch.nn.init.normal_(next(p for n, p in model.named_parameters() if "lora_B" in n), std=0.01)
     bf16 = choose_dtype("auto", rank_device(DeviceKind.CPU, 0, "bench")).dtype == "bf16"
-    data = batch(args.rows, args.prompt, args.response, int(model.config.vocab_size))
+    data = batch(args.rows, args.prompt, args.response, int(model.config.vocab_size), args.group)
     ids, attention, response = data["input_ids"], data["attention_mask"], data["response_mask"]
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     keep = logits_kept(response)
+
+    kernel = attention_kernel("auto", HOST_DEVICE, "bf16" if bf16 else "fp32", ids.shape[1])
+    model.config._attn_implementation = kernel  # the engine's choice for these rows
+    pack = pack_shared_prompts(ids, attention, response, keep or ids.shape[1], min_saved=0)
+    if pack is None:
+        raise ValueError("no row has a prompt to share")
 
     def forward(kept: int) -> torch.Tensor:
         extra = {"logits_to_keep": kept} if kept else {}
@@ -83,16 +98,27 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             ).logits
         return token_log_probs(logits, ids) * response
 
-    def logprob(kept: int) -> Callable[[], Any]:
+    def shared_forward() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(
+                input_ids=pack.input_ids,
+                attention_mask=pack.attention_mask(kernel, torch.float32),
+                position_ids=pack.positions,
+                logits_to_keep=pack.columns,
+            ).logits
+        return token_log_probs(pack.gather(logits), ids) * response
+
+    def logprob(kept: int, shared: bool = False) -> Callable[[], Any]:
         def run() -> None:
             with torch.no_grad():
-                forward(kept)
+                shared_forward() if shared else forward(kept)
 
         return run
 
-    def step(kept: int) -> Callable[[], Any]:
+    def step(kept: int, shared: bool = False) -> Callable[[], Any]:
         def run() -> None:
-            loss = -(forward(kept) * 0.5).sum() / response.sum()
+            logp = shared_forward() if shared else forward(kept)
+            loss = -(logp * 0.5).sum() / response.sum()
             loss.backward()
             model.zero_grad(set_to_none=True)
 
@@ -105,11 +131,14 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     # the two ways give the same numbers where responses are read
     with torch.no_grad():
         same = (forward(0) - forward(keep)).abs().max().item()
+        shared_gap = (shared_forward() - forward(keep)).abs().max().item()
     variants = {
         "logprob_all": logprob(0),
         "logprob_response": logprob(keep),
+        "logprob_shared": logprob(keep, shared=True),
         "step_all": step(0),
         "step_response": step(keep),
+        "step_shared": step(keep, shared=True),
         "base_only": base_only,
     }
     for fn in variants.values():  # warm-up
@@ -127,7 +156,15 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "step_response_s": round(med["step_response"], 3),
         "step_ratio": round(med["step_response"] / med["step_all"], 3),
         "lora_overhead": round(med["logprob_response"] / med["base_only"] - 1, 3),
+        "logprob_shared_s": round(med["logprob_shared"], 3),
+        "step_shared_s": round(med["step_shared"], 3),
+        "shared_logprob_ratio": round(med["logprob_shared"] / med["logprob_response"], 3),
+        "shared_step_ratio": round(med["step_shared"] / med["step_response"], 3),
+        "shared_token_share": round(pack.tokens / int(attention.sum()), 3),
         "max_logprob_gap": same,
+        "max_shared_gap": shared_gap,
+        "group": args.group,
+        "attention": kernel,
         "rows": args.rows,
         "prompt_tokens": args.prompt,
         "response_tokens": args.response,
@@ -143,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--group", type=int, default=8, help="rows sharing one prompt")
     parser.add_argument(
         "--model", type=Path, default=None, help="a model folder (default: SmolLM2)"
     )

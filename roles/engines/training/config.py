@@ -51,6 +51,12 @@ class EngineConfig(BaseModel):
         "(from the position before a batch's earliest response token; the prompt's positions "
         "are never scored, and their log-probs read 0) or all",
     )
+    share_prompts: bool = Field(
+        True,
+        description="rows that start with the same prompt (a GRPO group) are packed with the "
+        "prompt computed once and no padding, for log-probs and updates alike; the numbers are "
+        "the same (roles/modeling/shared_prompt.py). fsdp backend, lm head",
+    )
     dp_mode: Literal["fsdp", "replicate"] = Field(
         "fsdp",
         description="fsdp: shard weights, gradients and optimizer state over dp (FSDP2); "

@@ -60,6 +60,7 @@ from roles.modeling.lora import (
     merged_state,
     write_adapter_folder,
 )
+from roles.modeling.shared_prompt import PromptPack, pack_shared_prompts
 from roles.modeling.text import block_causal_mask, segment_positions
 from roles.runtime.device import attention_kernel, group_dtype
 from transport.batch import TensorBatch
@@ -220,6 +221,15 @@ class FSDPEngine(TrainingEngine):
         keep = 0
         if self.head == "lm" and self.cfg.logits_at == "response" and response is not None:
             keep = logits_kept(response)
+        if (
+            self.head == "lm"
+            and segments is None
+            and response is not None
+            and self.cfg.share_prompts
+        ):
+            pack = pack_shared_prompts(ids, mask, response, keep or int(ids.shape[1]))
+            if pack is not None:
+                return self._forward_packed(pack)
         kept = {"logits_to_keep": keep} if keep else {}
         with self.autocast():
             out = self.module(
@@ -231,6 +241,22 @@ class FSDPEngine(TrainingEngine):
             )
         logits = out.logits
         return logits.squeeze(-1) if self.head == "token" else logits
+
+    def _forward_packed(self, pack: PromptPack) -> torch.Tensor:
+        """The forward over a micro-batch's rows with each group's prompt once; logits in the
+        rows' own layout (``roles/modeling/shared_prompt.py``)."""
+        width = int(pack.input_ids.shape[1])
+        kernel = attention_kernel(self.cfg.attention, self.device, self.precision.dtype, width)
+        self.model_config._attn_implementation = kernel
+        with self.autocast():
+            out = self.module(
+                input_ids=pack.input_ids,
+                attention_mask=pack.attention_mask(kernel, torch.float32),
+                position_ids=pack.positions,
+                use_cache=False,
+                logits_to_keep=pack.columns,
+            )
+        return pack.gather(out.logits)
 
     @contextmanager
     def full_weights(self) -> Iterator[torch.nn.Module]:
