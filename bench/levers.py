@@ -17,6 +17,10 @@ process as the ranks run. Timed, alternating the variants, medians of ``--repeat
   prompt; ``share_prompts``, ``roles/modeling/shared_prompt.py``) against the rows as they are:
   ``logprob_shared_s``, ``step_shared_s``, ``shared_logprob_ratio``, ``shared_step_ratio``, and
   ``shared_token_share`` (the packed tokens over the rows' real tokens);
+* ``fused``: one layer's q, k, v, gate and up products (forward and the backward to the input,
+  as under LoRA) as five products against two fused ones (q|k|v, gate|up), over the shared
+  batch's tokens: ``proj_separate_ms``, ``proj_fused_ms``, ``fused_proj_ratio``
+  (``--only-fused`` runs this alone, in seconds);
 * ``lora``: the log-prob pass with the adapters against the same pass with them disabled (the
   frozen base alone): ``lora_overhead`` (with / without - 1).
 
@@ -148,7 +152,9 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         for name, fn in variants.items():
             times[name] += timed(fn, 1)
     med = {name: statistics.median(t) for name, t in times.items()}
+    proj = fused(args, bf16, pack.tokens)
     return {
+        **proj,
         "logprob_all_s": round(med["logprob_all"], 3),
         "logprob_response_s": round(med["logprob_response"], 3),
         "logprob_ratio": round(med["logprob_response"] / med["logprob_all"], 3),
@@ -174,6 +180,42 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     }
 
 
+def fused(args: argparse.Namespace, bf16: bool, tokens: int) -> dict[str, Any]:
+    """One SmolLM2 layer's projections over ``tokens`` tokens, forward and the backward to the
+    input (the frozen base under LoRA): q, k, v and gate, up as five products against q|k|v and
+    gate|up as two. What fusing them could save, before any model change."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 576, generator=gen, requires_grad=True)
+    shapes = {"q": 576, "k": 192, "v": 192, "gate": 1536, "up": 1536}
+    weights = {n: torch.randn(o, 576, generator=gen) * 0.02 for n, o in shapes.items()}
+    qkv = torch.cat([weights["q"], weights["k"], weights["v"]])
+    gate_up = torch.cat([weights["gate"], weights["up"]])
+
+    def run(mats: list[torch.Tensor]) -> Callable[[], Any]:
+        def go() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                outs = [torch.nn.functional.linear(x, w) for w in mats]
+            sum(o.float().sum() for o in outs).backward()
+            x.grad = None
+
+        return go
+
+    variants = {"separate": run(list(weights.values())), "fused": run([qkv, gate_up])}
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats * 10):
+        for name, fn in variants.items():
+            times[name] += timed(fn, 1)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "proj_separate_ms": round(med["separate"] * 1e3, 2),
+        "proj_fused_ms": round(med["fused"] * 1e3, 2),
+        "fused_proj_ratio": round(med["fused"] / med["separate"], 3),
+        "proj_tokens": tokens,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -184,7 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", type=Path, default=None, help="a model folder (default: SmolLM2)"
     )
+    parser.add_argument(
+        "--only-fused", action="store_true", help="only the fused-projection lever (seconds)"
+    )
     args = parser.parse_args(argv)
+    if args.only_fused:
+        torch.set_num_threads(1)
+        bf16 = choose_dtype("auto", rank_device(DeviceKind.CPU, 0, "bench")).dtype == "bf16"
+        result = fused(args, bf16, args.rows * (args.prompt + args.response))
+        print(json.dumps({**result, "dtype": "bf16" if bf16 else "fp32"}))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or import_gguf(Path(tmp) / "smollm2")
         print(json.dumps(measure(args, model)))
