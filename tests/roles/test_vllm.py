@@ -18,6 +18,7 @@ Needs the ``[vllm]`` extra; under HYBRIDFLOW_REQUIRE_SYSTEM_TESTS=1 (CI) a missi
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,19 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     }
     vllm.load_weights(new)
     out["after_release"] = tokens(vllm.generate(prompts, greedy))
+    # the KV cache's storage comes back from release holding whatever the process freed there;
+    # NaN in it is what a training step can leave behind
+    from roles.engines.generation.vllm import _kv_tensors
+
+    for cache in vllm.llm.collective_rpc(_kv_tensors)[0]:
+        cache.fill_(float("nan"))
+    vllm.release(weights=True)
+    vllm.load_weights(new)
+    caches = vllm.llm.collective_rpc(_kv_tensors)[0]
+    out["cache_zeroed"] = len(caches) > 0 and all(bool((c == 0).all()) for c in caches)
+    poisoned = vllm.generate(prompts, greedy)
+    out["after_poisoned_release"] = tokens(poisoned)
+    out["poisoned_log_probs_finite"] = all(math.isfinite(v) for s in poisoned for v in s.log_probs)
     return out
 
 
@@ -304,6 +318,33 @@ def test_new_weights_in_place_generate_what_the_new_model_does(one: dict[str, An
     assert reloaded["vllm"] == reloaded["native"]
     assert reloaded["vllm"] != reloaded["before"]
     assert one["after_release"] == reloaded["vllm"]
+
+
+def test_a_released_cache_comes_back_zeroed(one: dict[str, Any]) -> None:
+    """The colocated actor releases vLLM's KV cache after every generate. Its storage came back
+    holding what the process last freed there, where vLLM allocates it zeroed. A cache filled
+    with NaN before a release is zero after it, and greedy tokens are what they were."""
+    assert one["cache_zeroed"]
+    assert one["after_poisoned_release"] == one["after_release"]
+    assert one["poisoned_log_probs_finite"]
+
+
+def test_a_sample_with_non_finite_log_probs_is_an_error_not_training_data(
+    needs_vllm: None,
+) -> None:
+    """NaN logits sample noise; such a sample is refused with its request named, never handed
+    on to a loss that would turn NaN."""
+    from types import SimpleNamespace
+
+    from roles.engines.generation.interface import GenerationError, Sample
+    from roles.engines.generation.vllm import VLLMEngine
+
+    done = SimpleNamespace(finish_reason="length", token_ids=[5, 0, 0])
+    sample = Sample(request=7, prompt=[1, 2])
+    VLLMEngine._fill(sample, done, [-0.5, -1.0, -2.0])
+    assert sample.log_probs == [-0.5, -1.0, -2.0]
+    with pytest.raises(GenerationError, match=r"not finite at 2 of 3 steps .* request 7"):
+        VLLMEngine._fill(Sample(request=7, prompt=[1, 2]), done, [-0.5, math.nan, math.nan])
 
 
 def test_release_frees_the_kv_cache_and_weights(one: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import gc
 import glob
 import logging
+import math
 import os
 import random
 import secrets
@@ -275,7 +276,7 @@ class VLLMEngine(ServingEngine):
             _unlink_segments(self._shm_name)
         self._sampling_params = vllm.SamplingParams
         self._prompt = vllm.inputs.TokensPrompt
-        self._released: list[tuple[torch.Tensor, int]] = []
+        self._released: list[tuple[torch.Tensor, int, bool]] = []
         self._weights_released = False
 
     @property
@@ -345,6 +346,13 @@ class VLLMEngine(ServingEngine):
     def _fill(sample: Sample, completion: Any, log_probs: list[float]) -> None:
         if completion.finish_reason not in ("stop", "length"):
             raise GenerationError(f"vLLM ended a sample with {completion.finish_reason!r}")
+        broken = sum(1 for v in log_probs if not math.isfinite(v))
+        if broken:  # NaN logits: the tokens are noise, and a loss over them would be NaN
+            raise GenerationError(
+                f"vLLM's logits were not finite at {broken} of {len(log_probs)} steps of a "
+                f"sample of request {sample.request} (its first tokens: "
+                f"{list(completion.token_ids)[:8]}); the sample is not trained on"
+            )
         sample.tokens = list(completion.token_ids)
         sample.log_probs = log_probs
         sample.finish = str(completion.finish_reason)
@@ -374,25 +382,30 @@ class VLLMEngine(ServingEngine):
         self._weights_released = self._weights_released or weights
         if self._released:
             return 0
-        tensors = self.llm.collective_rpc(_kv_tensors)[0]
+        tensors = [(t, True) for t in self.llm.collective_rpc(_kv_tensors)[0]]
         if weights:
-            tensors += self.llm.collective_rpc(_drop_weights)[0]
+            tensors += [(t, False) for t in self.llm.collective_rpc(_drop_weights)[0]]
         seen: set[int] = set()
-        for tensor in tensors:
+        for tensor, cache in tensors:
             storage = tensor.untyped_storage()
             if storage.data_ptr() in seen or storage.nbytes() == 0:
                 continue
             seen.add(storage.data_ptr())
-            self._released.append((tensor, storage.nbytes()))
+            self._released.append((tensor, storage.nbytes(), cache))
             storage.resize_(0)
         self.llm.reset_prefix_cache()
-        return sum(size for _, size in self._released)
+        return sum(size for _, size, _ in self._released)
 
     def resume(self) -> None:
-        """Give back the storage ``release`` freed (its contents are not restored: the KV cache
-        is refilled by the next prefill, released weights must be reloaded)."""
-        for tensor, size in self._released:
+        """Give back the storage ``release`` freed. Its contents are not restored: released
+        weights must be reloaded, and the KV cache is zeroed: the memory comes back holding
+        whatever the process freed there last (a training step's activations, say), and vLLM
+        allocates its cache zeroed. In the SmolLM2 tool-use run on vLLM, zeroing changed a
+        step whose every sample had NaN log-probs into one where most were finite."""
+        for tensor, size, cache in self._released:
             tensor.untyped_storage().resize_(size)
+            if cache:
+                tensor.zero_()
         self._released = []
 
 
