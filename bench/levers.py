@@ -195,7 +195,7 @@ def fused(args: argparse.Namespace, bf16: bool, tokens: int) -> dict[str, Any]:
         def go() -> None:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 outs = [torch.nn.functional.linear(x, w) for w in mats]
-            sum(o.float().sum() for o in outs).backward()
+            torch.stack([o.float().sum() for o in outs]).sum().backward()
             x.grad = None
 
         return go

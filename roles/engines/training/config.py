@@ -55,7 +55,7 @@ class EngineConfig(BaseModel):
         True,
         description="rows that start with the same prompt (a GRPO group) are packed with the "
         "prompt computed once and no padding, for log-probs and updates alike; the numbers are "
-        "the same (roles/modeling/shared_prompt.py). fsdp backend, lm head",
+        "the same (roles/modeling/shared_prompt.py). fsdp backend, lm head, logits_at: response",
     )
     dp_mode: Literal["fsdp", "replicate"] = Field(
         "fsdp",

@@ -221,13 +221,8 @@ class FSDPEngine(TrainingEngine):
         keep = 0
         if self.head == "lm" and self.cfg.logits_at == "response" and response is not None:
             keep = logits_kept(response)
-        if (
-            self.head == "lm"
-            and segments is None
-            and response is not None
-            and self.cfg.share_prompts
-        ):
-            pack = pack_shared_prompts(ids, mask, response, keep or int(ids.shape[1]))
+        if keep and response is not None and segments is None and self.cfg.share_prompts:
+            pack = pack_shared_prompts(ids, mask, response, keep)
             if pack is not None:
                 return self._forward_packed(pack)
         kept = {"logits_to_keep": keep} if keep else {}
