@@ -152,20 +152,9 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         for name, fn in variants.items():
             times[name] += timed(fn, 1)
     med = {name: statistics.median(t) for name, t in times.items()}
-    proj = fused(args, bf16, pack.tokens)
     return {
-        **proj,
-        "logprob_all_s": round(med["logprob_all"], 3),
-        "logprob_response_s": round(med["logprob_response"], 3),
-        "logprob_ratio": round(med["logprob_response"] / med["logprob_all"], 3),
-        "step_all_s": round(med["step_all"], 3),
-        "step_response_s": round(med["step_response"], 3),
-        "step_ratio": round(med["step_response"] / med["step_all"], 3),
-        "lora_overhead": round(med["logprob_response"] / med["base_only"] - 1, 3),
-        "logprob_shared_s": round(med["logprob_shared"], 3),
-        "step_shared_s": round(med["step_shared"], 3),
-        "shared_logprob_ratio": round(med["logprob_shared"] / med["logprob_response"], 3),
-        "shared_step_ratio": round(med["step_shared"] / med["step_response"], 3),
+        **fused(args, bf16, pack.tokens),
+        **ratios(med),
         "shared_token_share": round(pack.tokens / int(attention.sum()), 3),
         "max_logprob_gap": same,
         "max_shared_gap": shared_gap,
@@ -177,6 +166,23 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "logits_kept": keep,
         "dtype": "bf16" if bf16 else "fp32",
         "repeats": args.repeats,
+    }
+
+
+def ratios(med: dict[str, float]) -> dict[str, float]:
+    """The timed variants' medians and each lever's ratio."""
+    return {
+        "logprob_all_s": round(med["logprob_all"], 3),
+        "logprob_response_s": round(med["logprob_response"], 3),
+        "logprob_ratio": round(med["logprob_response"] / med["logprob_all"], 3),
+        "step_all_s": round(med["step_all"], 3),
+        "step_response_s": round(med["step_response"], 3),
+        "step_ratio": round(med["step_response"] / med["step_all"], 3),
+        "lora_overhead": round(med["logprob_response"] / med["base_only"] - 1, 3),
+        "logprob_shared_s": round(med["logprob_shared"], 3),
+        "step_shared_s": round(med["step_shared"], 3),
+        "shared_logprob_ratio": round(med["logprob_shared"] / med["logprob_response"], 3),
+        "shared_step_ratio": round(med["step_shared"] / med["step_response"], 3),
     }
 
 

@@ -195,20 +195,31 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     }
     vllm.load_weights(new)
     out["after_release"] = tokens(vllm.generate(prompts, greedy))
-    # the KV cache's storage comes back from release holding whatever the process freed there;
-    # NaN in it is what a training step can leave behind
+    out.update(_poisoned_release(vllm, new, prompts, greedy))
+    return out
+
+
+def _poisoned_release(vllm: Any, new: Any, prompts: Any, greedy: Any) -> dict[str, Any]:
+    """A released KV cache whose memory comes back holding NaN (what a training step can leave
+    in memory the process frees; here the allocator's fresh pages are zero, so the storage is
+    given back and filled before ``resume`` runs): is it zero after, and what does greedy
+    decoding give?"""
     from roles.engines.generation.vllm import _kv_tensors
 
-    for cache in vllm.llm.collective_rpc(_kv_tensors)[0]:
-        cache.fill_(float("nan"))
     vllm.release(weights=True)
+    for tensor, size, cache in vllm._released:
+        if cache:
+            tensor.untyped_storage().resize_(size)
+            tensor.fill_(float("nan"))
     vllm.load_weights(new)
     caches = vllm.llm.collective_rpc(_kv_tensors)[0]
-    out["cache_zeroed"] = len(caches) > 0 and all(bool((c == 0).all()) for c in caches)
+    zeroed = len(caches) > 0 and all(bool((c == 0).all()) for c in caches)
     poisoned = vllm.generate(prompts, greedy)
-    out["after_poisoned_release"] = tokens(poisoned)
-    out["poisoned_log_probs_finite"] = all(math.isfinite(v) for s in poisoned for v in s.log_probs)
-    return out
+    return {
+        "cache_zeroed": zeroed,
+        "after_poisoned_release": [s.tokens for s in poisoned],
+        "poisoned_log_probs_finite": all(math.isfinite(v) for s in poisoned for v in s.log_probs),
+    }
 
 
 def _tied_rank(rank: int, world: int, path: str) -> dict[str, Any]:
