@@ -67,6 +67,18 @@ def batch(
     }
 
 
+def alternating_medians(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Each variant's median time after one warm-up call, the variants run in turn so the
+    machine's drift hits every one alike."""
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            times[name] += timed(fn, 1)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -145,13 +157,7 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "step_shared": step(keep, shared=True),
         "base_only": base_only,
     }
-    for fn in variants.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):  # alternating: the machine's drift hits every variant alike
-        for name, fn in variants.items():
-            times[name] += timed(fn, 1)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = alternating_medians(variants, args.repeats)
     return {
         **fused(args, bf16, pack.tokens),
         **ratios(med),
@@ -207,13 +213,7 @@ def fused(args: argparse.Namespace, bf16: bool, tokens: int) -> dict[str, Any]:
         return go
 
     variants = {"separate": run(list(weights.values())), "fused": run([qkv, gate_up])}
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats * 10):
-        for name, fn in variants.items():
-            times[name] += timed(fn, 1)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = alternating_medians(variants, args.repeats * 10)
     return {
         "proj_separate_ms": round(med["separate"] * 1e3, 2),
         "proj_fused_ms": round(med["fused"] * 1e3, 2),
