@@ -43,7 +43,7 @@ import torch
 from roles.modeling.logprob import logits_kept, token_log_probs
 from roles.modeling.lora import LoraSettings, adapters_disabled, attach
 from roles.modeling.models import import_gguf, load_causal_lm
-from roles.modeling.shared_prompt import pack_shared_prompts
+from roles.modeling.shared_prompt import PromptPack, pack_shared_prompts
 from roles.runtime.device import HOST_DEVICE, attention_kernel, choose_dtype, rank_device
 from transport.device import DeviceKind
 
@@ -88,12 +88,28 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
-def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+def lora_model(model_dir: Path) -> Any:
+    """SmolLM2 with rank-16 adapters whose B is not zero (so they change the numbers)."""
     model = load_causal_lm(str(model_dir))
     attach(model, LoraSettings(rank=16, alpha=32))
     torch.nn.init.normal_(next(p for n, p in model.named_parameters() if "lora_B" in n), std=0.01)
+    return model
+
+
+def shared(
+    ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor, keep: int
+) -> PromptPack:
+    """The rows with each group's prompt once, however little that saves."""
+    pack = pack_shared_prompts(ids, attention, response, keep or ids.shape[1], min_saved=0)
+    if pack is None:
+        raise ValueError("no row has a prompt to share")
+    return pack
+
+
+def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = lora_model(model_dir)
     bf16 = choose_dtype("auto", rank_device(DeviceKind.CPU, 0, "bench")).dtype == "bf16"
     data = batch(args.rows, args.prompt, args.response, int(model.config.vocab_size), args.group)
     ids, attention, response = data["input_ids"], data["attention_mask"], data["response_mask"]
@@ -102,9 +118,7 @@ def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     kernel = attention_kernel("auto", HOST_DEVICE, "bf16" if bf16 else "fp32", ids.shape[1])
     model.config._attn_implementation = kernel  # the engine's choice for these rows
-    pack = pack_shared_prompts(ids, attention, response, keep or ids.shape[1], min_saved=0)
-    if pack is None:
-        raise ValueError("no row has a prompt to share")
+    pack = shared(ids, attention, response, keep)
 
     def forward(kept: int) -> torch.Tensor:
         extra = {"logits_to_keep": kept} if kept else {}
