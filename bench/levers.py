@@ -90,6 +90,7 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
 
 def lora_model(model_dir: Path) -> Any:
     """SmolLM2 with rank-16 adapters whose B is not zero (so they change the numbers)."""
+    torch.manual_seed(0)
     model = load_causal_lm(str(model_dir))
     attach(model, LoraSettings(rank=16, alpha=32))
     torch.nn.init.normal_(next(p for n, p in model.named_parameters() if "lora_B" in n), std=0.01)
@@ -108,7 +109,6 @@ def shared(
 
 def measure(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     model = lora_model(model_dir)
     bf16 = choose_dtype("auto", rank_device(DeviceKind.CPU, 0, "bench")).dtype == "bf16"
     data = batch(args.rows, args.prompt, args.response, int(model.config.vocab_size), args.group)
