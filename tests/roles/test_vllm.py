@@ -204,22 +204,24 @@ def _poisoned_release(vllm: Any, new: Any, prompts: Any, greedy: Any) -> dict[st
     in memory the process frees; here the allocator's fresh pages are zero, so the storage is
     given back and filled before ``resume`` runs): is it zero after, and what does greedy
     decoding give?"""
-    from roles.engines.generation.vllm import _kv_tensors
+    from roles.engines.generation.interface import GenerationError
+    from roles.engines.generation.vllm import _bytes_of, _kv_tensors
 
     vllm.release(weights=True)
     for tensor, size, cache in vllm._released:
-        if cache:
-            tensor.untyped_storage().resize_(size)
-            tensor.fill_(float("nan"))
+        if cache:  # all bytes 0xff: NaN in float32 and bfloat16, in every layer's cache
+            storage = tensor.untyped_storage()
+            storage.resize_(size)
+            _bytes_of(storage).fill_(255)
     vllm.load_weights(new)
     caches = vllm.llm.collective_rpc(_kv_tensors)[0]
-    zeroed = len(caches) > 0 and all(bool((c == 0).all()) for c in caches)
-    poisoned = vllm.generate(prompts, greedy)
-    return {
-        "cache_zeroed": zeroed,
-        "after_poisoned_release": [s.tokens for s in poisoned],
-        "poisoned_log_probs_finite": all(math.isfinite(v) for s in poisoned for v in s.log_probs),
-    }
+    # the layers' caches are views into one storage; each is checked (not only the first)
+    zeroed = len(caches) > 1 and all(bool((c == 0).all()) for c in caches)
+    try:
+        poisoned = vllm.generate(prompts, greedy)
+    except GenerationError as e:  # NaN log-probs are refused: the other checks still run
+        return {"cache_zeroed": zeroed, "after_poisoned_release": str(e)}
+    return {"cache_zeroed": zeroed, "after_poisoned_release": [s.tokens for s in poisoned]}
 
 
 def _tied_rank(rank: int, world: int, path: str) -> dict[str, Any]:
@@ -333,11 +335,12 @@ def test_new_weights_in_place_generate_what_the_new_model_does(one: dict[str, An
 
 def test_a_released_cache_comes_back_zeroed(one: dict[str, Any]) -> None:
     """The colocated actor releases vLLM's KV cache after every generate. Its storage came back
-    holding what the process last freed there, where vLLM allocates it zeroed. A cache filled
-    with NaN before a release is zero after it, and greedy tokens are what they were."""
+    holding what the process last freed there, where vLLM allocates it zeroed. Every layer's
+    cache is a view into one storage: filled with NaN bytes before a release, all of it is zero
+    after, and greedy tokens are what they were (zeroing the first layer's view alone left NaN
+    in the others, and the greedy samples' log-probs came out NaN)."""
+    assert one["after_poisoned_release"] == one["after_release"]  # not a NaN error
     assert one["cache_zeroed"]
-    assert one["after_poisoned_release"] == one["after_release"]
-    assert one["poisoned_log_probs_finite"]
 
 
 def test_a_sample_with_non_finite_log_probs_is_an_error_not_training_data(

@@ -399,14 +399,21 @@ class VLLMEngine(ServingEngine):
     def resume(self) -> None:
         """Give back the storage ``release`` freed. Its contents are not restored: released
         weights must be reloaded, and the KV cache is zeroed: the memory comes back holding
-        whatever the process freed there last (a training step's activations, say), and vLLM
-        allocates its cache zeroed. In the SmolLM2 tool-use run on vLLM, zeroing changed a
-        step whose every sample had NaN log-probs into one where most were finite."""
+        whatever the process freed there last (a training step's activations, say), where
+        vLLM allocates its cache zeroed and its CPU attention reads a block's unused slots:
+        bytes that decode to NaN there make the logits NaN. The cache of every layer is a view
+        into one storage, so the storage is zeroed whole."""
         for tensor, size, cache in self._released:
-            tensor.untyped_storage().resize_(size)
-            if cache:
-                tensor.zero_()
+            storage = tensor.untyped_storage()
+            storage.resize_(size)
+            if cache:  # the whole storage: every layer's cache is a view into one of them
+                _bytes_of(storage).zero_()
         self._released = []
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """All of a storage's bytes as one tensor, whatever views of it the holders have."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _bridge_class() -> type:
