@@ -95,46 +95,57 @@ def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor
 # -- one rank ------------------------------------------------------------------------------------
 
 
+def _tokens(samples: list[Any]) -> list[list[int]]:
+    return [s.tokens for s in samples]
+
+
+def _gap(model: Any, tokenizer: Any, samples: list[Any], temperature: float) -> list[float]:
+    """|vLLM log-prob - the trainer's| per response token (roles/modeling/logprob.py)."""
+    from roles.engines.generation.interface import samples_to_batch
+    from roles.modeling.logprob import token_log_probs
+
+    batch = samples_to_batch(samples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    trainer = token_log_probs(logits.logits, batch["input_ids"], temperature)
+    mask = batch["response_mask"].bool()
+    return (batch["log_probs"] - trainer)[mask].abs().tolist()
+
+
 def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     """Everything a single vLLM engine is checked for, against native and HF in the same rank."""
-    import psutil
-
-    from bench.generate import ForcedLengths
     from roles.engines.generation.hf import HFEngine
-    from roles.engines.generation.interface import SamplingConfig, samples_to_batch
+    from roles.engines.generation.interface import SamplingConfig
     from roles.engines.generation.native import NativeEngine
     from roles.engines.generation.vllm import VLLMEngine
-    from roles.modeling.logprob import token_log_probs
 
     model, tokenizer = load_causal_lm(path).eval(), load_tokenizer(path)
     prompts = [tokenizer.encode(t) for t in TEXTS]
     eos = tokenizer.eos_token_id
     native, hf = NativeEngine(model, eos), HFEngine(model, tokenizer.pad_token_id, eos)
     vllm = VLLMEngine(path, eos_token_id=eos, context=512)
-    out: dict[str, Any] = {}
-
-    def tokens(samples: list[Any]) -> list[list[int]]:
-        return [s.tokens for s in samples]
-
-    def gap(samples: list[Any], temperature: float) -> list[float]:
-        """|vLLM log-prob - the trainer's| per response token (roles/modeling/logprob.py)."""
-        batch = samples_to_batch(samples, tokenizer.pad_token_id)
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        trainer = token_log_probs(logits.logits, batch["input_ids"], temperature)
-        mask = batch["response_mask"].bool()
-        return (batch["log_probs"] - trainer)[mask].abs().tolist()
-
     greedy = SamplingConfig(temperature=0, max_new_tokens=12)
     ours = vllm.generate(prompts, greedy)
-    out["greedy"] = {
-        "vllm": tokens(ours),
-        "native": tokens(native.generate(prompts, greedy)),
-        "hf": tokens(hf.generate(prompts, greedy)),
-        "finish": [s.finish for s in ours],
-        "native_finish": [s.finish for s in native.generate(prompts, greedy)],
-        "gap": gap(ours, 1.0),
+    out: dict[str, Any] = {
+        "greedy": {
+            "vllm": _tokens(ours),
+            "native": _tokens(native.generate(prompts, greedy)),
+            "hf": _tokens(hf.generate(prompts, greedy)),
+            "finish": [s.finish for s in ours],
+            "native_finish": [s.finish for s in native.generate(prompts, greedy)],
+            "gap": _gap(model, tokenizer, ours, 1.0),
+        }
     }
+    out["sampled"] = _sampled(vllm, model, tokenizer, prompts)
+    out.update(_shaped(vllm, native, tokenizer, prompts))
+    out.update(_reloaded(vllm, native, model, prompts, greedy))
+    return out
+
+
+def _sampled(vllm: Any, model: Any, tokenizer: Any, prompts: Any) -> dict[str, Any]:
+    """Seeded sampling at two temperatures: per-request seeds, a tail re-run, another seed."""
+    from roles.engines.generation.interface import SamplingConfig
+
     sampled = {}
     for temperature in (0.7, 1.3):
         sampling = SamplingConfig(
@@ -145,46 +156,64 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
         other = vllm.generate(prompts, sampling.model_copy(update={"seed": 5}))
         sampled[str(temperature)] = {
             "requests": [s.request for s in first],
-            "tokens": tokens(first),
-            "tail": tokens(tail),
-            "other_seed": tokens(other),
+            "tokens": _tokens(first),
+            "tail": _tokens(tail),
+            "other_seed": _tokens(other),
             "lengths_ok": all(len(s.tokens) == len(s.log_probs) for s in first),
-            "gap": gap(first, temperature),
+            "gap": _gap(model, tokenizer, first, temperature),
         }
-    out["sampled"] = sampled
+    return sampled
+
+
+def _shaped(vllm: Any, native: Any, tokenizer: Any, prompts: Any) -> dict[str, Any]:
+    """Stop tokens, a short budget, and hybridflow's logits processor (vLLM against native)."""
+    from bench.generate import ForcedLengths
+    from roles.engines.generation.interface import SamplingConfig
+
+    out: dict[str, Any] = {}
     digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
     stopped = vllm.generate(
         prompts, SamplingConfig(temperature=0, max_new_tokens=9, stop_token_ids=digits)
     )
-    out["stopped"] = {"tokens": tokens(stopped), "finish": [s.finish for s in stopped]}
+    out["stopped"] = {"tokens": _tokens(stopped), "finish": [s.finish for s in stopped]}
     out["digits"] = digits
     short = vllm.generate(prompts, SamplingConfig(temperature=0, max_new_tokens=2))
     out["short"] = [[len(s.tokens), s.finish] for s in short]
     # sample i ends after exactly lengths[i] tokens, lengths drawn in [4, 16]
     lengths = torch.randint(4, 17, (64,), generator=torch.Generator().manual_seed(3))
-    forced = ForcedLengths(eos, lengths.tolist())
+    forced = ForcedLengths(tokenizer.eos_token_id, lengths.tolist())
     shaped = SamplingConfig(temperature=0, max_new_tokens=16)
     with_processor = vllm.generate(prompts, shaped, forced)
     native_processor = native.generate(prompts, shaped, forced)
     out["processor"] = {
         "lengths": [len(s.tokens) for s in with_processor],
         "forced": forced.lengths[: len(prompts)].tolist(),
-        "same_tokens": tokens(with_processor) == tokens(native_processor),
+        "same_tokens": _tokens(with_processor) == _tokens(native_processor),
         "log_prob_gap": max(
             abs(a - b)
             for x, y in zip(with_processor, native_processor, strict=True)
             for a, b in zip(x.log_probs, y.log_probs, strict=True)
         ),
     }
+    return out
+
+
+def _reloaded(vllm: Any, native: Any, model: Any, prompts: Any, greedy: Any) -> dict[str, Any]:
+    """New weights in place, then release and resume (clean, and with a poisoned cache)."""
+    import psutil
+
+    before = _tokens(vllm.generate(prompts, greedy))
     new = perturbed(model, seed=9)
     vllm.load_weights(new)
     with torch.no_grad():
         for (_, tensor), (_, param) in zip(new, model.named_parameters(), strict=True):
             param.copy_(tensor)
-    out["reloaded"] = {
-        "vllm": tokens(vllm.generate(prompts, greedy)),
-        "native": tokens(native.generate(prompts, greedy)),
-        "before": out["greedy"]["vllm"],
+    out: dict[str, Any] = {
+        "reloaded": {
+            "vllm": _tokens(vllm.generate(prompts, greedy)),
+            "native": _tokens(native.generate(prompts, greedy)),
+            "before": before,
+        }
     }
     rss = psutil.Process().memory_info().rss
     freed = vllm.release(weights=True)
@@ -194,7 +223,7 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
         "weights": sum(t.numel() * t.element_size() for _, t in new),
     }
     vllm.load_weights(new)
-    out["after_release"] = tokens(vllm.generate(prompts, greedy))
+    out["after_release"] = _tokens(vllm.generate(prompts, greedy))
     out.update(_poisoned_release(vllm, new, prompts, greedy))
     return out
 
