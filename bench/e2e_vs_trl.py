@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import yaml
@@ -298,7 +299,7 @@ def _limit(stages: dict[str, Any], cores_gflops: float, run: dict[str, Any]) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _options(argv: list[str] | None) -> tuple[argparse.Namespace, list[int]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer SFT and GRPO steps (< 3 min)")
     ap.add_argument("--size", choices=("tiny", "small", "135m"), default="small")
@@ -345,94 +346,149 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = 1  # ranks per group: one GPU
     args.sft_steps = args.sft_steps or (60 if args.quick else 300)
     args.steps = args.steps or (5 if args.quick else 20)
+    return args, staleness
 
+
+def _best_runs(
+    args: argparse.Namespace, staleness: list[int], model: Path, data: str, work: Path, on_gpu: bool
+) -> dict[Any, dict[str, Any]]:
+    """Our best settings at each staleness, and (CPU, several threads) as one wide rank."""
+    best_runs: dict[Any, dict[str, Any]] = {}
+    for k in staleness:
+        log(f"hybridflow best, max_staleness {k} ...")
+        config = experiment(model, data, args, best=True, staleness=k)
+        best_runs[k] = run_hybridflow(work, f"best-k{k}", config)
+        log(f"  {best_runs[k]['step_s_median']:.2f} s/step, {best_runs[k]['tok_s']:.0f} tok/s")
+    if args.threads > 1 and not on_gpu:  # the thread layout: 1 rank x every core
+        log(f"hybridflow best, on-policy, 1 rank x {args.threads} threads ...")
+        config = experiment(model, data, args, best=True, wide=True)
+        best_runs[WIDE] = run_hybridflow(work, "best-wide", config)
+        log(
+            f"  {best_runs[WIDE]['step_s_median']:.2f} s/step, {best_runs[WIDE]['tok_s']:.0f} tok/s"
+        )
+    return best_runs
+
+
+def _measure(args: argparse.Namespace, staleness: list[int], work: Path) -> SimpleNamespace:
+    """Every run and rate the report reads: SFT, TRL's runs, ours, the matmul peaks."""
     from controller.data import PROMPT_COLUMNS, read_rows
 
-    with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
-        work = args.work or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]  # again at the end; the best
-        all_cores = (  # every core at once (the limit of a step), again at the end; the best
-            [] if on_gpu else [{d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")}]
+    on_gpu = args.device != DeviceKind.CPU
+    peaks = [{d: matmul_peak(d) for d in ("fp32", "bf16")}]  # again at the end; the best
+    all_cores = (  # every core at once (the limit of a step), again at the end; the best
+        [] if on_gpu else [{d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")}]
+    )
+    start = time.perf_counter()
+    log(f"SFT checkpoint: {args.size} model, {args.sft_steps} steps ...")
+    model = sft_checkpoint(work, args.size, args.sft_steps, args.device)
+    sft_s = time.perf_counter() - start
+    data = DATA.format(n=args.steps * args.prompts)
+    rows = read_rows(data, PROMPT_COLUMNS)
+    log("hybridflow on-policy fp32 ...")
+    hf = run_hybridflow(work, "hybridflow", experiment(model, data, args, best=False))
+    log(f"  {hf['step_s_median']:.2f} s/step, {hf['tok_s']:.0f} tok/s")
+    trl_runs = {}
+    for threads in sorted({1, args.threads}, reverse=True):  # one run on a GPU
+        log(f"TRL GRPOTrainer, fp32, {threads} thread(s) ...")
+        trl_runs[threads] = run_trl_side(model, rows, args, threads, bf16=False)
+        log(
+            f"  {trl_runs[threads]['step_s_median']:.2f} s/step, {trl_runs[threads]['tok_s']:.0f} tok/s"
         )
-        start = time.perf_counter()
-        log(f"SFT checkpoint: {args.size} model, {args.sft_steps} steps ...")
-        model = sft_checkpoint(work, args.size, args.sft_steps, args.device)
-        sft_s = time.perf_counter() - start
-        data = DATA.format(n=args.steps * args.prompts)
-        rows = read_rows(data, PROMPT_COLUMNS)
-        log("hybridflow on-policy fp32 ...")
-        hf = run_hybridflow(work, "hybridflow", experiment(model, data, args, best=False))
-        log(f"  {hf['step_s_median']:.2f} s/step, {hf['tok_s']:.0f} tok/s")
-        trl_runs = {}
-        for threads in sorted({1, args.threads}, reverse=True):  # one run on a GPU
-            log(f"TRL GRPOTrainer, fp32, {threads} thread(s) ...")
-            trl_runs[threads] = run_trl_side(model, rows, args, threads, bf16=False)
-            log(
-                f"  {trl_runs[threads]['step_s_median']:.2f} s/step, {trl_runs[threads]['tok_s']:.0f} tok/s"
-            )
-        trl_threads = max(trl_runs, key=lambda t: trl_runs[t]["tok_s"])
-        trl = trl_runs[trl_threads]
-        trl_bf16 = None
-        if not args.no_trl_bf16:  # TRL's mixed precision: the Trainer's bf16=True, CPU autocast
-            log(f"TRL GRPOTrainer, bf16, {trl_threads} thread(s) ...")
-            trl_bf16 = run_trl_side(model, rows, args, trl_threads, bf16=True)
-            log(f"  {trl_bf16['step_s_median']:.2f} s/step, {trl_bf16['tok_s']:.0f} tok/s")
-        trl_best = max([trl] + ([trl_bf16] if trl_bf16 else []), key=lambda r: r["tok_s"])
-        best_runs = {}
-        for k in staleness:
-            log(f"hybridflow best, max_staleness {k} ...")
-            config = experiment(model, data, args, best=True, staleness=k)
-            best_runs[k] = run_hybridflow(work, f"best-k{k}", config)
-            log(f"  {best_runs[k]['step_s_median']:.2f} s/step, {best_runs[k]['tok_s']:.0f} tok/s")
-        if args.threads > 1 and not on_gpu:  # the thread layout: 1 rank x every core
-            log(f"hybridflow best, on-policy, 1 rank x {args.threads} threads ...")
-            config = experiment(model, data, args, best=True, wide=True)
-            best_runs[WIDE] = run_hybridflow(work, "best-wide", config)
-            log(
-                f"  {best_runs[WIDE]['step_s_median']:.2f} s/step, {best_runs[WIDE]['tok_s']:.0f} tok/s"
-            )
-        best_k = max(best_runs, key=lambda k: best_runs[k]["tok_s"])
-        best = best_runs[best_k]
-        with_vllm = None
-        if args.vllm:
-            log("hybridflow best, vLLM generating ...")
-            config = experiment(
-                model, data, args, best=True, vllm=True, staleness=args.max_staleness
-            )
-            with_vllm = run_hybridflow(work, "vllm", config)
-            log(f"  {with_vllm['step_s_median']:.2f} s/step, {with_vllm['tok_s']:.0f} tok/s")
-        peaks.append({d: matmul_peak(d) for d in ("fp32", "bf16")})
-        peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
-        if not on_gpu:
-            all_cores.append({d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")})
-        cores_peak = (
-            {d: max(p[d] for p in all_cores) for d in ("fp32", "bf16")} if all_cores else {}
-        )
-        runners = {"hybridflow": hf} | {_runner(k): r for k, r in best_runs.items()}
-        runners |= {"vllm": with_vllm} if with_vllm is not None else {}
-        # the stage report's FLOP rates are against the host's matmul peak
-        stages = {} if on_gpu else stages_of(runners, model, rows[: args.prompts], peak)
-        projection = None
-        if 1 in trl_runs and 2 in trl_runs and not on_gpu:
-            projection = project(
-                stages.get("best_k0"),
-                stages.get(f"best_k{args.max_staleness}") if args.max_staleness else None,
-                {t: r["tok_s"] for t, r in trl_runs.items()},
-                best["tokens_per_step"],
-            )
-            if trl_bf16 is not None:  # TRL's bf16 gain at its thread count, carried to 4 cores
-                gain = trl_bf16["tok_s"] / trl["tok_s"]
-                projection["trl_bf16_tok_s_scaled"] = round(
-                    projection["trl_tok_s_scaled"] * gain, 1
-                )
-                for mode in ("on_policy", "async"):
-                    if f"{mode}_tok_s" in projection:
-                        projection[f"{mode}_vs_trl_bf16_scaled"] = round(
-                            projection[f"{mode}_tok_s"] / projection["trl_bf16_tok_s_scaled"], 2
-                        )
+    trl_threads = max(trl_runs, key=lambda t: trl_runs[t]["tok_s"])
+    trl = trl_runs[trl_threads]
+    trl_bf16 = None
+    if not args.no_trl_bf16:  # TRL's mixed precision: the Trainer's bf16=True, CPU autocast
+        log(f"TRL GRPOTrainer, bf16, {trl_threads} thread(s) ...")
+        trl_bf16 = run_trl_side(model, rows, args, trl_threads, bf16=True)
+        log(f"  {trl_bf16['step_s_median']:.2f} s/step, {trl_bf16['tok_s']:.0f} tok/s")
+    trl_best = max([trl] + ([trl_bf16] if trl_bf16 else []), key=lambda r: r["tok_s"])
+    best_runs = _best_runs(args, staleness, model, data, work, on_gpu)
+    best_k = max(best_runs, key=lambda k: best_runs[k]["tok_s"])
+    best = best_runs[best_k]
+    with_vllm = None
+    if args.vllm:
+        log("hybridflow best, vLLM generating ...")
+        config = experiment(model, data, args, best=True, vllm=True, staleness=args.max_staleness)
+        with_vllm = run_hybridflow(work, "vllm", config)
+        log(f"  {with_vllm['step_s_median']:.2f} s/step, {with_vllm['tok_s']:.0f} tok/s")
+    peaks.append({d: matmul_peak(d) for d in ("fp32", "bf16")})
+    peak = {d: max(p[d] for p in peaks) for d in ("fp32", "bf16")}
+    if not on_gpu:
+        all_cores.append({d: matmul_peak_cores(d, args.threads) for d in ("fp32", "bf16")})
+    cores_peak = {d: max(p[d] for p in all_cores) for d in ("fp32", "bf16")} if all_cores else {}
+    runners = {"hybridflow": hf} | {_runner(k): r for k, r in best_runs.items()}
+    runners |= {"vllm": with_vllm} if with_vllm is not None else {}
+    # the stage report's FLOP rates are against the host's matmul peak
+    stages = {} if on_gpu else stages_of(runners, model, rows[: args.prompts], peak)
+    projection = _projection(args, stages, trl_runs, trl, trl_bf16, best) if not on_gpu else None
+    return SimpleNamespace(
+        sft_s=sft_s,
+        hf=hf,
+        trl_runs=trl_runs,
+        trl=trl,
+        trl_threads=trl_threads,
+        trl_bf16=trl_bf16,
+        trl_best=trl_best,
+        best_runs=best_runs,
+        best_k=best_k,
+        best=best,
+        with_vllm=with_vllm,
+        peak=peak,
+        cores_peak=cores_peak,
+        runners=runners,
+        stages=stages,
+        projection=projection,
+        on_gpu=on_gpu,
+    )
 
-    report = {
+
+def _projection(
+    args: argparse.Namespace,
+    stages: dict[str, Any],
+    trl_runs: dict[int, dict[str, Any]],
+    trl: dict[str, Any],
+    trl_bf16: dict[str, Any] | None,
+    best: dict[str, Any],
+) -> dict[str, Any] | None:
+    """The step carried to 4 ranks, against TRL's 1- and 2-thread runs (None without both)."""
+    if not (1 in trl_runs and 2 in trl_runs):
+        return None
+    projection = project(
+        stages.get("best_k0"),
+        stages.get(f"best_k{args.max_staleness}") if args.max_staleness else None,
+        {t: r["tok_s"] for t, r in trl_runs.items()},
+        best["tokens_per_step"],
+    )
+    if trl_bf16 is not None:  # TRL's bf16 gain at its thread count, carried to 4 cores
+        gain = trl_bf16["tok_s"] / trl["tok_s"]
+        projection["trl_bf16_tok_s_scaled"] = round(projection["trl_tok_s_scaled"] * gain, 1)
+        for mode in ("on_policy", "async"):
+            if f"{mode}_tok_s" in projection:
+                projection[f"{mode}_vs_trl_bf16_scaled"] = round(
+                    projection[f"{mode}_tok_s"] / projection["trl_bf16_tok_s_scaled"], 2
+                )
+
+    return projection
+
+
+def _vllm_keys(
+    with_vllm: dict[str, Any], trl: dict[str, Any], trl_best: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "hybridflow_vllm_tok_s": round(with_vllm["tok_s"], 1),
+        "vllm_speedup": round(with_vllm["tok_s"] / trl["tok_s"], 2),
+        "vllm_vs_trl_best": round(with_vllm["tok_s"] / trl_best["tok_s"], 2),
+        "hybridflow_vllm_step_s": round(with_vllm["step_s_median"], 3),
+        "hybridflow_vllm_reward": round(with_vllm["reward_last"], 4),
+    }
+
+
+def _report(args: argparse.Namespace, m: SimpleNamespace) -> dict[str, Any]:
+    hf, trl, trl_runs, trl_bf16, trl_best = m.hf, m.trl, m.trl_runs, m.trl_bf16, m.trl_best
+    best, best_k, best_runs, with_vllm = m.best, m.best_k, m.best_runs, m.with_vllm
+    stages, cores_peak, runners, on_gpu = m.stages, m.cores_peak, m.runners, m.on_gpu
+    sft_s, trl_threads, peak, projection = m.sft_s, m.trl_threads, m.peak, m.projection
+    report: dict[str, Any] = {
         "bench": "e2e_vs_trl",
         "model": args.size,
         "device": args.device,
@@ -498,17 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         | {_runner(k): r["split_s"] for k, r in best_runs.items()},
     }
     if with_vllm is not None:
-        report.update(
-            {
-                "hybridflow_vllm_tok_s": round(with_vllm["tok_s"], 1),
-                "vllm_speedup": round(with_vllm["tok_s"] / trl["tok_s"], 2),
-                "vllm_vs_trl_best": round(with_vllm["tok_s"] / trl_best["tok_s"], 2),
-                "hybridflow_vllm_step_s": round(with_vllm["step_s_median"], 3),
-                "hybridflow_vllm_reward": round(with_vllm["reward_last"], 4),
-            }
-        )
+        report |= _vllm_keys(with_vllm, trl, trl_best)
         report["split_s"]["vllm"] = with_vllm["split_s"]
-    print(json.dumps(report))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, staleness = _options(argv)
+    with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        measured = _measure(args, staleness, work)
+    print(json.dumps(_report(args, measured)))
     return 0
 
 
