@@ -138,7 +138,7 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     }
     out["sampled"] = _sampled(vllm, model, tokenizer, prompts)
     out.update(_shaped(vllm, native, tokenizer, prompts))
-    out.update(_reloaded(vllm, native, model, prompts, greedy))
+    out.update(_reloaded(vllm, native, model, prompts, greedy, out["greedy"]["vllm"]))
     return out
 
 
@@ -198,11 +198,13 @@ def _shaped(vllm: Any, native: Any, tokenizer: Any, prompts: Any) -> dict[str, A
     return out
 
 
-def _reloaded(vllm: Any, native: Any, model: Any, prompts: Any, greedy: Any) -> dict[str, Any]:
-    """New weights in place, then release and resume (clean, and with a poisoned cache)."""
+def _reloaded(
+    vllm: Any, native: Any, model: Any, prompts: Any, greedy: Any, before: list[list[int]]
+) -> dict[str, Any]:
+    """New weights in place (``before``: the greedy tokens under the old ones), then release and
+    resume (clean, and with a poisoned cache)."""
     import psutil
 
-    before = _tokens(vllm.generate(prompts, greedy))
     new = perturbed(model, seed=9)
     vllm.load_weights(new)
     with torch.no_grad():
