@@ -8,8 +8,10 @@ off, the default) network namespaces with the code as PID 1 of its own, a ``/pro
 namespace, System V memory capped in its IPC namespace, a fresh session keyring, Landlock (writes
 in the working folder only, reads of the interpreter and system libraries only), resource limits
 (address space ``memory_mb``, CPU seconds, file size, open files, no core files) and a seccomp
-filter (no unix sockets, memfd, key syscalls, ptrace, namespaces, io_uring). A wall-clock limit
-(``timeout_s``) ends the call; when its PID 1 exits the kernel kills whatever it started.
+filter (socket families allow-listed, no memfd, key syscalls, ptrace, namespaces, mounts,
+io_uring), with every capability dropped. Each call checks that it got every layer the probe
+found (else ``SandboxUnavailable``). A wall-clock limit (``timeout_s``) ends the call by killing
+its PID namespace's init (a pidfd): then the kernel kills whatever it started.
 The environment is a minimal one (``PATH``, ``HOME`` and ``TMPDIR`` set to the working folder),
 so no secret of the role's environment reaches it; stdin is empty.
 
@@ -90,6 +92,8 @@ class Outcome:
     returncode: int
     output: str
     timed_out: bool
+    #: the layers this call could not get (the child refused to run the code)
+    refused: tuple[str, ...] = ()
 
 
 class Sandbox:
@@ -99,6 +103,8 @@ class Sandbox:
         self.settings = settings or SandboxSettings()
         self._root: Path | None = None
         self._isolation: dict[str, Any] | None = None
+        #: the probe's report of what took effect; each call must get the same (its check)
+        self._required: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     @property
@@ -129,6 +135,7 @@ class Sandbox:
             except json.JSONDecodeError:
                 log.warning("the sandbox's probe answered no report: %s", outcome.output[-2000:])
                 applied = {}
+            self._required = {name: value for name, value in applied.items() if value}
             self._isolation = layers(applied, self.settings.network)
         return self._isolation
 
@@ -152,13 +159,19 @@ class Sandbox:
         folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
         try:
             (folder / "main.py").write_text(code)
-            outcome = self._spawn(folder, {}, self.settings.timeout_s)
+            outcome = self._spawn(folder, {"required": self._required}, self.settings.timeout_s)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return self._report(outcome)
 
     def _report(self, outcome: Outcome) -> str:
         output = outcome.output
+        if outcome.refused:
+            raise SandboxUnavailable(
+                "this call could not get the sandbox's isolation (missing: "
+                f"{', '.join(outcome.refused)}; a namespace limit reached by concurrent calls, or "
+                "memory) and refused to run the code"
+            )
         if outcome.timed_out:
             raise ToolTimeout(
                 f"the code ran past its time limit of {self.settings.timeout_s:g} s "
@@ -204,25 +217,32 @@ class Sandbox:
             "MKL_NUM_THREADS": str(s.threads),
         }
         # -u: unbuffered, so stdout and stderr interleave in the order they were written
+        report, config["report_fd"] = os.pipe()
         command = [sys.executable, "-I", "-B", "-u", str(CHILD), json.dumps(config)]
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd=folder,
-            env=env,
-            start_new_session=True,  # its own process group: one kill ends all it started
-        )
         try:
-            deadline = time.monotonic() + timeout_s
-            kept, dropped, timed_out = _read(proc, deadline, limit or s.output_chars)
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=folder,
+                env=env,
+                pass_fds=(config["report_fd"],),
+                start_new_session=True,  # its own process group: one kill ends all it started
+            )
         finally:
-            _kill_group(proc)
+            os.close(config["report_fd"])
+        call = _Call(proc, report)
+        try:
+            kept, dropped, timed_out = call.read(
+                time.monotonic() + timeout_s, limit or s.output_chars
+            )
+        finally:
+            call.end()
         text = kept.decode("utf-8", errors="replace")
         if dropped:
             text += f"\n[... {dropped} more bytes of output cut]"
-        return Outcome(proc.returncode, text.rstrip("\n"), timed_out)
+        return Outcome(proc.returncode, text.rstrip("\n"), timed_out, call.refused)
 
     def _readable(self) -> list[str]:
         prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
@@ -230,7 +250,16 @@ class Sandbox:
 
 
 #: the layers the full sandbox has (``isolation()``'s names)
-LAYERS = ("namespaces", "network", "proc", "shared memory", "files", "seccomp", "keyring")
+LAYERS = (
+    "namespaces",
+    "network",
+    "proc",
+    "shared memory",
+    "capabilities",
+    "files",
+    "seccomp",
+    "keyring",
+)
 
 
 def layers(applied: dict[str, Any], network: bool) -> dict[str, Any]:
@@ -243,8 +272,9 @@ def layers(applied: dict[str, Any], network: bool) -> dict[str, Any]:
         "network": "allowed" if network else ("namespace" if spaces else ""),
         "proc": "its own /proc" if applied.get("proc") else "",
         "shared memory": "own IPC namespace, capped" if applied.get("shared_memory") else "",
+        "capabilities": "all dropped, bounding set empty" if applied.get("capabilities") else "",
         "files": f"landlock ABI {abi}" if abi else "",
-        "seccomp": "unix sockets, memfd, keys, ptrace, namespaces refused"
+        "seccomp": "socket families allow-listed; memfd, keys, ptrace, namespaces, mounts refused"
         if applied.get("seccomp")
         else "",
         "keyring": "fresh session keyring" if applied.get("keyring") else "",
@@ -255,38 +285,101 @@ def layers(applied: dict[str, Any], network: bool) -> dict[str, Any]:
     return found
 
 
-def _read(proc: subprocess.Popen[bytes], deadline: float, limit: int) -> tuple[bytes, int, bool]:
-    """(the first ``limit`` bytes of output, how many more there were, whether the deadline
-    passed first). Reads until the pipe's writers have all closed it; when the child itself
-    exits first, what it left running in its process group is killed (so a background process
-    holding the pipe open does not keep the call waiting)."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    kept, dropped = bytearray(), 0
-    exited = _exit_watch(proc)
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ, "output")
-        if exited is not None:
-            selector.register(exited, selectors.EVENT_READ, "exit")
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return bytes(kept), dropped, True
-                for key, _ in selector.select(left):
-                    if key.data == "exit":
-                        selector.unregister(key.fd)
-                        _kill_group(proc, reap=False)  # the stragglers: the pipe closes
-                        continue
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        return _finish(proc, deadline, kept, dropped)
-                    room = max(0, limit - len(kept))
-                    kept += chunk[:room]
-                    dropped += len(chunk) - min(room, len(chunk))
-        finally:
+class _Call:
+    """One running child: its output pipe, its report pipe (``init PID``, ``refused LAYERS``)
+    and, once reported, a pidfd of its PID namespace's init, the process whose death ends every
+    process of the call wherever they moved their process group or session."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], report: int) -> None:
+        self.proc = proc
+        self.report = report
+        self.lines = b""
+        self.init: int | None = None  # a pidfd
+        self.refused: tuple[str, ...] = ()
+
+    def read(self, deadline: float, limit: int) -> tuple[bytes, int, bool]:
+        """(the first ``limit`` bytes of output, how many more there were, whether the deadline
+        passed first). Reads until the pipe's writers have all closed it; when the child itself
+        exits first, what it left running is killed (so a background process holding the pipe
+        open does not keep the call waiting)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        kept, dropped = bytearray(), 0
+        exited = _exit_watch(self.proc)
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ, "output")
+            selector.register(self.report, selectors.EVENT_READ, "report")
             if exited is not None:
-                os.close(exited)
+                selector.register(exited, selectors.EVENT_READ, "exit")
+            try:
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return bytes(kept), dropped, True
+                    for key, _ in selector.select(left):
+                        if key.data == "exit":
+                            selector.unregister(key.fd)
+                            self.kill(reap=False)  # the stragglers: the pipe closes
+                            continue
+                        chunk = os.read(key.fd, 65536)
+                        if key.data == "report":
+                            if not chunk:
+                                selector.unregister(key.fd)
+                            self._reported(chunk)
+                            continue
+                        if not chunk:
+                            return _finish(self.proc, deadline, kept, dropped)
+                        room = max(0, limit - len(kept))
+                        kept += chunk[:room]
+                        dropped += len(chunk) - min(room, len(chunk))
+            finally:
+                if exited is not None:
+                    os.close(exited)
+
+    def _reported(self, chunk: bytes) -> None:
+        self.lines += chunk
+        *done, self.lines = self.lines.split(b"\n")
+        for line in done:
+            what, _, rest = line.decode("ascii", errors="replace").partition(" ")
+            if what == "init" and rest.isdigit() and self.init is None:
+                self.init = _pidfd_of_child(int(rest), self.proc.pid)
+            elif what == "refused":
+                self.refused = tuple(rest.split())
+
+    def kill(self, reap: bool = True) -> None:
+        """Kill the PID namespace's init (so the kernel kills everything in it), then what is
+        left of the child's process group (and, with ``reap``, reap the child)."""
+        if self.init is not None:
+            try:
+                signal.pidfd_send_signal(self.init, signal.SIGKILL)
+            except ProcessLookupError:  # it has exited: its namespace is empty already
+                pass
+        _kill_group(self.proc, reap)
+
+    def end(self) -> None:
+        self.kill()
+        for fd in (self.report, self.init):
+            if fd is not None:
+                os.close(fd)
+        self.init = None
+
+
+def _pidfd_of_child(pid: int, parent: int) -> int | None:
+    """A pidfd of ``pid`` if it is still ``parent``'s child (not a process that took a freed
+    PID: the check runs after the pidfd pins the process it names)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        ppid = -1
+    if ppid != parent:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _exit_watch(proc: subprocess.Popen[bytes]) -> int | None:

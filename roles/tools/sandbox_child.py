@@ -14,20 +14,30 @@ runs before anything else in a fresh interpreter, while the process is single-th
 3. in the child: a private mount tree with a ``/proc`` of its own PID namespace (the host's
    processes are not listed); System V shared memory capped at the memory limit inside its own
    IPC namespace (and gone with it); a fresh session keyring (the caller's keys are not
-   reachable);
+   reachable); then **every capability dropped**, the bounding set emptied and the securebits
+   locked, so root inside its namespaces holds nothing (no CAP_NET_ADMIN for nf_tables, no
+   mounts) and an ``execve`` gets nothing back;
 4. **files** (Landlock, Linux 5.13+): writes only beneath the working folder (and to
    ``/dev/null``), reads only beneath the paths the parent lists (the interpreter, its packages,
    system libraries);
 5. **resource limits**: address space, CPU seconds, file size, open files, no core files;
-6. **seccomp** (libseccomp, through the ``pyseccomp`` binding): ``socket(AF_UNIX)`` (a pathname
-   or abstract unix socket would reach services outside any namespace), ``memfd_create`` (pages
-   no rlimit counts), the key syscalls, ``ptrace`` and cross-process memory, new namespaces and
-   mounts, ``io_uring``, ``bpf``, ``perf_event_open``, ``userfaultfd`` and clearing the death
-   signal all fail with EPERM;
-7. an audit hook that turns a refused socket call into a clear message (a courtesy, not a
+6. **seccomp** (libseccomp, through the ``pyseccomp`` binding): socket families are an
+   allow-list (AF_INET and AF_INET6 with the network on, none with it off: never unix, netlink
+   or vsock), ``memfd_create`` (pages no rlimit counts), the key syscalls, ``ptrace`` and
+   cross-process memory, ``unshare``/``setns`` and ``clone`` with any CLONE_NEW* flag
+   (``clone3``: ENOSYS, so libc falls back to ``clone``), mounts old and new (``fsopen``,
+   ``open_tree``, ...), ``io_uring``, ``bpf``, ``perf_event_open``, ``userfaultfd`` and clearing
+   the death signal fail with EPERM. Arguments the kernel reads as ``int`` are compared on their
+   low 32 bits, as the kernel reads them;
+7. **the check**: each layer the parent's probe found in force must have taken effect in this
+   call too, or the child writes ``refused LAYERS`` on its report pipe and runs nothing (a
+   namespace limit reached by concurrent calls must not run code in the host's namespaces);
+8. an audit hook that turns a refused socket call into a clear message (a courtesy, not a
    boundary: code can switch it off);
-8. the code, compiled as ``main.py`` and run as ``__main__`` in the working folder.
+9. the code, compiled as ``main.py`` and run as ``__main__`` in the working folder.
 
+The report pipe (``report_fd``) also carries ``init PID``: the PID namespace's init, which the
+parent kills (by pidfd) to end a call, wherever the code moved its process group or session.
 With ``"probe": true`` the child stops after 6 and prints, as JSON, which layers took effect.
 A ``MemoryError`` that reaches the top exits with the parent's ``memory_exit`` code, so the
 parent can tell a program killed by its memory limit from one that failed.
@@ -45,11 +55,22 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
+#: NOROOT, NO_SETUID_FIXUP, KEEP_CAPS (off), NO_CAP_AMBIENT_RAISE: each set and locked
+SECUREBITS = 0b11101111
+CAPABILITY_VERSION_3 = 0x20080522
+CAP_FIELDS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
 KEYCTL_JOIN_SESSION_KEYRING = 1
 SYS_CREATE_RULESET, SYS_ADD_RULE, SYS_RESTRICT_SELF = 444, 445, 446  # the same on every arch
 CREATE_RULESET_VERSION = 1
 RULE_PATH_BENEATH = 1
-AF_UNIX = 1
+AF_INET, AF_INET6 = 2, 10
+#: socket families the kernel knows are below 64 (it refuses the rest with EAFNOSUPPORT)
+FAMILIES = 64
+LOW_32 = 0xFFFFFFFF  # an ``int`` argument: the kernel reads these bits only
+ENOSYS = 38
+#: clone(2) flags that make a namespace (CLONE_NEWTIME has no clone(2) form)
+CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 MAKE_AND_REMOVE = sum(1 << bit for bit in range(4, 13))  # remove dir/file, make char..symlink
@@ -74,6 +95,14 @@ REFUSED = (
     "umount2",
     "pivot_root",
     "chroot",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "open_tree",
+    "open_tree_attr",
+    "move_mount",
+    "mount_setattr",
     "open_by_handle_at",
     "bpf",
     "perf_event_open",
@@ -158,6 +187,25 @@ def fresh_keyring() -> bool:
     return libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
 
 
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+def drop_capabilities() -> bool:
+    """No capability left in any set, the bounding set empty and the securebits locked (root
+    in its namespace gains nothing by ``execve``); True when /proc/self/status shows all five
+    sets empty."""
+    for cap in range(64):  # past the last capability: EINVAL, nothing to drop
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0)
+    empty = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable, for two 32-bit words
+    libc.capset(ctypes.byref(CapHeader(CAPABILITY_VERSION_3, 0)), empty)
+    with open("/proc/self/status") as f:
+        sets = dict(line.split(":", 1) for line in f if line.startswith("Cap"))
+    return all(int(sets.get(name, "1"), 16) == 0 for name in CAP_FIELDS)
+
+
 def syscall_number(name: str) -> int | None:
     try:
         import pyseccomp
@@ -217,21 +265,27 @@ def set_limits(config: dict) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
 
-def filter_syscalls() -> bool:
+def filter_syscalls(network: bool) -> bool:
     """The seccomp filter of the module docstring (step 6); False where it cannot load."""
     try:
         import pyseccomp as sc
     except (ImportError, OSError):  # the binding, or the libseccomp it loads, is missing
         return False
     refuse = sc.ERRNO(1)  # EPERM
+    allowed = {AF_INET, AF_INET6} if network else set()
     try:
         rules = sc.SyscallFilter(sc.ALLOW)
-        rules.add_rule(refuse, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
-        rules.add_rule(refuse, "prctl", sc.Arg(0, sc.EQ, PR_SET_PDEATHSIG))
+        for family in range(FAMILIES):
+            if family not in allowed:
+                rules.add_rule(refuse, "socket", sc.Arg(0, sc.MASKED_EQ, LOW_32, family))
+        rules.add_rule(refuse, "prctl", sc.Arg(0, sc.MASKED_EQ, LOW_32, PR_SET_PDEATHSIG))
+        for flag in CLONE_NEW:
+            rules.add_rule(refuse, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        rules.add_rule(sc.ERRNO(ENOSYS), "clone3")  # its flags sit in memory no filter reads
         for name in REFUSED:
             try:
                 rules.add_rule(refuse, name)
-            except ValueError:  # a syscall this architecture has not
+            except (ValueError, OSError):  # a syscall this architecture or libseccomp has not
                 continue
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         rules.load()
@@ -241,6 +295,7 @@ def filter_syscalls() -> bool:
 
 
 NETWORK_EVENTS = {
+    "socket.__new__",
     "socket.bind",
     "socket.connect",
     "socket.getaddrinfo",
@@ -297,26 +352,49 @@ def isolate(config: dict, namespaces: str) -> dict:
         applied["proc"] = own_proc()
         applied["shared_memory"] = cap_shared_memory(config["memory_bytes"])
     applied["keyring"] = fresh_keyring()
+    applied["capabilities"] = drop_capabilities()  # after the mounts and sysctls that need them
     # the /proc of its own PID namespace lists its own processes only: readable whole
     readable = [*config["readable"], *(["/proc"] if applied.get("proc") else [])]
     applied["landlock"] = restrict_files(config["folder"], readable)
     if not config.get("probe"):
         set_limits(config)
-    applied["seccomp"] = filter_syscalls()
+    applied["seccomp"] = filter_syscalls(config["network"])
     return applied
+
+
+def missing(applied: dict, required: dict) -> list[str]:
+    """The layers the probe found in force (``required``) that this call did not get."""
+    return [
+        name
+        for name, want in required.items()
+        if not applied.get(name) or (name == "landlock" and applied[name] < want)
+    ]
+
+
+def report(fd: int, line: str) -> None:
+    os.write(fd, f"{line}\n".encode())
 
 
 def main() -> int:
     config = json.loads(sys.argv[1])
+    fd = int(config["report_fd"])
     namespaces = enter_namespaces(config["network"])
     if namespaces:
         child = os.fork()
         if child:
+            report(fd, f"init {child}")
+            os.close(fd)
             return wait_for(child)
     applied = isolate(config, namespaces)
     if config.get("probe"):
+        os.close(fd)
         print(json.dumps(applied))
         return 0
+    lacking = missing(applied, config["required"])
+    if lacking:
+        report(fd, f"refused {' '.join(lacking)}")
+        return 1
+    os.close(fd)  # the code never sees the report pipe
     os.chdir(config["folder"])
     explain_network(config)
     return run(config)

@@ -10,6 +10,7 @@ mode is chosen by name, and then says what it lacks."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import resource
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from roles.tools.failures import ToolTimeout
 from roles.tools.sandbox import Sandbox, SandboxSettings
 from tests.conftest import require_system
 
@@ -235,8 +237,6 @@ print(json.dumps(report))
 
 
 def weakened(allow_weak: bool) -> dict:
-    import json
-
     out = subprocess.run(
         [sys.executable, "-c", WRAPPER, json.dumps(allow_weak)],
         capture_output=True,
@@ -260,3 +260,176 @@ def test_without_namespaces_and_landlock_the_tool_refuses_to_run() -> None:
 def test_the_weak_mode_runs_by_name_and_reads_are_not_restricted() -> None:
     found = weakened(allow_weak=True)
     assert found["out"] == "root"  # /etc/passwd: nothing stops a read in the weak mode
+
+
+# -- escapes a line-by-line review found -----------------------------------------------------------
+
+SYS_SOCKET, SYS_PRCTL, SYS_CLONE, SYS_CLONE3 = 41, 157, 56, 435  # x86_64
+SYS_OPEN_TREE, SYS_FSOPEN = 428, 430
+HIGH = 1 << 32  # a bit the kernel drops from an ``int`` argument, and a 64-bit compare sees
+
+SYSCALL_HELPER = "\n".join(
+    [
+        "import ctypes, os",
+        "libc = ctypes.CDLL(None, use_errno=True)",
+        "libc.syscall.restype = ctypes.c_long",
+        "def sys_(*args):",
+        "    ctypes.set_errno(0)",
+        "    r = libc.syscall(*[ctypes.c_long(a) for a in args])",
+        "    if r == 0 and args[0] in (56, 435):  # a raw clone's child: leave at once",
+        "        os._exit(0)",
+        "    return r, ctypes.get_errno()",
+    ]
+)
+
+
+def x86_64_only() -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("the syscall numbers here are x86_64's")
+
+
+def test_socket_families_are_allow_listed_whatever_the_high_bits(
+    box: Sandbox, tmp_path: Path
+) -> None:
+    """``socket(0x1_00000001, ...)`` is AF_UNIX to the kernel (an ``int``); a filter comparing the
+    whole register let it through and the code reached a unix socket on the host. Netlink
+    (nf_tables' surface) and vsock (not namespaced: a VM's host) are refused too, and with the
+    network off so is AF_INET."""
+    x86_64_only()
+    path = str(tmp_path / "host.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(8)
+    listener.settimeout(0)
+    code = "\n".join(
+        [
+            SYSCALL_HELPER,
+            "import socket",
+            f"fd, err = sys_({SYS_SOCKET}, {HIGH | socket.AF_UNIX}, socket.SOCK_STREAM, 0)",
+            "print('unix-high', fd, err)",
+            "if fd >= 0:  # through libc, past the audit hook's courtesy message",
+            f"    addr = ctypes.create_string_buffer(b'\\x01\\x00' + {path.encode()!r}, 110)",
+            "    print('connect', libc.connect(fd, addr, 110), libc.write(fd, b'out', 3))",
+            f"print('netlink', *sys_({SYS_SOCKET}, 16, socket.SOCK_RAW, 12))",  # NETFILTER
+            f"print('vsock', *sys_({SYS_SOCKET}, {HIGH | 40}, socket.SOCK_STREAM, 0))",
+            f"print('inet', *sys_({SYS_SOCKET}, socket.AF_INET, socket.SOCK_STREAM, 0))",
+        ]
+    )
+    out = box.run(code)
+    for name in ("unix-high", "netlink", "vsock", "inet"):
+        assert f"{name} -1 1" in out, out  # EPERM
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+
+
+def test_the_death_signal_stays_and_a_call_ends_its_whole_namespace(box: Sandbox) -> None:
+    """``prctl(0x1_00000001, 0)`` cleared PR_SET_PDEATHSIG past a 64-bit compare; after
+    ``setsid()`` the call's kill of its process group missed the code, which ran on after
+    ``ToolTimeout``. The option's low 32 bits are what the filter compares, and a call ends by
+    killing its PID namespace's init."""
+    x86_64_only()
+    code = "\n".join(
+        [
+            SYSCALL_HELPER,
+            f"print('prctl', *sys_({SYS_PRCTL}, {HIGH | 1}, 0))",
+            "os.setsid()",
+            "print('setsid', flush=True)",
+            "while True: pass",
+        ]
+    )
+    with pytest.raises(ToolTimeout) as stopped:
+        box.run(code)
+    assert "prctl -1 1" in str(stopped.value) and "setsid" in str(stopped.value)
+    left = sandbox_processes(box.root)
+    for pid in left:  # leave no spinning process behind, even when the test fails
+        os.kill(pid, 9)
+    assert left == []
+
+
+def test_the_code_holds_no_capability_and_makes_no_namespace_or_mount(box: Sandbox) -> None:
+    """Root inside its own user namespace kept every capability (CAP_NET_ADMIN in a new network
+    namespace: nf_tables); only unshare/setns were filtered, so a raw ``clone`` or ``clone3``
+    with CLONE_NEW* flags and the new mount API (fsopen, open_tree) worked."""
+    x86_64_only()
+    new = 0x10000000 | 0x40000000  # CLONE_NEWUSER | CLONE_NEWNET
+    code = "\n".join(
+        [
+            SYSCALL_HELPER,
+            "import signal",
+            "status = dict(line.split(':\\t') for line in open('/proc/self/status').read()"
+            ".splitlines() if line.startswith('Cap'))",
+            "print(sorted((k, v) for k, v in status.items()))",
+            f"print('clone', *sys_({SYS_CLONE}, {new} | signal.SIGCHLD, 0, 0, 0, 0))",
+            "args = (ctypes.c_uint64 * 11)()",
+            f"args[0] = {new}; args[4] = signal.SIGCHLD",
+            f"r = libc.syscall(ctypes.c_long({SYS_CLONE3}), args, ctypes.c_long(88))",
+            "if r == 0: os._exit(0)",
+            "print('clone3', r, ctypes.get_errno())",
+            f"print('fsopen', *sys_({SYS_FSOPEN}, ctypes.addressof(ctypes.c_char_p(b'tmpfs')), 0))",
+            "path = ctypes.create_string_buffer(b'/')",
+            f"print('open_tree', *sys_({SYS_OPEN_TREE}, -100, ctypes.addressof(path), 1))",
+        ]
+    )
+    out = box.run(code)
+    lines = out.splitlines()
+    caps = dict(eval(lines[0]))  # the code's own printout of /proc/self/status
+    assert set(caps.values()) == {"0000000000000000"}, caps
+    assert "clone -1 1" in out, out
+    assert "clone3 -1 38" in out, out  # ENOSYS: glibc falls back to clone, whose flags are checked
+    assert "fsopen -1 1" in out and "open_tree -1 1" in out, out
+
+
+# through libc, past the audit hook's courtesy message
+CONNECT = """
+import ctypes, socket, struct
+s = socket.socket()
+addr = struct.pack("<H", socket.AF_INET) + struct.pack(">H", {port}) + bytes([127, 0, 0, 1]) + bytes(8)
+print("connect", ctypes.CDLL(None).connect(s.fileno(), addr, len(addr)))
+"""
+
+CALL_WITHOUT_NAMESPACES = """
+import json, socket, sys
+from tests.roles.test_sandbox_escape import CONNECT
+from roles.tools.sandbox import Sandbox, SandboxSettings
+from roles.tools.failures import SandboxUnavailable
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(8)
+listener.settimeout(0)
+box = Sandbox(SandboxSettings(timeout_s=5.0))
+report = {"weak": box.isolation()["weak"]}
+# after the probe: no more network namespaces for anyone beneath this user namespace
+with open("/proc/sys/user/max_net_namespaces", "w") as f:
+    f.write("0")
+port = listener.getsockname()[1]
+try:
+    report["out"] = box.run(CONNECT.format(port=port))
+except SandboxUnavailable as exc:
+    report["refused"] = str(exc)
+try:
+    listener.accept()
+    report["reached"] = True
+except BlockingIOError:
+    report["reached"] = False
+print(json.dumps(report))
+"""
+
+
+def test_a_call_that_cannot_get_its_namespaces_refuses_to_run() -> None:
+    """Isolation was checked once, by the probe: a call whose namespaces the kernel refused (a
+    namespace limit reached after the probe) ran in the host's network and reached 127.0.0.1.
+    Here the limit is lowered inside a user namespace of the test's own (``unshare -Ur``), so the
+    host's limits stay as they were."""
+    out = subprocess.run(
+        ["unshare", "-Ur", sys.executable, "-c", CALL_WITHOUT_NAMESPACES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    require_system("user namespaces (unshare -Ur)", out.returncode == 0, out.stderr[-500:])
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["weak"] == [], found
+    assert found["reached"] is False, found
+    assert "namespaces" in found.get("refused", ""), found
