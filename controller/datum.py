@@ -49,12 +49,17 @@ def batch_of(data: Sequence[Datum], pad_id: int = 0) -> TensorBatch:
     ``pad_id``), ``attention_mask``, ``response_mask`` (1 on response tokens) and each loss input
     the rows carry at its response positions (0 elsewhere). ValueError naming the row and field
     when a row is empty, a per-token list does not match its response, or only some rows carry
-    an input."""
+    an input, or a prompt is empty."""
     if not data:
         raise ValueError("no rows: give at least one Datum")
     for i, row in enumerate(data):
         if not row.response:
             raise ValueError(f"row {i}: response is empty; a loss needs at least one token")
+        if not row.prompt:  # its first response token would have nothing to be predicted from
+            raise ValueError(
+                f"row {i}: prompt is empty; the first response token is predicted from the "
+                "token before it: start the prompt with the tokenizer's BOS token"
+            )
     width = max(len(r.prompt) + len(r.response) for r in data)
     ids = torch.full((len(data), width), pad_id, dtype=torch.long)
     attention = torch.zeros(len(data), width, dtype=torch.long)

@@ -42,6 +42,8 @@ def test_rows_without_loss_inputs_carry_the_tokens_alone() -> None:
     [
         ([], "no rows"),
         ([hf.Datum(prompt=[1], response=[])], "row 0: response is empty"),
+        # the first response token would have no token before it to be predicted from
+        ([hf.Datum([1], [2]), hf.Datum(prompt=[], response=[2])], "row 1: prompt is empty"),
         (
             [hf.Datum([1], [2], advantages=1.0), hf.Datum([1], [2])],
             "row 1: advantages is missing; give it on every row or none",
