@@ -49,7 +49,7 @@ from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
 from controller.datum import Datum, batch_of
 from controller.metrics import JsonlSink, TensorBoardSink
 from controller.placement import GroupSpec
-from controller.rollouts import RolloutPipeline
+from controller.rollouts import RolloutPipeline, request_seed
 from controller.scoring import scores
 from controller.server import Controller
 from controller.steps import Roles
@@ -172,8 +172,7 @@ class Mesh:
         if "uid" not in batch.non_tensors:
             batch.non_tensors["uid"] = list(range(len(batch)))
         if self.pipeline.agent is not None and "seed" not in batch.non_tensors:
-            base = 0 if sampling.seed is None else sampling.seed
-            batch.non_tensors["seed"] = [base + i for i in range(len(batch))]
+            batch.non_tensors["seed"] = request_seeds(sampling.seed, len(batch))
 
         async def call() -> TensorBatch:
             await self.pipeline.sync()
@@ -397,6 +396,13 @@ class Mesh:
 
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "response_mask")
+
+
+def request_seeds(seed: int, count: int) -> list[int]:
+    """Each request's seed for a multi-turn ``sample`` call: a hash of (the call's seed, the
+    request), as a single-turn call seeds (seed, request, sample); ``seed + i`` would make
+    request i of the call seeded ``s + 1`` replay request i + 1 of the call seeded ``s``."""
+    return [request_seed(seed, 0, i) for i in range(count)]
 
 
 def as_batch(rows: Rows) -> TensorBatch:

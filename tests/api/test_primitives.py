@@ -93,3 +93,14 @@ async def lora_primitives(run_dir: Path) -> None:
 @pytest.mark.timeout(180)
 def test_a_lora_actor_trains_its_adapters_through_the_same_primitives(tmp_path: Path) -> None:
     asyncio.run(lora_primitives(tmp_path / "run"))
+
+
+def test_multi_turn_request_seeds_do_not_replay_a_neighbouring_calls() -> None:
+    """With ``seed=step``, ``seed + i`` seeded request i of step s + 1 as request i + 1 of step
+    s (the same turns drawn again); a hash of (seed, request) shares none."""
+    from deploy.mesh import request_seeds
+
+    for seed in range(4):
+        assert not set(request_seeds(seed, 8)) & set(request_seeds(seed + 1, 8))
+    assert request_seeds(3, 8) == request_seeds(3, 8)
+    assert len(set(request_seeds(0, 64))) == 64
