@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 import uuid
 from collections import Counter
@@ -76,6 +77,8 @@ TRAJECTORY_COLUMNS = ("transcript", "segments", "env_reward", "turns", "tool_cal
 #: [B] a trajectory's budget of sampled tokens: max_total_tokens less its prompt and observation
 #: tokens (the limit DAPO's overlong shaping measures a multi-turn row against)
 SAMPLE_BUDGET = "sample_budget"
+
+log = logging.getLogger("hybridflow.agent")
 
 
 class AgentConfig(BaseModel):
@@ -482,6 +485,30 @@ async def run_trajectories(
         )
     desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
     began = time.perf_counter()
+    sessions = [t.session for t in trajectories]
+    try:
+        await _serve(setup, trajectories, rows, server, desk, sampling)
+    except BaseException:  # the env group and the generator let go of them all the same
+        await _let_go(setup, sessions, failed=True)
+        raise
+    elapsed = time.perf_counter() - began
+    await _let_go(setup, sessions, failed=False)
+    batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
+    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server, desk)
+    return batch
+
+
+async def _serve(
+    setup: AgentRollout,
+    trajectories: list[Trajectory],
+    rows: list[dict[str, Any]],
+    server: TurnServer,
+    desk: ActionDesk,
+    sampling: SamplingConfig,
+) -> None:
+    """Open the trajectories' sessions and run them all to their ends (the first failure of a
+    trajectory or of the serving loop fails them all)."""
+    spec, cfg = setup.spec, setup.cfg
     opened = await setup.env.open(
         [EnvOpen(session=t.session, row=rows[t.request]) for t in trajectories]
     )
@@ -508,13 +535,20 @@ async def run_trajectories(
     finally:
         for task in [*loops, *runs]:
             task.cancel()
-    elapsed = time.perf_counter() - began
-    await setup.env.close([t.session for t in trajectories])
-    if cfg.sessions:  # the generator lets go of their KV
-        await setup.generator.drop_sessions([session_key(t.session) for t in trajectories])
-    batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
-    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server, desk)
-    return batch
+
+
+async def _let_go(setup: AgentRollout, sessions: list[int], failed: bool) -> None:
+    """Close the trajectories' env sessions and (with ``sessions``) the generator's KV of them.
+    After a failure, an error here is logged, not raised: the rollout's own error is the one the
+    caller sees (and a group that is gone has nothing left to close)."""
+    try:
+        await setup.env.close(sessions)
+        if setup.cfg.sessions:
+            await setup.generator.drop_sessions([session_key(s) for s in sessions])
+    except Exception:
+        if not failed:
+            raise
+        log.warning("closing the sessions of a failed rollout failed too", exc_info=True)
 
 
 async def _one(

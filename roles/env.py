@@ -42,7 +42,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from threading import Lock
 from typing import Any
@@ -110,6 +110,12 @@ class EnvConfig(BaseModel):
         None, description="search tool: a folder of .txt files or a JSONL file"
     )
     search_top_k: int = Field(3, ge=1, description="search tool: documents per answer")
+    session_idle_s: float = Field(
+        1800.0,
+        gt=0,
+        description="a session with no action for this long is closed when sessions are next "
+        "opened (a controller that failed or died mid-rollout leaves none open for good)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
@@ -159,6 +165,7 @@ class Session:
     env: Any = None  # the environment instance (tools: None)
     busy: bool = False  # an action is out
     done: bool = False
+    touched: float = field(default_factory=time.monotonic)  # opened, or its last action's end
 
 
 def load_config(config: dict[str, Any]) -> EnvConfig:
@@ -290,6 +297,7 @@ class EnvRole(Role):
         """A session per trajectory. Each result's ``observation_ids`` is the trajectory's start:
         its row's prompt as the generation engines tokenize it, then an environment's first
         observation (its ``observation``, the text reset returned; tools: none)."""
+        self._expire()
         with self._lock:
             ids = [s.session for s in sessions]
             taken = sorted({i for i in ids if i in self.sessions or ids.count(i) > 1})
@@ -357,6 +365,20 @@ class EnvRole(Role):
 
     # -- sessions -------------------------------------------------------------------------------
 
+    def _expire(self) -> None:
+        """Close the sessions idle past ``session_idle_s`` (none with an action out)."""
+        oldest = time.monotonic() - self.cfg.session_idle_s
+        with self._lock:
+            stale = [i for i, s in self.sessions.items() if not s.busy and s.touched < oldest]
+        if stale:
+            log.warning(
+                "closing %d sessions idle for over %g s (session_idle_s): %s",
+                len(stale),
+                self.cfg.session_idle_s,
+                stale[:8],
+            )
+            self.close(stale)
+
     def _start(self, row: dict[str, Any]) -> list[int]:
         """The row's prompt (``prompt`` text or ``prompt_ids``) as the generation engines read
         it (``roles/engines/generation/serve.py``); none when the row has neither."""
@@ -396,6 +418,7 @@ class EnvRole(Role):
                 result = self._observe(session.id, text, time.monotonic(), error="raised")
         with self._lock:
             session.busy = False
+            session.touched = time.monotonic()
             session.done = session.done or result.done
             if self.sessions.get(session.id) is session:
                 self.outbox.put((session, result))

@@ -489,3 +489,26 @@ def test_tools_are_checked_against_the_format() -> None:
 def forecast(city: str, when: str) -> str:
     """Two required parameters: more than the bracket format can pass."""
     return f"{city} {when}"
+
+
+def test_sessions_idle_past_their_limit_are_closed_at_the_next_open(tiny: Path) -> None:
+    """A controller that failed or died mid-rollout never closes its sessions: the env role
+    closes those idle past ``session_idle_s`` when sessions are next opened (its clock is moved
+    on here by ageing the sessions, not by waiting)."""
+    from roles.base import RoleContext
+    from roles.env import EnvRole
+    from roles.runtime.device import HOST_DEVICE
+    from transport.protocol import Layout
+
+    ctx = RoleContext("env", "e", 0, 1, Layout(), None, HOST_DEVICE)
+    env = EnvRole(
+        ctx,
+        tools=["roles.tools.calculator:calculator"],
+        tokenizer=str(tiny),
+        session_idle_s=60,
+    )
+    env.open([EnvOpen(session=i, row={"prompt": "1+1="}) for i in (1, 2, 3)])
+    for i in (1, 2):
+        env.sessions[i].touched -= 61
+    env.open([EnvOpen(session=4, row={"prompt": "2+2="})])
+    assert sorted(env.sessions) == [3, 4]
