@@ -26,6 +26,7 @@ the ``forward_backward`` calls since it are replayed, and the failed call runs a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -68,6 +69,7 @@ from deploy.groups import build_groups
 from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.session import cluster_session, local_session
 from transport.batch import TensorBatch
+from transport.errors import CallTimeoutError
 from transport.sampling import SamplingConfig
 from transport.settings import Timeouts
 from transport.training import OptimConfig, PolicyLossConfig
@@ -84,13 +86,12 @@ Loss = PolicyLossConfig | Literal["cross_entropy"]
 class Recovery:
     """What brings the training roles back after one of their ranks died, below the user's
     loop: an in-memory snapshot of their state after each change (an optimizer step, a fresh
-    optimizer, a loaded state), the optimizer each was given and the ``forward_backward`` calls
-    since the snapshot (their gradients are not in it)."""
+    optimizer, a loaded state) and the optimizer each was given; the ``forward_backward`` calls
+    since the snapshot (their gradients are not in it) are the mesh's ``accumulated``."""
 
     folder: Path  # under /dev/shm: one folder per role, two slots per rank
     label: int = 0  # the newest complete snapshot's number (0: none yet)
     optims: dict[str, OptimConfig] = field(default_factory=dict)
-    since: list[tuple[TensorBatch, Loss]] = field(default_factory=list)
     rollbacks: int = 0
 
 
@@ -105,6 +106,13 @@ class Mesh:
     pipeline: RolloutPipeline
     sinks: list[Any] = field(default_factory=list)
     recovery: Recovery | None = None
+    #: the actor's ``forward_backward`` calls whose gradients wait for its next optimizer step
+    #: (batch, loss, temperature): replayed after a rollback, or after a cancelled call
+    accumulated: list[tuple[TensorBatch, Loss, float]] = field(default_factory=list)
+    #: the actor engine's optimizer steps as this mesh last knew them (None: ask it)
+    _steps: int | None = None
+    #: a training call cancelled or timed out ("step" or "gradients"), settled before the next
+    _interrupted: str | None = None
 
     # -- the clients -------------------------------------------------------------------------
 
@@ -178,12 +186,18 @@ class Mesh:
             await self.pipeline.sync()
             return await self.pipeline.generate(batch, sampling)
 
-        return await self._safely(call)
+        await self._settle()
+        found = await self._safely(call)
+        found.meta[TEMPERATURE] = sampling.temperature  # what the training primitives default to
+        return found
 
-    async def log_probs(self, batch: Rows, role: str = "actor") -> torch.Tensor:
+    async def log_probs(
+        self, batch: Rows, role: str = "actor", temperature: float | None = None
+    ) -> torch.Tensor:
         """Per-token log-probs ``[B, T]`` of ``batch``'s tokens (a batch, or ``Datum`` rows)
         under a model role (``actor``, ``reference``, ``teacher``; a LoRA actor's ``reference``
-        is itself, adapters off), aligned with ``input_ids``."""
+        is itself, adapters off), aligned with ``input_ids``, at ``temperature`` (default: the
+        temperature a ``sample``d batch was drawn at, else 1), as the sampler computed them."""
         client = {"actor": self.actor, "reference": self.reference, "teacher": self.teacher}.get(
             role
         )
@@ -191,8 +205,10 @@ class Mesh:
             raise ValueError(
                 f"no model role {role!r} in this mesh; it has {sorted(self.roles_placed)}"
             )
+        t = temperature_of(batch, temperature)
         tokens = as_batch(batch).select(list(TOKEN_COLUMNS), [])
-        out = await self._safely(lambda: client.compute_log_prob(tokens))
+        await self._settle()
+        out = await self._safely(lambda: client.compute_log_prob(tokens, t))
         found: torch.Tensor = out.tensors["log_probs"]
         return found
 
@@ -201,50 +217,100 @@ class Mesh:
         means of its extras (``reward/<key>``); a non-finite score counts 0."""
         return await self._safely(lambda: scores(self.reward, batch))
 
-    async def train_step(self, batch: Rows, loss: PolicyLossConfig) -> dict[str, float]:
+    async def train_step(
+        self, batch: Rows, loss: PolicyLossConfig, temperature: float | None = None
+    ) -> dict[str, float]:
         """One optimizer step of the actor on ``batch`` (``old_log_probs`` and ``advantages``
         per token besides the token columns; or ``Datum`` rows with both) with the policy loss
-        ``loss``; the policy version counts it. Returns the loss's metrics."""
+        ``loss`` at ``temperature`` (as ``log_probs``); the policy version counts it. Returns
+        the loss's metrics."""
+        t = temperature_of(batch, temperature)
         picked = self._columns(as_batch(batch), loss)
+        return await self._step(lambda: self.actor.update_policy(picked, loss, t))
 
-        async def call() -> dict[str, float]:
-            found = await self.actor.update_policy(picked, loss)
-            await self._changed()
-            return found
-
-        found = await self._safely(call)
-        self.pipeline.trained()
-        return found
-
-    async def forward_backward(self, batch: Rows, loss: Loss) -> dict[str, float]:
+    async def forward_backward(
+        self, batch: Rows, loss: Loss, temperature: float | None = None
+    ) -> dict[str, float]:
         """A loss's forward and backward on ``batch`` (a batch, or ``Datum`` rows): a policy
-        loss (``hf.PolicyLossConfig``; the batch as ``train_step`` needs it) or
-        ``"cross_entropy"`` (the next-token loss of the response tokens, times a ``weights``
-        column when given). The gradients add to those of earlier calls until ``optim_step``;
-        each call's loss is normalised by its own batch (``loss.agg``), so two calls on halves
-        give the sum of the halves' gradients. The loss's metrics."""
+        loss (``hf.PolicyLossConfig``; the batch as ``train_step`` needs it, at ``temperature``
+        as ``log_probs``) or ``"cross_entropy"`` (the next-token loss of the response tokens,
+        times a ``weights`` column when given). The gradients add to those of earlier calls
+        until ``optim_step``; each call's loss is normalised by its own batch (``loss.agg``), so
+        two calls on halves give the sum of the halves' gradients. The loss's metrics."""
+        t = temperature_of(batch, temperature)
         picked = self._columns(as_batch(batch), loss)
-        found = await self._safely(lambda: self._forward_backward(picked, loss))
-        if self.recovery is not None:  # replayed after a rollback to the last snapshot
-            self.recovery.since.append((picked, loss))
+        await self._settle()
+        try:
+            found = await self._safely(lambda: self._forward_backward(picked, loss, t))
+        except (asyncio.CancelledError, CallTimeoutError):
+            self._interrupted = "gradients"
+            raise
+        self.accumulated.append((picked, loss, t))  # replayed after a rollback or a cancel
         return found
 
     async def optim_step(self) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by ``forward_backward``
         (clipped, scheduled); counts one policy version. ``grad_norm`` and ``lr``."""
+        return await self._step(self.actor.optim_step)
+
+    async def _step(self, step: Callable[[], Awaitable[dict[str, float]]]) -> dict[str, float]:
+        """An actor call that takes one optimizer step, counted as one policy version. Cancelled
+        or timed out, it may still run on the ranks: ``_settle`` finds out before the next call."""
+        await self._settle()
+        if self._steps is None:
+            self._steps = (await self._safely(self.actor.progress))["step"]
 
         async def call() -> dict[str, float]:
-            found = await self.actor.optim_step()
+            found = await step()
             await self._changed()
             return found
 
-        found = await self._safely(call)
+        try:
+            found = await self._safely(call)
+        except (asyncio.CancelledError, CallTimeoutError):
+            self._interrupted = "step"
+            raise
+        self._steps += 1
         self.pipeline.trained()
         return found
 
-    def _forward_backward(self, batch: TensorBatch, loss: Loss) -> Awaitable[dict[str, float]]:
+    async def _settle(self) -> None:
+        """Resolve a training call that was cancelled (Ctrl-C, a notebook's stop button) or timed
+        out: the ranks ran it all the same unless it never left (calls run in order, so
+        ``progress`` answers after it). A step that ran is counted (policy version, snapshot)
+        with a warning; gradients a cancelled ``forward_backward`` added are taken back (dropped,
+        and the calls before it replayed), so running it again counts them once."""
+        kind, self._interrupted = self._interrupted, None
+        if kind is None:
+            return
+        try:
+            now = await self._safely(self.actor.progress)
+            if kind == "step" and self._steps is not None and now["step"] > self._steps:
+                log.warning(
+                    "an optimizer step whose call was cancelled ran on the ranks: counted as "
+                    "policy version %d",
+                    self.version + 1,
+                )
+                self._steps = now["step"]
+                await self._changed()
+                self.pipeline.trained()
+            elif now["accumulated"] != len(self.accumulated):
+                await self._safely(self._replay)
+        except BaseException:
+            self._interrupted = kind  # still unsettled: the next call tries again
+            raise
+
+    async def _replay(self) -> None:
+        """The actor's gradients rebuilt from the calls the mesh recorded (``accumulated``)."""
+        await self.actor.discard_gradients()
+        for batch, loss, temperature in self.accumulated:
+            await self._forward_backward(batch, loss, temperature)
+
+    def _forward_backward(
+        self, batch: TensorBatch, loss: Loss, temperature: float = 1.0
+    ) -> Awaitable[dict[str, float]]:
         if isinstance(loss, PolicyLossConfig):
-            return self.actor.forward_backward(batch, loss)
+            return self.actor.forward_backward(batch, loss, temperature)
         if loss == "cross_entropy":
             return self.actor.forward_backward_nll(batch)
         raise ValueError(f"loss {loss!r}: give a hf.PolicyLossConfig or 'cross_entropy'")
@@ -270,14 +336,7 @@ class Mesh:
             }
         )
 
-        async def call() -> dict[str, float]:
-            found = await self.actor.sft_step(batch, response_only=True)
-            await self._changed()
-            return found
-
-        found = await self._safely(call)
-        self.pipeline.trained()
-        return found
+        return await self._step(lambda: self.actor.sft_step(batch, response_only=True))
 
     async def configure_optim(self, optim: OptimConfig, role: str = "actor") -> None:
         """A fresh optimizer and schedule for a training role (as a stage starts one)."""
@@ -289,13 +348,16 @@ class Mesh:
             await client.configure_optim(optim)
             if self.recovery is not None:
                 self.recovery.optims[role] = optim
-            await self._changed()
+            # the actor's gradients go with its optimizer; another role's leaves them pending
+            await self._changed(discarded=role == "actor")
 
+        await self._settle()
         await self._safely(call)
 
     async def sync_weights(self) -> int:
         """Bring a separate rollout group up to the actor's weights (nothing to do when the
         actor generates); the version it now serves."""
+        await self._settle()
         await self._safely(self.pipeline.sync)
         return self.version
 
@@ -308,6 +370,7 @@ class Mesh:
             for role, client in self.roles.engines().items():
                 await client.save(str((folder / role).resolve()))
 
+        await self._settle()
         await self._safely(call)
         (folder / "mesh.json").write_text(yaml.safe_dump({"version": self.version}))
         return folder
@@ -319,17 +382,22 @@ class Mesh:
 
         async def call() -> None:
             for role, client in self.roles.engines().items():
-                await client.load(str((folder / role).resolve()))
+                await client.load(str((folder / role).resolve()))  # pending gradients dropped
             await self._changed()
 
+        await self._settle()
         await self._safely(call)
         self.pipeline.version = version
+        # a rollout group holds another branch's weights, whatever version they were: push
+        self.pipeline.synced = None
+        self._steps = None
         return self.version
 
     async def export(self, path: str | Path) -> Path:
         """The actor as a plain Hugging Face folder (and a PEFT adapter folder beside it for
         LoRA)."""
         where = str(Path(path).resolve())
+        await self._settle()
         return Path(await self._safely(lambda: self.actor.export(where)))
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -368,7 +436,7 @@ class Mesh:
             fault[2],
             self.version,
         )
-        await supervisor.rollback(fault, len(rec.since))
+        await supervisor.rollback(fault, len(self.accumulated))
         rec.rollbacks += 1
         self.pipeline.weights = WeightSync(self.roles.actor, self.exp.trainer.weight_sync)
         self.pipeline.synced = None  # the first sync pushes, whatever the rollout group holds
@@ -377,14 +445,18 @@ class Mesh:
                 await client.configure_optim(rec.optims[role])
             if rec.label:
                 await client.restore_snapshot(str((rec.folder / role).resolve()), rec.label)
-        for batch, loss in rec.since:
-            await self._forward_backward(batch, loss)
+        self._steps = None
+        for batch, loss, temperature in self.accumulated:
+            await self._forward_backward(batch, loss, temperature)
         return True
 
-    async def _changed(self) -> None:
+    async def _changed(self, discarded: bool = True) -> None:
         """The training roles' state changed as a whole (an optimizer step, a fresh optimizer,
         a loaded state): snapshot it (to shared memory, two slots per rank, so a death while
-        copying leaves the previous one whole)."""
+        copying leaves the previous one whole). ``discarded``: the actor's accumulated gradients
+        went with the change (not so when another role got a fresh optimizer)."""
+        if discarded:
+            self.accumulated.clear()
         rec = self.recovery
         if rec is None:
             return
@@ -392,10 +464,11 @@ class Mesh:
         for role, client in self.roles.engines().items():
             await client.snapshot(str((rec.folder / role).resolve()), label)
         rec.label = label
-        rec.since.clear()
 
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "response_mask")
+#: the temperature a sampled batch was drawn at (its ``meta``)
+TEMPERATURE = "temperature"
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
@@ -403,6 +476,16 @@ def request_seeds(seed: int, count: int) -> list[int]:
     request), as a single-turn call seeds (seed, request, sample); ``seed + i`` would make
     request i of the call seeded ``s + 1`` replay request i + 1 of the call seeded ``s``."""
     return [request_seed(seed, 0, i) for i in range(count)]
+
+
+def temperature_of(rows: Rows, given: float | None) -> float:
+    """The temperature log-probs of ``rows`` are computed at: ``given``, else the one a
+    ``sample``d batch records (``meta["temperature"]``), else 1."""
+    if given is not None:
+        return given
+    if isinstance(rows, TensorBatch):
+        return float(rows.meta.get(TEMPERATURE, 1.0))
+    return 1.0
 
 
 def as_batch(rows: Rows) -> TensorBatch:

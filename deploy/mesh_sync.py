@@ -269,22 +269,29 @@ class SyncMesh:
         """``sampling.n`` responses per prompt on the newest weights, as ``Mesh.sample``."""
         return self._loop.wait(self._mesh.sample(prompts, sampling))
 
-    def log_probs(self, batch: Rows, role: str = "actor") -> torch.Tensor:
-        """Per-token log-probs ``[B, T]`` of ``batch``'s tokens under a model role."""
-        return self._loop.wait(self._mesh.log_probs(batch, role))
+    def log_probs(
+        self, batch: Rows, role: str = "actor", temperature: float | None = None
+    ) -> torch.Tensor:
+        """Per-token log-probs ``[B, T]`` of ``batch``'s tokens under a model role (at the
+        sampling temperature a sampled batch records, unless ``temperature`` is given)."""
+        return self._loop.wait(self._mesh.log_probs(batch, role, temperature))
 
     def score(self, batch: TensorBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """One score per row from the reward role, and the batch means of its extras."""
         return self._loop.wait(self._mesh.score(batch))
 
-    def train_step(self, batch: Rows, loss: PolicyLossConfig) -> dict[str, float]:
+    def train_step(
+        self, batch: Rows, loss: PolicyLossConfig, temperature: float | None = None
+    ) -> dict[str, float]:
         """One optimizer step of the actor with the policy loss ``loss``; its metrics."""
-        return self._loop.wait(self._mesh.train_step(batch, loss))
+        return self._loop.wait(self._mesh.train_step(batch, loss, temperature))
 
-    def forward_backward(self, batch: Rows, loss: Loss) -> dict[str, float]:
+    def forward_backward(
+        self, batch: Rows, loss: Loss, temperature: float | None = None
+    ) -> dict[str, float]:
         """A loss's forward and backward on ``batch`` (a policy loss or ``"cross_entropy"``);
         gradients add up until ``optim_step``."""
-        return self._loop.wait(self._mesh.forward_backward(batch, loss))
+        return self._loop.wait(self._mesh.forward_backward(batch, loss, temperature))
 
     def optim_step(self) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by

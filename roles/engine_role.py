@@ -146,6 +146,17 @@ class EngineRole(WeightSource, WeightSink, Role):
         return str(Path(path))
 
     @endpoint(RANK_ZERO)
+    def progress(self) -> dict[str, int]:
+        """Optimizer steps taken and ``forward_backward`` calls waiting for the next one (calls
+        run in order: this answers after any call sent before it)."""
+        return {"step": self.engine.step, "accumulated": self.engine.accumulated}
+
+    @endpoint(ONE_TO_ALL)
+    def discard_gradients(self) -> None:
+        """Drop the gradients ``forward_backward`` accumulated."""
+        self.engine.discard_gradients()
+
+    @endpoint(RANK_ZERO)
     def precision(self) -> dict[str, str]:
         """The dtype the engine computes in (``dtype: auto`` resolved) and why."""
         return {"dtype": self.engine.precision.dtype, "reason": self.engine.precision.reason}

@@ -55,6 +55,15 @@ class EngineClient(WeightSourceClient, WeightSinkClient):
         """The full weights as a plain Hugging Face folder at ``path``; returns it."""
         return await self._call(Transfer.ONE_TO_ALL, "export", path, timeout=timeout)
 
+    async def progress(self, *, timeout: float | None = None) -> dict[str, int]:
+        """``{"step": optimizer steps taken, "accumulated": forward_backward calls waiting for
+        the next step}``: what a caller whose call was cancelled reads to learn what ran."""
+        return await self._call(Transfer.RANK_ZERO, "progress", timeout=timeout)
+
+    async def discard_gradients(self, *, timeout: float | None = None) -> None:
+        """Drop the gradients ``forward_backward`` accumulated on every rank."""
+        return await self._call(Transfer.ONE_TO_ALL, "discard_gradients", timeout=timeout)
+
     async def precision(self, *, timeout: float | None = None) -> dict[str, str]:
         """``{"dtype": "fp32" | "bf16", "reason": ...}``: what the engine computes in (its
         ``dtype: auto`` resolved on the ranks) and why."""

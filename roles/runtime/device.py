@@ -253,6 +253,24 @@ def attention_kernel(choice: str, device: RankDevice, dtype: str, width: int) ->
 _STATUS, _CLEAR = "/proc/self/status", "/proc/self/clear_refs"
 
 
+def rng_state(device: RankDevice) -> dict[str, torch.Tensor]:
+    """This rank's random state as checkpoints and snapshots keep it: the CPU generator's, and
+    on CUDA its GPU's too (dropout on the GPU draws from the GPU's generator, so a replayed
+    ``forward_backward`` draws the same masks only when that one is restored)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.kind == DeviceKind.CUDA:
+        state["cuda"] = torch.cuda.get_rng_state(device.device)
+    return state
+
+
+def set_rng_state(device: RankDevice, state: dict[str, torch.Tensor] | torch.Tensor) -> None:
+    """``rng_state``'s state back (a bare tensor: the CPU's alone, as older checkpoints held)."""
+    found = {"cpu": state} if isinstance(state, torch.Tensor) else state
+    torch.set_rng_state(found["cpu"])
+    if "cuda" in found and device.kind == DeviceKind.CUDA:
+        torch.cuda.set_rng_state(found["cuda"], device.device)
+
+
 def reset_peak_memory(device: RankDevice) -> None:
     """Start a new phase: the next ``peak_memory_bytes`` counts from here."""
     if device.kind == DeviceKind.CUDA:

@@ -62,7 +62,7 @@ from roles.modeling.lora import (
 )
 from roles.modeling.shared_prompt import PromptPack, pack_shared_prompts
 from roles.modeling.text import block_causal_mask, segment_positions
-from roles.runtime.device import attention_kernel, group_dtype
+from roles.runtime.device import attention_kernel, group_dtype, rng_state, set_rng_state
 from transport.batch import TensorBatch
 from transport.device import HOST, DeviceKind
 
@@ -90,7 +90,7 @@ class FSDPEngine(TrainingEngine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._snapshots: RankSnapshots | None = None  # the shared-memory files mapped so far
-        self._pending = False  # gradients accumulated by forward_backward, not yet stepped
+        self.accumulated = 0  # forward_backward calls whose gradients wait for optim_step
         # LoRA: the adapters the reference computes with (rebase_reference); None: adapters off
         self._reference: dict[str, torch.Tensor] | None = None
         if cfg.optim is not None:
@@ -103,7 +103,7 @@ class FSDPEngine(TrainingEngine):
         stay, the optimizer moments and the schedule's position start over."""
         self.cfg = self.cfg.model_copy(update={"optim": optim})
         self.module.zero_grad(set_to_none=True)  # gradients of the old optimizer's steps go
-        self._pending = False
+        self.accumulated = 0
         if self.cfg.lora is None:
             self.module.requires_grad_(True)
         else:  # the adapters (and a critic's new head): the base stays frozen
@@ -299,7 +299,7 @@ class FSDPEngine(TrainingEngine):
     def train_step(
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]:
-        self._discard_gradients()  # a whole step: nothing accumulated before counts
+        self.discard_gradients()  # a whole step: nothing accumulated before counts
         result = self.forward_backward(batch, loss_fn, count_key)
         result.update(self.optim_step())
         return result
@@ -317,7 +317,7 @@ class FSDPEngine(TrainingEngine):
         dropout = self.cfg.lora is not None and self.cfg.lora.dropout > 0
         with adapter_dropout(self.module) if dropout else nullcontext():
             self._accumulate(micro_batches, loss_fn, tokens, seqs, totals, sharded)
-        self._pending = True
+        self.accumulated += 1
         result = self.sum_over_dp(totals)
         result.update(tokens=tokens, seqs=seqs)
         return result
@@ -325,7 +325,7 @@ class FSDPEngine(TrainingEngine):
     def optim_step(self) -> dict[str, float]:
         if self.optimizer is None or self.scheduler is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
-        if not self._pending:
+        if not self.accumulated:
             raise EngineError("optim_step: no gradients since the last step; call forward_backward")
         if self.dp > 1 and self.cfg.dp_mode != "fsdp":
             self._all_reduce_gradients()
@@ -333,16 +333,16 @@ class FSDPEngine(TrainingEngine):
         self.optimizer.step()
         # the gradients are spent: freed now, not at the next step, so generation in between
         # (the colocated actor) has their memory
-        self._discard_gradients()
+        self.discard_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.step += 1
         return {"grad_norm": grad_norm, "lr": float(lr)}
 
-    def _discard_gradients(self) -> None:
+    def discard_gradients(self) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        self._pending = False
+        self.accumulated = 0
 
     def _accumulate(
         self,
@@ -425,6 +425,7 @@ class FSDPEngine(TrainingEngine):
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         folder = open_checkpoint(path, rank, self._describe())
+        self.discard_gradients()  # gradients of the weights it replaces must not step these
         state = self._state()
         dcp.load(state, checkpoint_id=str(folder))
         self._set_state(state)
@@ -440,6 +441,7 @@ class FSDPEngine(TrainingEngine):
         """The snapshot of ``step`` back into this engine (a restarted one too), as ``load``
         restores a checkpoint; returns the engine's step."""
         tensors, extra = self._snapshots_in(folder).read(step, self._describe())
+        self.discard_gradients()  # as ``load``: what was accumulated belongs to other weights
         state = self._state()
         fill(state, tensors, extra.pop("leaves"))
         self._set_state(state)
@@ -479,7 +481,7 @@ class FSDPEngine(TrainingEngine):
         if fresh and self.optimizer is not None:
             self.optimizer.state.clear()
         extra = {
-            "rng": torch.get_rng_state(),
+            "rng": rng_state(self.device),
             "step": self.step,
             "scheduler": self._sched_state(),
             "fresh": fresh,
@@ -491,7 +493,7 @@ class FSDPEngine(TrainingEngine):
         """The extras of ``_state_and_extra`` back, after the state itself was set."""
         if extra.get("fresh") and self.optimizer is not None:
             self.optimizer.state.clear()  # saved before the first step (see _state_and_extra)
-        torch.set_rng_state(extra["rng"])
+        set_rng_state(self.device, extra["rng"])
         self.step = int(extra["step"])
         self._reference = extra.get("reference_adapters")
         if self.scheduler is not None and extra["scheduler"] is not None:

@@ -79,6 +79,8 @@ class TrainingEngine(ABC):
     module: torch.nn.Module  # the model as this rank holds it (its shards)
     model_config: Any  # the Hugging Face config of the model
     step: int  # optimizer steps taken
+    #: ``forward_backward`` calls whose gradients wait for the next ``optim_step``
+    accumulated: int = 0
     precision: DtypeChoice  # what ``autocast`` computes in, and why
     #: whether ``held_pieces`` returns the engine's own weight tensors (reshard may re-point
     #: them into a generation shard while a ``generate`` runs) rather than views or copies
@@ -110,6 +112,11 @@ class TrainingEngine(ABC):
         raise NotImplementedError(
             f"{type(self).__name__} takes whole optimizer steps only (train_step)"
         )
+
+    def discard_gradients(self) -> None:
+        """Drop what ``forward_backward`` accumulated (``accumulated`` back to 0). Engines that
+        take whole steps only hold none between calls."""
+        self.accumulated = 0
 
     @abstractmethod
     def configure_optim(self, optim: OptimConfig) -> None:

@@ -1,0 +1,113 @@
+"""What the mesh's training primitives must keep true on a real mesh (the quickstart's tiny actor
+with the reward on one rank, a rollout group of one rank): sampled log-probs are the trainer's at
+the sampling temperature, a cancelled call is settled before the next one (a step that ran is
+counted and pushed; gradients it added are taken back), and ``load_state`` leaves neither
+another branch's weights on the rollout group nor gradients of the replaced weights."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hybridflow as hf
+from transport.errors import RemoteError
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+GROUPS = [
+    "roles.rollout={model: base}",
+    "placement.main={roles: [actor, reward], nproc: 1}",
+    "placement.gen={roles: [rollout], nproc: 1}",
+    "logging.tensorboard=false",
+]
+PROMPTS = ["12+7=", "30+4=", "5+5="]
+ROWS_A = [hf.Datum([1, 40, 41], [42, 43]), hf.Datum([1, 50], [51, 52, 53])]
+ROWS_B = [hf.Datum([1, 60, 61], [62]), hf.Datum([1, 70], [71, 72])]
+
+
+def sampled_against_trainer(batch: hf.TensorBatch, trained: torch.Tensor) -> float:
+    """The largest gap between the generator's log-probs and the trainer's on sampled tokens."""
+    mask = batch.tensors["response_mask"].bool()
+    return float((batch.tensors["log_probs"][mask] - trained[mask]).abs().max())
+
+
+async def cancelled(m: hf.Mesh, call: Any, method: str) -> None:
+    """Run ``call`` and cancel it the moment its ``method`` call has left for the ranks (as a
+    Ctrl-C that lands while the ranks compute): it raises CancelledError here."""
+    send = m.controller._send
+    task: asyncio.Future[Any]
+
+    def spy(*args: Any) -> None:
+        send(*args)
+        if args[2].body.get("method") == method:
+            task.cancel()
+
+    m.controller._send = spy  # type: ignore[method-assign]
+    try:
+        task = asyncio.ensure_future(call)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        m.controller._send = send  # type: ignore[method-assign]
+
+
+async def scenario(run_dir: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with hf.mesh(QUICKSTART, *GROUPS, run_dir=run_dir) as m:
+        await m.configure_optim(hf.OptimConfig(lr=5e-2, warmup_steps=0))
+
+        # sampled at T = 0.7, the sampler's log-probs as old_log_probs: the first ratio is 1
+        warm = hf.SamplingConfig(n=2, max_new_tokens=4, temperature=0.7, seed=1)
+        batch = await m.sample(PROMPTS, warm)
+        out["gap_at_t"] = sampled_against_trainer(batch, await m.log_probs(batch))
+        batch.tensors["old_log_probs"] = batch.tensors["log_probs"]
+        batch.tensors["advantages"] = batch.tensors["response_mask"].float()
+        out["first"] = await m.forward_backward(batch, hf.PolicyLossConfig())
+
+        # a forward_backward cancelled after it left: its gradients are taken back
+        await cancelled(m, m.forward_backward(ROWS_A, "cross_entropy"), "forward_backward_nll")
+        out["ran_anyway"] = (await m.actor.progress())["accumulated"]
+        await m.sync_weights()  # any call settles it first
+        out["after_cancel"] = (await m.actor.progress())["accumulated"]
+
+        # an optim_step cancelled after it left: it ran, so it is counted and pushed
+        await cancelled(m, m.optim_step(), "optim_step")
+        out["version_after_cancelled_step"] = await m.sync_weights()
+        out["engine_step"] = (await m.actor.progress())["step"]
+
+        # two branches from one saved state; the second must be what the rollout group samples
+        await m.save_state("a")
+        for _ in range(3):
+            await m.forward_backward(ROWS_A, "cross_entropy")
+            await m.optim_step()
+        await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4))  # pushes branch 1
+        await m.forward_backward(ROWS_A, "cross_entropy")  # pending when the state is loaded
+        out["loaded_version"] = await m.load_state("a")
+        with pytest.raises(RemoteError, match="no gradients since the last step"):
+            await m.optim_step()
+        for _ in range(3):
+            await m.forward_backward(ROWS_B, "cross_entropy")
+            await m.optim_step()
+        batch = await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4, seed=3))
+        out["branch_version"] = batch.meta["weight_version"]
+        out["gap_after_load"] = sampled_against_trainer(batch, await m.log_probs(batch))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> None:
+    out = asyncio.run(scenario(tmp_path))
+    # the trainer's log-probs at the sampling temperature are the sampler's (fp32)
+    assert out["gap_at_t"] < 1e-3, out
+    assert abs(out["first"]["ppo_kl"]) < 1e-4 and out["first"]["pg_clipfrac"] == 0.0, out
+    # the cancelled forward_backward ran on the ranks; settled, its gradients are gone
+    assert out["ran_anyway"] == 2 and out["after_cancel"] == 1, out
+    # the cancelled optim_step ran: the mesh counts it and the rollout group serves it
+    assert out["version_after_cancelled_step"] == 1 and out["engine_step"] == 1, out
+    # load_state: the saved version, no stale gradients, and branch 2 is what is sampled
+    assert out["loaded_version"] == 1 and out["branch_version"] == 4, out
+    assert out["gap_after_load"] < 1e-3, out
