@@ -104,3 +104,28 @@ def test_multi_turn_request_seeds_do_not_replay_a_neighbouring_calls() -> None:
         assert not set(request_seeds(seed, 8)) & set(request_seeds(seed + 1, 8))
     assert request_seeds(3, 8) == request_seeds(3, 8)
     assert len(set(request_seeds(0, 64))) == 64
+
+
+def test_a_critics_fresh_optimizer_keeps_the_actors_accumulated_calls(tmp_path: Path) -> None:
+    """``configure_optim(role="critic")`` snapshots every training role, but the actor's
+    gradients are not in a snapshot and stay pending: the calls that made them must stay on the
+    replay list (they were cleared, so a rollback then lost them). The roles are fakes: what is
+    under test is the mesh's bookkeeping."""
+    from types import SimpleNamespace
+
+    from deploy.mesh import Mesh, Recovery
+
+    class Engine:
+        async def configure_optim(self, optim: hf.OptimConfig) -> int:
+            return 0
+
+        async def snapshot(self, folder: str, label: int) -> int:
+            return 0
+
+    roles = SimpleNamespace(engines=lambda: {"actor": Engine(), "critic": Engine()})
+    m = Mesh(None, None, tmp_path, roles, None, recovery=Recovery(tmp_path))  # type: ignore[arg-type]
+    m.accumulated.append((hf.batch_of([hf.Datum([1], [2])]), "cross_entropy", 1.0))
+    asyncio.run(m.configure_optim(hf.OptimConfig(), role="critic"))
+    assert len(m.accumulated) == 1 and m.recovery is not None and m.recovery.label == 1
+    asyncio.run(m.configure_optim(hf.OptimConfig(), role="actor"))  # its gradients go with it
+    assert m.accumulated == []

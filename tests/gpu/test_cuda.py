@@ -171,3 +171,15 @@ def test_async_grpo_with_a_cuda_rollout_group_synced_from_a_cuda_actor(tmp_path:
     assert [r["train/staleness"] for r in rl] == [0, 1, 1, 1]
     assert [r["train/weight_version"] for r in rl] == [41, 42, 43, 44]  # 40 SFT steps first
     assert all(r["mem/generate_peak_gib"] > 0 and r["mem/train_peak_gib"] > 0 for r in rl)
+
+
+def test_a_snapshot_keeps_the_gpus_random_state(gpu: RankDevice, tiny: Path) -> None:
+    """Dropout on the GPU draws from the GPU's generator: a snapshot restored must put it back,
+    or a replayed ``forward_backward`` draws other masks (the CPU's alone was kept)."""
+    from roles.runtime.device import rng_state, set_rng_state
+
+    kept = rng_state(gpu)
+    assert set(kept) == {"cpu", "cuda"}
+    first = torch.rand(4, device=gpu.device)
+    set_rng_state(gpu, kept)
+    assert torch.equal(torch.rand(4, device=gpu.device), first)

@@ -161,3 +161,17 @@ def test_sft_on_cuda_without_cuda_is_refused_before_any_rank_starts(
     said = capsys.readouterr().err
     assert "group 'sft' has device=cuda but this machine has no CUDA device" in said
     assert not (tmp_path / "out").exists()
+
+
+def test_the_random_state_kept_is_the_hosts_here_and_older_tensors_still_load() -> None:
+    """On the host the CPU generator's state alone (tests/gpu: the GPU's beside it); a bare
+    tensor, as checkpoints held it before, still restores."""
+    from roles.runtime.device import HOST_DEVICE, rng_state, set_rng_state
+
+    kept = rng_state(HOST_DEVICE)
+    assert set(kept) == {"cpu"}
+    first = torch.rand(4)
+    set_rng_state(HOST_DEVICE, kept)
+    assert torch.equal(torch.rand(4), first)
+    set_rng_state(HOST_DEVICE, kept["cpu"])
+    assert torch.equal(torch.rand(4), first)
