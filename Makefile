@@ -35,7 +35,7 @@ lint: $(BIN)/hybridflow
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=30
 
 # the suite plus its extended tier (slow tests another one partly covers); run before resolving
 test-all: lint

@@ -42,26 +42,9 @@ from typing import Any
 import torch
 
 from bench.generate import Shape
+from bench.host import matmul_peak
 
 STAGES = ("generate", "prepare", "update", "sync")
-
-
-def matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
-    """GFLOP/s of the best ``n``^3 product on one thread, in ``dtype`` (fp32 or bf16)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        kind = torch.bfloat16 if dtype == "bf16" else torch.float32
-        a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        return 2 * n**3 / best / 1e9
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _busy_core(dtype: str, n: int, seconds: float, start: Any, out: Any, slot: int) -> None:

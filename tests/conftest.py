@@ -110,6 +110,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.stash[_EXTENDED_KEY] = len(dropped)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The host's fp32 matmul rate and CPU flags first (``-q`` included): two suite times
+    compare only beside them (``bench/host.py``; ``.ci/run`` projects the time to the slowest
+    host kind seen)."""
+    from bench.host import describe
+
+    reporter = session.config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(describe())
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     skipped_gpu = config.stash.get(_GPU_KEY, 0)
     if skipped_gpu:
