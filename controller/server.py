@@ -185,6 +185,8 @@ class Controller:
         self._drain_pending = False
         self._backlog_timer: asyncio.TimerHandle | None = None
         self._summary: asyncio.Future[None] | None = None
+        #: ``shutdown`` began: the groups were told to stop, so one leaving is no death
+        self.closing = False
 
     @property
     def rejected(self) -> list[str]:
@@ -527,6 +529,9 @@ class Controller:
         """Mark a group dead (sticky). A socket-level cause waits briefly for the launcher's exit
         status of a local group, which says more (exit code or signal)."""
         group = self.groups[name]
+        if self.closing:  # told to stop: leaving (its connection lost, its exit) is no death
+            log.debug("group %r left after the shutdown: %s", name, cause)
+            return
         if group.dead is not None and (group.dead_precise or not precise):
             return
         if not precise and name in self.local_groups and self._loop is not None:
@@ -536,6 +541,10 @@ class Controller:
         self._settle_dead(name, rank, cause, precise)
 
     def _settle_later(self, name: str, incarnation: int, rank: int | None, cause: str) -> None:
+        """``declare_dead``'s grace is over (it may end after ``shutdown`` began: a group that
+        left on SHUTDOWN then is no death)."""
+        if self.closing:
+            return
         if self.groups[name].incarnation == incarnation:  # not a restarted group's new ranks
             self._settle_dead(name, rank, cause)
 
@@ -682,6 +691,7 @@ class Controller:
 
     async def shutdown(self) -> None:
         """Tell every live group to stop, then close the sockets."""
+        self.closing = True
         if self.supervisor is not None:
             self.supervisor.close()
         for group in self.groups.values():

@@ -225,3 +225,25 @@ def test_a_group_started_by_hand_is_re_adopted_when_it_says_hello_again(tmp_path
                 proc.wait(30)
 
     run(real)
+
+
+def test_a_group_leaving_on_the_shutdown_is_no_death(caplog: pytest.LogCaptureFixture) -> None:
+    """A group that exits on SHUTDOWN loses its connection; the loss a socket reports waits a
+    grace period for the launcher's exit status (``declare_dead``), which may end after the
+    shutdown began. A normal end of a run was reported as ``group 'tools' is dead: rank 0 (the
+    coordinator) lost its connection``: neither the loss nor its grace's end is a death now."""
+
+    async def main() -> Controller:
+        async with local_session(
+            [group("g", 1, echo="tests.fixtures.roles:Echo")], TEST_TIMEOUTS
+        ) as c:
+            pass
+        cause = "(the coordinator) lost its connection: it exited"
+        c._settle_later("g", c.groups["g"].incarnation, 0, cause)  # the grace ends late
+        c.declare_dead("g", 0, cause, True)
+        return c
+
+    with caplog.at_level("ERROR", logger="hybridflow"):
+        controller = run(main)
+    assert controller.groups["g"].dead is None
+    assert not [r for r in caplog.records if "is dead" in r.getMessage()]
