@@ -78,6 +78,16 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         out["version_after_cancelled_step"] = await m.sync_weights()
         out["engine_step"] = (await m.actor.progress())["step"]
 
+        # a whole step with gradients pending is refused (they were silently dropped)
+        await m.forward_backward(ROWS_A, "cross_entropy")
+        rows = [
+            hf.Datum(d.prompt, d.response, advantages=1.0, old_log_probs=[-1.0] * len(d.response))
+            for d in ROWS_A
+        ]
+        with pytest.raises(RemoteError, match="forward_backward call.* are pending"):
+            await m.train_step(rows, hf.PolicyLossConfig())
+        await m.optim_step()
+
         # two branches from one saved state; the second must be what the rollout group samples
         await m.save_state("a")
         for _ in range(3):
@@ -109,5 +119,5 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     # the cancelled optim_step ran: the mesh counts it and the rollout group serves it
     assert out["version_after_cancelled_step"] == 1 and out["engine_step"] == 1, out
     # load_state: the saved version, no stale gradients, and branch 2 is what is sampled
-    assert out["loaded_version"] == 1 and out["branch_version"] == 4, out
+    assert out["loaded_version"] == 2 and out["branch_version"] == 5, out
     assert out["gap_after_load"] < 1e-3, out

@@ -299,7 +299,11 @@ class FSDPEngine(TrainingEngine):
     def train_step(
         self, batch: TensorBatch, loss_fn: LossFn, count_key: str = "response_mask"
     ) -> dict[str, float]:
-        self.discard_gradients()  # a whole step: nothing accumulated before counts
+        if self.accumulated:  # they would be dropped (or stepped twice) without a word
+            raise EngineError(
+                f"train_step: the gradients of {self.accumulated} forward_backward call(s) are "
+                "pending; take them with optim_step first (a whole step uses its own batch only)"
+            )
         result = self.forward_backward(batch, loss_fn, count_key)
         result.update(self.optim_step())
         return result
