@@ -49,7 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from roles.base import Role, RoleContext, import_path
+from roles.base import Role, RoleContext
 from roles.engines.generation.serve import prompt_ids
 from roles.modeling.models import load_tokenizer
 from roles.runtime.endpoint import RANK_ZERO, endpoint
@@ -61,6 +61,7 @@ from roles.tools.schema import BadArguments, Tool, describe
 from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec, ErrorKind
 from transport.batch import TensorBatch
 from transport.columns import PROMPT, PROMPT_IDS
+from transport.imports import import_path
 from transport.structs import reasons
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from roles.base import Role, RoleContext, import_path
+from roles.base import Role, RoleContext
 from roles.engine_role import EngineRole
 from roles.modeling.losses import aggregate, bradley_terry_loss
 from roles.modeling.models import load_tokenizer
@@ -31,6 +31,7 @@ from roles.modeling.text import decode_rows, encode_rows, last_token_index
 from roles.rules import needed_columns
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from transport.batch import TensorBatch
+from transport.imports import import_path
 
 RuleFn = Callable[[str, str, dict[str, Any]], Any]
 

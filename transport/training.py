@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from transport.imports import import_path
+
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
 #: the policy-gradient term (docs/algorithms.md has each formula and its source)
@@ -69,6 +71,15 @@ class PolicyLossConfig(BaseModel):
         "and weight each token by the behaviour weight pi_prox / pi_behav (pi_behav = the "
         "generator's log-probs), capped at tis_cap when that is set, uncapped otherwise",
     )
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_imports(cls, path: str | None) -> str | None:
+        """Resolved when the config is made (the ranks import it again): a typo fails here,
+        before a mesh's first call, not in the ranks after a stage ran."""
+        if path is not None:
+            import_path(path, "policy loss", "function", callable)
+        return path
 
     @model_validator(mode="before")
     @classmethod

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from roles.base import import_path
+from transport.imports import import_path
 from transport.training import AggMode, KLKind, PolicyKind, PolicyLossConfig, ValueLossConfig
 
 __all__ = [  # the loss settings are the controller's too: they live in transport/training.py

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from roles.base import RoleContext, import_path
+from roles.base import RoleContext
 from roles.runtime.device import RankDevice
 from roles.runtime.endpoint import ONE_TO_ALL, EndpointSpec, endpoint, endpoints_of
+from transport.imports import import_path
 from transport.protocol import Layout
 
 GROUP_ROLE = "_group"  # built-in role every group hosts: set-up and health

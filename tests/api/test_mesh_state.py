@@ -84,7 +84,7 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
             hf.Datum(d.prompt, d.response, advantages=1.0, old_log_probs=[-1.0] * len(d.response))
             for d in ROWS_A
         ]
-        with pytest.raises(RemoteError, match="forward_backward call.* are pending"):
+        with pytest.raises(RemoteError, match=r"forward_backward call.* are pending"):
             await m.train_step(rows, hf.PolicyLossConfig())
         await m.optim_step()
 

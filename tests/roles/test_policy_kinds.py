@@ -128,3 +128,17 @@ def test_importance_sampling_is_the_unclipped_ratio_times_the_advantage() -> Non
     assert float(metrics["pg_clipfrac"]) == 0.0
     _, _, ppo_grad = run(PolicyLossConfig(kind="ppo", dual_clip=None), advantages)
     assert ppo_grad[0, 1] == 0.0  # the contrast: PPO's clip drops that token
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("tests.fixtures.nowhere:fn", "cannot import 'tests.fixtures.nowhere'"),
+        ("tests.fixtures.losses:nothing", "has no function 'nothing'"),
+        ("tests.fixtures.losses", "must look like package.module:function"),
+    ],
+)
+def test_a_bad_loss_path_is_refused_when_the_config_is_made(path: str, message: str) -> None:
+    """Not at the first forward_backward in the ranks, after a mesh started and a stage ran."""
+    with pytest.raises(pydantic.ValidationError, match=f"custom[\\s\\S]*{message}"):
+        PolicyLossConfig(custom=path)
