@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,15 @@ from typing import Any
 from deploy.terminal import console
 
 PROCESSES_FILE = "processes.json"
+
+
+def started_as_command() -> bool:
+    """Whether this process was started to run a hybridflow command (the ``hybridflow`` script,
+    or ``python -m deploy.cli``), not by a program that calls the library (a user's script, a
+    test runner): only then may the command set the process's title."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return Path(sys.argv[0]).name == "hybridflow" or getattr(spec, "name", "") == "deploy.cli"
 
 
 def set_title(title: str, name: str) -> None:

@@ -71,7 +71,7 @@ from deploy.groups import build_groups
 from deploy.keys_cli import server_files
 from deploy.live import LiveView
 from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
-from deploy.processes import set_title
+from deploy.processes import set_title, started_as_command
 from deploy.report import run_report
 from deploy.session import cluster_session, local_session, remote_session
 from deploy.terminal import console, run_async
@@ -394,7 +394,8 @@ def _run(run: Run, opts: RunOptions) -> dict[str, Any]:
     assert run.resume_step is not None or not opts.resume
     sinks: list[Sink] = [*_sinks(exp, run_dir, run.resume_step)]
     sinks.append(live)
-    set_title(f"hybridflow controller {run_dir}", "hf-controller")
+    if started_as_command():  # a program that runs this in-process keeps its own title
+        set_title(f"hybridflow controller {run_dir}", "hf-controller")
     stop = GracefulStop()
     try:
         summary = run_async(lambda: _train(run, opts, sinks, live, stop), stop.request)

@@ -65,7 +65,10 @@ def without_timing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 def test_quickstart_quick_runs_reports_and_exports(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    title = Path("/proc/self/cmdline").read_bytes()
     assert job(quick_argv("quickstart.yaml", run_dir)) == 0
+    # run in-process (as a script or notebook would), it leaves the caller's title alone
+    assert Path("/proc/self/cmdline").read_bytes() == title
     result = summary(run_dir)
     for key in ("val_acc_init", "val_acc_before", "val_acc_after"):
         assert 0.0 <= result[key] <= 1.0
