@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +43,48 @@ class Datum:
     advantages: float | Sequence[float] | None = None
     old_log_probs: Sequence[float] | None = None
     weights: float | Sequence[float] | None = None
+
+
+def datums(
+    batch: TensorBatch,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> list[Datum]:
+    """A batch in the training layout (what ``sample`` returns) as ``Datum`` rows: each row's
+    prompt and response tokens (padding dropped) and the loss inputs given, each one number
+    per row (``[B]``) or one per position (``[B, T]``, aligned with ``input_ids``: the
+    response's are taken). ValueError naming the row whose response has gaps (a multi-turn
+    row's observation tokens: train on the batch itself) or an input of the wrong shape."""
+    ids, attention = batch.tensor(INPUT_IDS), batch.tensor(ATTENTION_MASK).bool()
+    response = batch.tensor(RESPONSE_MASK).bool()
+    given = {"advantages": advantages, "old_log_probs": old_log_probs, "weights": weights}
+    for name, value in given.items():
+        if value is not None and tuple(value.shape) not in ((len(ids),), tuple(ids.shape)):
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}; give one number per row "
+                f"({len(ids)},) or one per position {tuple(ids.shape)}"
+            )
+    found = []
+    for i in range(len(ids)):
+        where = response[i].nonzero().flatten()
+        if len(where) == 0:
+            raise ValueError(f"row {i}: no response tokens (response_mask is all 0)")
+        start, end = int(where[0]), int(where[-1]) + 1
+        if len(where) != end - start:
+            raise ValueError(
+                f"row {i}: its response_mask has gaps (a multi-turn row's observations); "
+                "train on the batch itself"
+            )
+        inputs: dict[str, Any] = {}
+        for name, value in given.items():
+            if value is not None:
+                inputs[name] = float(value[i]) if value.dim() == 1 else value[i, start:end].tolist()
+        if "old_log_probs" in inputs and isinstance(inputs["old_log_probs"], float):
+            raise ValueError("old_log_probs: give one per position [B, T]")
+        prompt = ids[i, :start][attention[i, :start]].tolist()
+        found.append(Datum(prompt, ids[i, start:end].tolist(), **inputs))
+    return found
 
 
 def batch_of(data: Sequence[Datum], pad_id: int = 0) -> TensorBatch:

@@ -27,6 +27,7 @@ the ``forward_backward`` calls since it are replayed, and the failed call runs a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -62,6 +63,7 @@ from deploy.experiment import (
     ExperimentError,
     check,
     load,
+    model_path,
     prepare_models,
     reference_in_actor,
 )
@@ -155,6 +157,17 @@ class Mesh:
     def version(self) -> int:
         """The actor's policy version: optimizer steps taken through this mesh."""
         return self.pipeline.version
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The actor model's tokenizer (Hugging Face's; loaded in this process when first asked
+        for), to turn sampled tokens into text or prompts into ids."""
+        from roles.modeling.models import load_tokenizer
+
+        name = self.exp.roles["actor"].model
+        if name is None:
+            raise ValueError("the actor names no model (roles.actor.model)")
+        return load_tokenizer(model_path(self.exp, name, self.run_dir))
 
     @property
     def roles_placed(self) -> list[str]:

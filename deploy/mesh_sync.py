@@ -234,6 +234,11 @@ class SyncMesh:
         return self._client(self._mesh.teacher)
 
     @property
+    def tokenizer(self) -> Any:
+        """The actor model's tokenizer (Hugging Face's)."""
+        return self._mesh.tokenizer
+
+    @property
     def version(self) -> int:
         """The actor's policy version: training steps taken through this mesh."""
         return self._mesh.version

@@ -24,16 +24,18 @@ from controller.clients import (
     RewardClient,
     RolloutClient,
 )
-from controller.datum import Datum, batch_of
+from controller.datum import Datum, batch_of, datums
 from deploy.experiment import ExperimentError
 from deploy.mesh import Mesh, mesh, prompt_batch, rows, run
 from deploy.mesh_sync import SyncMesh, mesh_sync
 from transport.batch import TensorBatch
+from transport.errors import CallTimeoutError, RemoteError
 from transport.sampling import SamplingConfig
 from transport.training import OptimConfig, PolicyLossConfig
 
 __all__ = [
     "ActorClient",
+    "CallTimeoutError",
     "CriticClient",
     "Datum",
     "EnvClient",
@@ -42,6 +44,7 @@ __all__ = [
     "OptimConfig",
     "PolicyLossConfig",
     "ReferenceClient",
+    "RemoteError",
     "RewardClient",
     "RolloutClient",
     "SamplingConfig",
@@ -49,6 +52,7 @@ __all__ = [
     "TensorBatch",
     "advantages",
     "batch_of",
+    "datums",
     "mesh",
     "mesh_sync",
     "prompt_batch",

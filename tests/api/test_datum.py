@@ -57,3 +57,31 @@ def test_rows_without_loss_inputs_carry_the_tokens_alone() -> None:
 def test_a_bad_row_is_named_with_its_field(rows: list[hf.Datum], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         hf.batch_of(rows)
+
+
+def test_a_sampled_batch_becomes_rows_and_back() -> None:
+    """``hf.datums``: a batch as ``sample`` returns it (prompts left-padded, responses then
+    right padding) as ``Datum`` rows, with one advantage per row and log-probs per position."""
+    ids = torch.tensor([[0, 1, 5, 7, 9, 2], [1, 6, 6, 8, 0, 0]])
+    attention = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    response = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0]])
+    logp = torch.arange(12, dtype=torch.float32).reshape(2, 6) / -10
+    batch = hf.TensorBatch.from_dict(
+        {"input_ids": ids, "attention_mask": attention, "response_mask": response}
+    )
+    rows = hf.datums(batch, advantages=torch.tensor([0.5, -1.0]), old_log_probs=logp)
+    assert rows == [
+        hf.Datum(
+            [1, 5], [7, 9, 2], advantages=0.5, old_log_probs=pytest.approx([-0.3, -0.4, -0.5])
+        ),
+        hf.Datum([1, 6, 6], [8], advantages=-1.0, old_log_probs=pytest.approx([-0.9])),
+    ]
+    again = hf.batch_of(rows)
+    assert again.tensors["input_ids"].tolist() == [[1, 5, 7, 9, 2], [1, 6, 6, 8, 0]]
+    gaps = batch.tensors["response_mask"].clone()
+    gaps[0, 4] = 0  # an observation token inside a multi-turn response
+    batch.tensors["response_mask"] = gaps
+    with pytest.raises(ValueError, match="row 0: its response_mask has gaps"):
+        hf.datums(batch)
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
+        hf.datums(batch, advantages=torch.zeros(3))

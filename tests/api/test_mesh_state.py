@@ -63,6 +63,9 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         warm = hf.SamplingConfig(n=2, max_new_tokens=4, temperature=0.7, seed=1)
         batch = await m.sample(PROMPTS, warm)
         out["gap_at_t"] = sampled_against_trainer(batch, await m.log_probs(batch))
+        # the same batch as Datum rows, and the actor's tokenizer in this process
+        rows = hf.datums(batch, old_log_probs=batch.tensors["log_probs"])
+        out["first_prompt"] = m.tokenizer.decode(rows[0].prompt, skip_special_tokens=True)
         batch.tensors["old_log_probs"] = batch.tensors["log_probs"]
         batch.tensors["advantages"] = batch.tensors["response_mask"].float()
         out["first"] = await m.forward_backward(batch, hf.PolicyLossConfig())
@@ -113,6 +116,7 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     out = asyncio.run(scenario(tmp_path))
     # the trainer's log-probs at the sampling temperature are the sampler's (fp32)
     assert out["gap_at_t"] < 1e-3, out
+    assert out["first_prompt"] == PROMPTS[0]
     assert abs(out["first"]["ppo_kl"]) < 1e-4 and out["first"]["pg_clipfrac"] == 0.0, out
     # the cancelled forward_backward ran on the ranks; settled, its gradients are gone
     assert out["ran_anyway"] == 2 and out["after_cancel"] == 1, out
