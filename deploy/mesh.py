@@ -74,7 +74,7 @@ from transport.batch import TensorBatch
 from transport.errors import CallTimeoutError
 from transport.sampling import SamplingConfig
 from transport.settings import Timeouts
-from transport.training import OptimConfig, PolicyLossConfig
+from transport.training import OptimConfig, PolicyLossConfig, Reduction
 
 log = logging.getLogger("hybridflow.mesh")
 R = TypeVar("R")
@@ -82,6 +82,16 @@ R = TypeVar("R")
 Rows = TensorBatch | Sequence[Datum]
 #: a loss ``forward_backward`` takes: a policy loss, or the next-token loss by name
 Loss = PolicyLossConfig | Literal["cross_entropy"]
+
+
+@dataclass(frozen=True)
+class Accumulated:
+    """One ``forward_backward`` call as the mesh keeps it until the next optimizer step."""
+
+    batch: TensorBatch
+    loss: Loss
+    temperature: float
+    reduction: Reduction
 
 
 @dataclass
@@ -108,9 +118,9 @@ class Mesh:
     pipeline: RolloutPipeline
     sinks: list[Any] = field(default_factory=list)
     recovery: Recovery | None = None
-    #: the actor's ``forward_backward`` calls whose gradients wait for its next optimizer step
-    #: (batch, loss, temperature): replayed after a rollback, or after a cancelled call
-    accumulated: list[tuple[TensorBatch, Loss, float]] = field(default_factory=list)
+    #: the actor's ``forward_backward`` calls whose gradients wait for its next optimizer step:
+    #: replayed after a rollback, or after a cancelled call
+    accumulated: list[Accumulated] = field(default_factory=list)
     #: the actor engine's optimizer steps as this mesh last knew them (None: ask it)
     _steps: int | None = None
     #: a training call cancelled or timed out ("step" or "gradients"), settled before the next
@@ -242,23 +252,34 @@ class Mesh:
         return await self._step(lambda: self.actor.update_policy(picked, loss, t))
 
     async def forward_backward(
-        self, batch: Rows, loss: Loss, temperature: float | None = None
+        self,
+        batch: Rows,
+        loss: Loss,
+        temperature: float | None = None,
+        reduction: Reduction = "mean",
     ) -> dict[str, float]:
         """A loss's forward and backward on ``batch`` (a batch, or ``Datum`` rows): a policy
         loss (``hf.PolicyLossConfig``; the batch as ``train_step`` needs it, at ``temperature``
         as ``log_probs``) or ``"cross_entropy"`` (the next-token loss of the response tokens,
         times a ``weights`` column when given). The gradients add to those of earlier calls
-        until ``optim_step``; each call's loss is normalised by its own batch (``loss.agg``), so
-        two calls on halves give the sum of the halves' gradients. The loss's metrics."""
-        t = temperature_of(batch, temperature)
-        picked = self._columns(as_batch(batch), loss)
+        until ``optim_step``. ``reduction="mean"``: each call's loss is normalised by its own
+        batch (``loss.agg``), so two calls on halves give twice the gradient of one call on
+        both; ``"sum"``: not normalised, so calls on parts add up to one call on the whole
+        (Tinker's losses; its ``loss`` is a sum, its other metrics stay means). The loss's
+        metrics."""
+        call = Accumulated(
+            self._columns(as_batch(batch), loss),
+            loss,
+            temperature_of(batch, temperature),
+            reduction,
+        )
         await self._settle()
         try:
-            found = await self._safely(lambda: self._forward_backward(picked, loss, t))
+            found = await self._safely(lambda: self._forward_backward(call))
         except (asyncio.CancelledError, CallTimeoutError):
             self._interrupted = "gradients"
             raise
-        self.accumulated.append((picked, loss, t))  # replayed after a rollback or a cancel
+        self.accumulated.append(call)  # replayed after a rollback or a cancel
         return found
 
     async def optim_step(self) -> dict[str, float]:
@@ -316,16 +337,15 @@ class Mesh:
     async def _replay(self) -> None:
         """The actor's gradients rebuilt from the calls the mesh recorded (``accumulated``)."""
         await self.actor.discard_gradients()
-        for batch, loss, temperature in self.accumulated:
-            await self._forward_backward(batch, loss, temperature)
+        for call in self.accumulated:
+            await self._forward_backward(call)
 
-    def _forward_backward(
-        self, batch: TensorBatch, loss: Loss, temperature: float = 1.0
-    ) -> Awaitable[dict[str, float]]:
+    def _forward_backward(self, call: Accumulated) -> Awaitable[dict[str, float]]:
+        loss = call.loss
         if isinstance(loss, PolicyLossConfig):
-            return self.actor.forward_backward(batch, loss, temperature)
+            return self.actor.forward_backward(call.batch, loss, call.temperature, call.reduction)
         if loss == "cross_entropy":
-            return self.actor.forward_backward_nll(batch)
+            return self.actor.forward_backward_nll(call.batch, call.reduction)
         raise ValueError(f"loss {loss!r}: give a hf.PolicyLossConfig or 'cross_entropy'")
 
     @staticmethod
@@ -459,8 +479,8 @@ class Mesh:
             if rec.label:
                 await client.restore_snapshot(str((rec.folder / role).resolve()), rec.label)
         self._steps = None
-        for batch, loss, temperature in self.accumulated:
-            await self._forward_backward(batch, loss, temperature)
+        for call in self.accumulated:
+            await self._forward_backward(call)
         return True
 
     async def _changed(self, discarded: bool = True) -> None:

@@ -40,7 +40,7 @@ from controller.clients.base import RoleClient
 from deploy.mesh import Loss, Mesh, Rows, mesh
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
-from transport.training import OptimConfig, PolicyLossConfig
+from transport.training import OptimConfig, PolicyLossConfig, Reduction
 
 T = TypeVar("T")
 
@@ -292,11 +292,15 @@ class SyncMesh:
         return self._loop.wait(self._mesh.train_step(batch, loss, temperature))
 
     def forward_backward(
-        self, batch: Rows, loss: Loss, temperature: float | None = None
+        self,
+        batch: Rows,
+        loss: Loss,
+        temperature: float | None = None,
+        reduction: Reduction = "mean",
     ) -> dict[str, float]:
         """A loss's forward and backward on ``batch`` (a policy loss or ``"cross_entropy"``);
         gradients add up until ``optim_step``."""
-        return self._loop.wait(self._mesh.forward_backward(batch, loss, temperature))
+        return self._loop.wait(self._mesh.forward_backward(batch, loss, temperature, reduction))
 
     def optim_step(self) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by

@@ -48,7 +48,7 @@ from transport.columns import (
 )
 from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
-from transport.training import PolicyLossConfig
+from transport.training import PolicyLossConfig, Reduction
 
 
 class Reference(EngineRole):
@@ -254,19 +254,28 @@ class Actor(Reference):
 
     @endpoint(DP_REDUCED)
     def forward_backward(
-        self, batch: TensorBatch, loss: PolicyLossConfig | None = None, temperature: float = 1.0
+        self,
+        batch: TensorBatch,
+        loss: PolicyLossConfig | None = None,
+        temperature: float = 1.0,
+        reduction: Reduction = "mean",
     ) -> dict[str, float]:
         """``update_policy``'s forward and backward without the optimizer step: the gradients
-        add to those of earlier calls until ``optim_step`` (each call's loss normalised by its
-        own batch's tokens or responses, as ``loss.agg`` says)."""
+        add to those of earlier calls until ``optim_step``. ``reduction`` "mean": each call's
+        loss normalised by its own batch's tokens or responses (as ``loss.agg`` says); "sum":
+        not normalised, so calls on parts add up to one call on the whole (Tinker's losses)."""
         loss_fn = self._policy_loss_fn(batch, loss, temperature)
-        return self.engine.forward_backward(batch, loss_fn)
+        cfg = PolicyLossConfig.model_validate(loss if loss is not None else {})
+        return self.engine.forward_backward(batch, reduced(loss_fn, cfg.agg, reduction))
 
     @endpoint(DP_REDUCED)
-    def forward_backward_nll(self, batch: TensorBatch) -> dict[str, float]:
+    def forward_backward_nll(
+        self, batch: TensorBatch, reduction: Reduction = "mean"
+    ) -> dict[str, float]:
         """Cross-entropy's forward and backward on token rows: the next-token loss of the
         tokens ``response_mask`` marks, each times its ``weights`` column when there is one, over
-        the batch's marked tokens (``loss``); the gradients add up until ``optim_step``."""
+        the batch's marked tokens (``loss``; ``reduction`` as ``forward_backward``'s); the
+        gradients add up until ``optim_step``."""
         batch.require_tensors(*TOKENS)
 
         def loss_fn(
@@ -278,7 +287,7 @@ class Actor(Reference):
                 nll = nll * weights
             return aggregate(nll, micro.tensor(RESPONSE_MASK), "token-mean", tokens, seqs), {}
 
-        return self.engine.forward_backward(batch, loss_fn)
+        return self.engine.forward_backward(batch, reduced(loss_fn, "token-mean", reduction))
 
     @endpoint(ONE_TO_ALL)
     def optim_step(self) -> dict[str, float]:
@@ -396,3 +405,21 @@ def _nll(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     nll = -token_log_probs(logits, micro.tensor(INPUT_IDS))
     return aggregate(nll, micro.tensor(RESPONSE_MASK), "token-mean", tokens, seqs), {}
+
+
+def reduced(loss_fn: LossFn, agg: str, reduction: Reduction) -> LossFn:
+    """``loss_fn`` as it is ("mean"), or with its loss times the count it was normalised by
+    ("sum": the batch's tokens for ``token-mean``, its responses otherwise), so each term counts
+    once whatever call it came in; the metrics stay means."""
+    if reduction == "mean":
+        return loss_fn
+    if reduction != "sum":
+        raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
+
+    def summed(
+        logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = loss_fn(logits, micro, tokens, seqs)
+        return loss * (tokens if agg == "token-mean" else seqs), metrics
+
+    return summed

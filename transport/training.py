@@ -24,6 +24,11 @@ PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo", "importance_sampling"
 SEQUENCE_KINDS = ("gspo", "gspo-token")
 
 
+#: how a ``forward_backward`` call's loss is normalised: by its own batch ("mean"), or not at
+#: all ("sum": calls on parts add up to one call on the whole, as Tinker's losses do)
+Reduction = Literal["mean", "sum"]
+
+
 class PolicyLossConfig(BaseModel):
     """The policy loss of an update: its kind (PPO, GSPO, CISPO or your own function), clip
     ranges, how token losses are averaged (``agg``), KL and entropy terms."""

@@ -14,7 +14,7 @@ from controller.clients.engine import EngineClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
 from transport.sampling import SamplingConfig
-from transport.training import PolicyLossConfig
+from transport.training import PolicyLossConfig, Reduction
 
 
 class ReferenceClient(EngineClient):
@@ -98,13 +98,21 @@ class ActorClient(ReferenceClient):
         batch: TensorBatch,
         loss: PolicyLossConfig | None = None,
         temperature: float = 1.0,
+        reduction: Reduction = "mean",
         *,
         timeout: float | None = None,
     ) -> dict[str, float]:
         """The policy loss's forward and backward on ``batch``; the gradients add up until
-        ``optim_step``. The loss's metrics."""
+        ``optim_step`` (``reduction``: each call normalised by its own batch, or summed). The
+        loss's metrics."""
         return await self._call(
-            Transfer.DP_REDUCED, "forward_backward", batch, loss, temperature, timeout=timeout
+            Transfer.DP_REDUCED,
+            "forward_backward",
+            batch,
+            loss,
+            temperature,
+            reduction,
+            timeout=timeout,
         )
 
     async def drop_sessions(self, keys: list[str], *, timeout: float | None = None) -> int:
@@ -112,12 +120,15 @@ class ActorClient(ReferenceClient):
         return await self._call(Transfer.ONE_TO_ALL, "drop_sessions", keys, timeout=timeout)
 
     async def forward_backward_nll(
-        self, batch: TensorBatch, *, timeout: float | None = None
+        self, batch: TensorBatch, reduction: Reduction = "mean", *, timeout: float | None = None
     ) -> dict[str, float]:
         """Cross-entropy's forward and backward on token rows (``response_mask`` marks the
         trained tokens, an optional ``weights`` column weighs them); the gradients add up until
-        ``optim_step``. ``loss``: the batch's weighted mean next-token loss."""
-        return await self._call(Transfer.DP_REDUCED, "forward_backward_nll", batch, timeout=timeout)
+        ``optim_step``. ``loss``: the batch's weighted mean next-token loss (its sum with
+        ``reduction="sum"``)."""
+        return await self._call(
+            Transfer.DP_REDUCED, "forward_backward_nll", batch, reduction, timeout=timeout
+        )
 
     async def optim_step(self, *, timeout: float | None = None) -> dict[str, float]:
         """One optimizer step on the gradients accumulated so far: ``grad_norm``, ``lr``."""

@@ -113,7 +113,7 @@ def test_a_critics_fresh_optimizer_keeps_the_actors_accumulated_calls(tmp_path: 
     under test is the mesh's bookkeeping."""
     from types import SimpleNamespace
 
-    from deploy.mesh import Mesh, Recovery
+    from deploy.mesh import Accumulated, Mesh, Recovery
 
     class Engine:
         async def configure_optim(self, optim: hf.OptimConfig) -> int:
@@ -124,7 +124,9 @@ def test_a_critics_fresh_optimizer_keeps_the_actors_accumulated_calls(tmp_path: 
 
     roles = SimpleNamespace(engines=lambda: {"actor": Engine(), "critic": Engine()})
     m = Mesh(None, None, tmp_path, roles, None, recovery=Recovery(tmp_path))  # type: ignore[arg-type]
-    m.accumulated.append((hf.batch_of([hf.Datum([1], [2])]), "cross_entropy", 1.0))
+    m.accumulated.append(
+        Accumulated(hf.batch_of([hf.Datum([1], [2])]), "cross_entropy", 1.0, "mean")
+    )
     asyncio.run(m.configure_optim(hf.OptimConfig(), role="critic"))
     assert len(m.accumulated) == 1 and m.recovery is not None and m.recovery.label == 1
     asyncio.run(m.configure_optim(hf.OptimConfig(), role="actor"))  # its gradients go with it

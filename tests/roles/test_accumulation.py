@@ -1,6 +1,7 @@
 """Gradients accumulated over calls (``forward_backward``) and one optimizer step on them
 (``optim_step``), on 2 FSDP ranks: one call then a step is ``update_policy`` bitwise, two calls on
-the same batch give twice its gradient, and a step with nothing accumulated is refused."""
+the same batch give twice its gradient, and a step with nothing accumulated is refused; with
+``reduction="sum"`` two calls on halves give one call's gradient on the whole."""
 
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 await b.optim_step()
             except RemoteError as exc:
                 out["refused"] = str(exc)
+            # summed (Tinker's losses): two halves give the whole's gradient, not twice it
+            await a.load_state(await b.state_dict())
+            third = policy_batch(3)
+            await a.forward_backward(third, LOSS, reduction="sum")
+            out["sum_whole"] = await a.optim_step()
+            for half in third.chunk(2):
+                await b.forward_backward(half, LOSS, reduction="sum")
+            out["sum_halves"] = await b.optim_step()
         return out
 
     result: dict[str, Any] = run(main)
@@ -71,3 +80,13 @@ def test_two_calls_add_their_gradients(found: dict[str, Any]) -> None:
 
 def test_a_step_without_gradients_is_refused(found: dict[str, Any]) -> None:
     assert "no gradients since the last step; call forward_backward" in found["refused"]
+
+
+def test_summed_calls_on_halves_give_the_gradient_of_one_call_on_the_whole(
+    found: dict[str, Any],
+) -> None:
+    """``reduction="sum"``: no call normalises by its own batch, so parts add up to the whole
+    (the norm is taken before clipping, on the same weights)."""
+    whole, halves = found["sum_whole"]["grad_norm"], found["sum_halves"]["grad_norm"]
+    assert halves == pytest.approx(whole, rel=1e-5)
+    assert whole > found["once"]["grad_norm"]  # a sum over 8 rows' tokens, not their mean
