@@ -60,7 +60,14 @@ from controller.agent import (
 from controller.algorithm_config import AlgorithmConfig
 from controller.scoring import ask, finite, keep_notes, stash, stashed
 from controller.steps import Roles, Timer, rewarded, with_columns
-from controller.streaming import Generator, WeightGate, concat_padded, stream
+from controller.streaming import (
+    Generator,
+    WeightGate,
+    concat_padded,
+    fill_replicas,
+    replicas,
+    stream,
+)
 from controller.sync import WeightSync, WeightSyncError
 from transport.batch import TensorBatch
 from transport.columns import SCORES
@@ -177,7 +184,10 @@ class RolloutPipeline:
             seeded = TensorBatch(dict(prompts.tensors), dict(prompts.non_tensors), prompts.meta)
             seeded.non_tensors.setdefault("seed", list(range(len(prompts))))
             return await self._trajectories(seeded, sampling, self.held)
-        return await self.generator.generate(prompts, sampling, self.held)
+        # fewer prompts than the generator's replicas: each gets one, the extras' samples go
+        padded = fill_replicas(prompts, replicas(self.generator))
+        reply = await self.generator.generate(padded, sampling, self.held)
+        return reply if len(padded) == len(prompts) else reply[: len(prompts) * sampling.n]
 
     async def _trajectories(
         self, prompts: TensorBatch, sampling: SamplingConfig, version: int

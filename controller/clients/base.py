@@ -25,11 +25,32 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from controller.server import Controller
 from transport.batch import TensorBatch
-from transport.columns import REQUEST
+from transport.columns import REQUEST, RESPONSE_MASK
 from transport.protocol import Transfer
 from transport.sampling import SamplingConfig
+
+#: the transfers that split a batch over the dp ranks (a rank with no rows fails its engine)
+SPLIT = (Transfer.DP_SPLIT, Transfer.DP_REDUCED)
+
+
+def idle_rows(batch: TensorBatch, count: int, reduced: bool) -> TensorBatch | None:
+    """``batch`` with its rows repeated up to ``count`` rows, one per dp rank. For a training
+    call (``reduced``) the extra rows' ``response_mask`` is 0, so they add nothing to a loss or
+    its token counts; None when the batch has no such mask (its rows would all count)."""
+    padded = batch.index(torch.arange(count) % len(batch))
+    if not reduced:
+        return padded
+    mask = padded.tensors.get(RESPONSE_MASK)
+    if mask is None:
+        return None
+    mask = mask.clone()
+    mask[len(batch) :] = 0
+    padded.tensors[RESPONSE_MASK] = mask
+    return padded
 
 
 class ProtocolMismatchError(TypeError):
@@ -56,7 +77,24 @@ class RoleClient:
         """Run ``method`` on the role's ranks under ``protocol`` and return the collected result.
         ``timeout`` (seconds) overrides ``timeouts.call_s`` and is not passed on to the method."""
         self._check(protocol, method)
-        return await self.controller.call(self.role, method, list(args), kwargs, timeout)
+        shards = self._data_parallel() if protocol in SPLIT else 1
+        batch = args[0] if args and isinstance(args[0], TensorBatch) else None
+        if batch is None or not 0 < len(batch) < shards:
+            return await self.controller.call(self.role, method, list(args), kwargs, timeout)
+        # fewer rows than dp ranks: every rank gets one, the extra ones idle
+        reduced = protocol == Transfer.DP_REDUCED
+        padded = idle_rows(batch, shards, reduced)
+        if padded is None:  # a training batch whose pad rows would count: as it is
+            return await self.controller.call(self.role, method, list(args), kwargs, timeout)
+        found = await self.controller.call(self.role, method, [padded, *args[1:]], kwargs, timeout)
+        if isinstance(found, TensorBatch) and len(found) == shards:
+            return found[: len(batch)]
+        return found
+
+    def _data_parallel(self) -> int:
+        """How many data-parallel shards a ``dp-split`` call to this role is split into."""
+        spec = self.controller.group_of(self.role).spec
+        return max(1, spec.nproc // (spec.tp * spec.pp))
 
     def _check(self, protocol: Transfer, method: str) -> None:
         registered = self.controller.group_of(self.role).endpoints.get(self.role)

@@ -19,8 +19,9 @@ from transport.errors import RemoteError
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 GROUPS = [
     "roles.rollout={model: base}",
-    "placement.main={roles: [actor, reward], nproc: 1}",
+    "placement.main={roles: [actor], nproc: 2}",
     "placement.gen={roles: [rollout], nproc: 1}",
+    "placement.score={roles: [reward], nproc: 3}",
     "logging.tensorboard=false",
 ]
 PROMPTS = ["12+7=", "30+4=", "5+5="]
@@ -59,6 +60,14 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
     async with hf.mesh(QUICKSTART, *GROUPS, run_dir=run_dir) as m:
         await m.configure_optim(hf.OptimConfig(lr=5e-2, warmup_steps=0))
 
+        # fewer rows than ranks, and one more: the actor on 2, the reward on 3
+        for n in (1, 2, 4):
+            rows = [{"prompt": "12+7=", "answer": "19"}] * n
+            few = await m.sample(rows, hf.SamplingConfig(n=1, max_new_tokens=4))
+            score, _ = await m.score(few)
+            logp = await m.log_probs(few)
+            out[f"rows_{n}"] = (len(few), len(score), logp.shape[0])
+
         # sampled at T = 0.7, the sampler's log-probs as old_log_probs: the first ratio is 1
         warm = hf.SamplingConfig(n=2, max_new_tokens=4, temperature=0.7, seed=1)
         batch = await m.sample(PROMPTS, warm)
@@ -81,8 +90,10 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         out["version_after_cancelled_step"] = await m.sync_weights()
         out["engine_step"] = (await m.actor.progress())["step"]
 
-        # a whole step with gradients pending is refused (they were silently dropped)
-        await m.forward_backward(ROWS_A, "cross_entropy")
+        # a whole step with gradients pending is refused (they were silently dropped); one
+        # row on the 2 ranks: the idle rank's copy of it counts no token
+        one = await m.forward_backward(ROWS_A[:1], "cross_entropy")
+        out["one_row_tokens"] = one["tokens"]
         rows = [
             hf.Datum(d.prompt, d.response, advantages=1.0, old_log_probs=[-1.0] * len(d.response))
             for d in ROWS_A
@@ -117,6 +128,8 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     # the trainer's log-probs at the sampling temperature are the sampler's (fp32)
     assert out["gap_at_t"] < 1e-3, out
     assert out["first_prompt"] == PROMPTS[0]
+    assert [out[f"rows_{n}"] for n in (1, 2, 4)] == [(1, 1, 1), (2, 2, 2), (4, 4, 4)]
+    assert out["one_row_tokens"] == 2  # the row's own 2 response tokens; the idle copy none
     assert abs(out["first"]["ppo_kl"]) < 1e-4 and out["first"]["pg_clipfrac"] == 0.0, out
     # the cancelled forward_backward ran on the ranks; settled, its gradients are gone
     assert out["ran_anyway"] == 2 and out["after_cancel"] == 1, out
