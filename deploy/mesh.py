@@ -5,7 +5,8 @@ run`` starts them, handed to the user's own program as typed clients and a few p
 
     async def main() -> None:
         async with hf.mesh("examples/quickstart.yaml") as m:
-            batch = await m.sample(["1+2="], hf.SamplingConfig(n=4, max_new_tokens=8))
+            rows = [{"prompt": "1+2=", "answer": "3"}]  # the reward reads the row's answer
+            batch = await m.sample(rows, hf.SamplingConfig(n=4, max_new_tokens=8))
             scores, _ = await m.score(batch)
             ...  # advantages, then m.train_step(batch, hf.PolicyLossConfig())
 

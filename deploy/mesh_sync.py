@@ -3,7 +3,8 @@
     import hybridflow as hf
 
     with hf.mesh_sync("examples/quickstart.yaml") as m:
-        batch = m.sample(["1+2="], hf.SamplingConfig(n=4, max_new_tokens=8))
+        rows = [{"prompt": "1+2=", "answer": "3"}]  # the reward reads the row's answer
+        batch = m.sample(rows, hf.SamplingConfig(n=4, max_new_tokens=8))
         scores, _ = m.score(batch)
 
 ``mesh_sync`` starts one thread that runs an event loop of its own (uvloop when installed, as

@@ -1,10 +1,16 @@
 """docs/api.md's reference is what ``python -m deploy.apidoc`` generates from the code now, and
 every public name has a docstring to generate it from: a name added, renamed or re-described
-without rerunning it fails here."""
+without rerunning it fails here. The page's whole programs run as written, so a snippet that
+drifts from the library fails too."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,39 @@ def test_the_committed_reference_is_what_the_code_generates() -> None:
     assert apidoc.main(["--check"], write=lines.append) == 0, (
         "docs/api.md is stale: run python -m deploy.apidoc"
     )
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def programs() -> list[str]:
+    """docs/api.md's code blocks that are whole programs (they start by importing the library;
+    the others are fragments of a loop)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "api.md").read_text(), re.S)
+    return [b for b in blocks if re.match(r"(import torch\n\n)?import hybridflow as hf\n", b)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_pages_programs_run_as_written(tmp_path: Path) -> None:
+    """In a folder of their own with the examples beside them, as a reader copies them: the
+    async GRPO step and the blocking one-prompt ``mesh_sync`` (one prompt on the quickstart's 2
+    ranks crashed once)."""
+    found = programs()
+    assert len(found) == 2, found
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for code in found:
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert len(list((tmp_path / "runs").iterdir())) == 2
 
 
 def test_every_public_name_has_a_docstring() -> None:
