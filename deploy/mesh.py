@@ -55,7 +55,7 @@ from controller.placement import GroupSpec
 from controller.rollouts import RolloutPipeline, request_seed
 from controller.scoring import scores
 from controller.server import Controller
-from controller.steps import Roles
+from controller.steps import BaseModelClient, Roles
 from controller.supervisor import Supervisor
 from controller.sync import WeightSync
 from deploy.clusters import cluster_plan
@@ -384,6 +384,28 @@ class Mesh:
                 self.recovery.optims[role] = optim
             # the actor's gradients go with its optimizer; another role's leaves them pending
             await self._changed(discarded=role == "actor")
+
+        await self._settle()
+        await self._safely(call)
+
+    async def rebase(self, role: str = "reference") -> None:
+        """``role`` takes the actor's weights as they are now, rank to rank: the reference a KL
+        term is measured against becomes the SFT'd actor (else it stays the initial weights),
+        and a critic takes the actor's backbone (``init_from_actor`` in an experiment file). A
+        LoRA actor that is its own reference freezes a copy of its adapters as the reference's.
+        Snapshotted with the training roles, so a rollback after a fault keeps it."""
+        own = role == "reference" and isinstance(self.roles.reference, BaseModelClient)
+        if role == "actor" or not (own or role in self.roles.engines()):
+            have = sorted(r for r in self.roles.engines() if r != "actor")
+            raise ValueError(f"rebase: no model role {role!r} to set from the actor; {have}")
+
+        async def call() -> None:
+            if own:
+                await self.actor.rebase_reference()
+            else:
+                client = self.roles.engines()[role]
+                await self.pipeline.weights.push(client, self.version, strict=role == "reference")
+            await self._changed(discarded=False)  # the actor's own gradients stay pending
 
         await self._settle()
         await self._safely(call)

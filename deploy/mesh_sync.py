@@ -316,6 +316,10 @@ class SyncMesh:
         """A fresh optimizer and schedule for a training role."""
         return self._loop.wait(self._mesh.configure_optim(optim, role))
 
+    def rebase(self, role: str = "reference") -> None:
+        """``role`` (the reference, a critic) takes the actor's weights as they are now."""
+        return self._loop.wait(self._mesh.rebase(role))
+
     def sync_weights(self) -> int:
         """Bring a separate rollout group up to the actor's weights; the version it serves."""
         return self._loop.wait(self._mesh.sync_weights())

@@ -19,7 +19,8 @@ from transport.errors import RemoteError
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 GROUPS = [
     "roles.rollout={model: base}",
-    "placement.main={roles: [actor], nproc: 2}",
+    "roles.reference={model: base}",
+    "placement.main={roles: [actor, reference], nproc: 2}",
     "placement.gen={roles: [rollout], nproc: 1}",
     "placement.score={roles: [reward], nproc: 3}",
     "logging.tensorboard=false",
@@ -117,7 +118,16 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
             await m.optim_step()
         batch = await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4, seed=3))
         out["branch_version"] = batch.meta["weight_version"]
-        out["gap_after_load"] = sampled_against_trainer(batch, await m.log_probs(batch))
+        actor = await m.log_probs(batch)
+        out["gap_after_load"] = sampled_against_trainer(batch, actor)
+
+        # the reference becomes the trained actor (it was the initial weights)
+        before = await m.log_probs(batch, role="reference")
+        await m.rebase("reference")
+        after = await m.log_probs(batch, role="reference")
+        out["reference"] = [float((x - actor).abs().max()) for x in (before, after)]
+        with pytest.raises(ValueError, match="no model role 'critic'"):
+            await m.rebase("critic")
     return out
 
 
@@ -138,3 +148,4 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     # load_state: the saved version, no stale gradients, and branch 2 is what is sampled
     assert out["loaded_version"] == 2 and out["branch_version"] == 5, out
     assert out["gap_after_load"] < 1e-3, out
+    assert out["reference"][0] > 0.1 and out["reference"][1] < 1e-4, out
