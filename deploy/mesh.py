@@ -464,6 +464,13 @@ class Mesh:
 
     # -- faults below the loop -----------------------------------------------------------------
 
+    def _record_event(self, event: dict[str, Any]) -> None:
+        """A supervision event (fault, restart, rollback) as a record of the run's metrics, at
+        the policy version it happened at."""
+        record = {"step": self.version, "stage": "api", **event}
+        for sink in self.sinks:
+            sink(record)
+
     async def _safely(self, call: Callable[[], Awaitable[R]]) -> R:
         """``call()``; when it fails because a rank of a training group died and the group's
         restart policy allows, every training group is restarted, brought back to the last
@@ -602,6 +609,8 @@ async def mesh(
             weights = WeightSync(roles.actor, exp.trainer.weight_sync)
             pipeline = RolloutPipeline(roles, weights, exp.trainer.agent)
             found = Mesh(controller, exp, folder, roles, pipeline, sinks)
+            if isinstance(controller.supervisor, Supervisor):  # faults and restarts recorded
+                controller.supervisor.on_event = found._record_event  # as under hybridflow run
             if _recoverable(found):
                 sweep_socket_folders(Path(SHM_ROOT))
                 snapshots = SocketFolder(Path(SHM_ROOT))

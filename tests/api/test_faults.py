@@ -24,6 +24,16 @@ def test_a_loop_survives_a_kill_of_each_group_kind_with_equal_weights(tmp_path: 
     assert found["api_chaos_kills"] == 3
     assert found["api_chaos_rollbacks"] == 1  # the actor's death; the others restart alone
     assert found["api_chaos_equal"], found
+    # each fault and its recovery is a record of the run's metrics, as under hybridflow run
+    lines = (tmp_path / "chaos" / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(x) for x in lines if '"event"' in x]
+    assert sorted(e["event"] for e in events if e["event"] != "restart") == [
+        "fault",
+        "fault",
+        "fault",
+        "rollback",
+    ], events
+    assert {e["group"] for e in events if e["event"] == "fault"} == {"score", "main", "gen"}
     ranks = json.loads((tmp_path / "chaos" / "processes.json").read_text())["ranks"]
     assert len(ranks) == 4  # the restarted ones included, and none outlived the mesh
     assert not [r for r in ranks if alive(r["pid"])]
