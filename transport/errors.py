@@ -8,7 +8,9 @@ class HybridflowError(RuntimeError):
 
 
 class RemoteError(HybridflowError):
-    """A role method raised on some rank; the group is still usable."""
+    """A role method raised on some rank; the group is still usable. Its message names the role,
+    the rank, the exception and the frame that raised it (a user's reward function or loss:
+    their own line); the whole remote traceback is ``remote_traceback``."""
 
     def __init__(self, role: str, rank: int, exc_type: str, message: str, traceback: str) -> None:
         self.role = role
@@ -16,9 +18,27 @@ class RemoteError(HybridflowError):
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = traceback
+        where = innermost_frame(traceback)
         super().__init__(
-            f"{role} rank {rank} raised {exc_type}: {message}\n--- remote traceback ---\n{traceback}"
+            f"{role} rank {rank} raised {exc_type}: {message}"
+            + (f"\n  at {where}" if where else "")
+            + "\n  (the remote traceback: .remote_traceback)"
         )
+
+
+def innermost_frame(traceback: str) -> str:
+    """``file:line in function: code`` of the last frame of a formatted traceback ('' if none)."""
+    lines = traceback.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        head = lines[i].strip()
+        if head.startswith('File "') and ", line " in head:
+            path, _, rest = head[len('File "') :].partition('", line ')
+            number, _, function = rest.partition(", in ")
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            code = after.strip() if after.startswith("    ") else ""  # no source: none shown
+            code = "" if code.startswith(("^", "~")) else code
+            return f"{path}:{number} in {function}" + (f": {code}" if code else "")
+    return ""
 
 
 class RoleDeadError(HybridflowError):
