@@ -448,8 +448,8 @@ def _check_snapshots(exp: Experiment) -> None:
 def _check_rule_settings(exp: Experiment) -> None:
     """A rule reward's keys are the arguments of ``RuleReward`` (checked here, since the role
     takes them as keyword arguments in its rank, where a typo would be a remote TypeError)."""
-    # roles code: the rule reward's constructor is the list of what it takes
-    from roles.reward import RuleReward
+    # roles code (no model code in its module): the rule reward's constructor lists its settings
+    from roles.rule_reward import RuleReward
 
     takes = [p for p in inspect.signature(RuleReward).parameters if p != "ctx"]
     for name, cfg in exp.roles.items():
@@ -496,12 +496,12 @@ def _check_sglang(exp: Experiment) -> None:
 def _check_model_sources(exp: Experiment) -> None:
     """Each ``models.NAME.path`` is a usable model folder, named by its config key (the run
     directory's link to it does not exist yet)."""
-    # roles code (transformers): loaded only when an experiment is checked
-    from roles.modeling.models import check_model_dir
-
     for name, source in exp.models.items():
         if source.path is None:
             continue
+        # roles code (transformers, seconds to import): only when a model is a folder to read
+        from roles.modeling.models import check_model_dir
+
         if not Path(source.path).is_dir():
             raise ExperimentError(
                 f"models.{name}.path: {source.path!r} is not a folder"
@@ -808,7 +808,7 @@ def scored_columns(exp: Experiment) -> tuple[Column, ...]:
     """The columns of data a reward scores (RL prompts, held-out prompts): the prompt columns,
     plus every column a rule reward declared with ``roles.rules.needs``."""
     # roles code: a rule function is imported to read what it declared
-    from roles.reward import load_function
+    from roles.rule_reward import load_function
     from roles.rules import needed_columns
 
     columns: tuple[Column, ...] = PROMPT_COLUMNS

@@ -306,8 +306,8 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
     from roles.env import EnvConfig, load_environment, load_tools
-    from roles.reward import load_function
     from roles.rollout import RolloutConfig
+    from roles.rule_reward import load_function
 
     if cls == RULE_CLASS:
         try:
