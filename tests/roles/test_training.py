@@ -64,7 +64,7 @@ def token_batch(rows: int, seed: int, vocab: int = 250) -> TensorBatch:
     )
 
 
-def placement(model: Path, dtype: str) -> list[Any]:
+def placement(model: Path, dtype: str, layouts: dict[str, Any] = LAYOUTS) -> list[Any]:
     def config(mode: str) -> dict[str, Any]:
         return {
             "model": str(model),
@@ -85,7 +85,7 @@ def placement(model: Path, dtype: str) -> list[Any]:
                 f"rm_{name}": ("roles.reward:ModelReward", config(mode)),
             },
         )
-        for name, (dp, tp, mode) in LAYOUTS.items()
+        for name, (dp, tp, mode) in layouts.items()
     ]
 
 
@@ -139,12 +139,14 @@ async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[st
     return out
 
 
-def scenario(model: Path, dtype: str, tmp: Path) -> dict[str, dict[str, Any]]:
+def scenario(
+    model: Path, dtype: str, tmp: Path, layouts: dict[str, Any] = LAYOUTS
+) -> dict[str, dict[str, Any]]:
     batch = token_batch(6, seed=1)
 
     async def main() -> dict[str, dict[str, Any]]:
-        async with local_session(placement(model, dtype), TEST_TIMEOUTS) as c:
-            names = list(LAYOUTS)
+        async with local_session(placement(model, dtype, layouts), TEST_TIMEOUTS) as c:
+            names = list(layouts)
             results = await asyncio.gather(*(exercise(c, n, batch, tmp / n) for n in names))
             return dict(zip(names, results, strict=True))
 
@@ -255,7 +257,10 @@ def test_export_is_a_plain_hf_model_with_the_trained_weights(
 
 @pytest.mark.timeout(300)
 def test_bf16_autocast_matches_one_rank_within_1e_2(tiny: Path, tmp_path: Path) -> None:
-    bf16 = scenario(tiny, "bf16", tmp_path)
-    for name in ("dp", "tp", "dp_tp", "dp_replicate"):
+    """On the layout that shards both ways (dp x tp): the fp32 tests compare every layout; here
+    what bf16 autocast adds is checked once (the five layouts cost twice the time)."""
+    layouts = {name: LAYOUTS[name] for name in ("one", "dp_tp")}
+    bf16 = scenario(tiny, "bf16", tmp_path, layouts)
+    for name in ("dp_tp",):
         for key in ("log_probs", "values", "after"):
             close(bf16[name][key], bf16["one"][key], 1e-2)

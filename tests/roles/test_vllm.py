@@ -615,6 +615,7 @@ def test_grpo_quick_run_generates_with_vllm(needs_vllm: None, where: str, tmp_pa
 
 
 MULTI_TURN = [
+    "trainer.val_data=null",  # what is under test is the RL stage's turns, not validation
     "roles.rollout={model: base, engine: vllm, kv_cache_mb: 64, kv_block_tokens: 32}",
     "placement.gen={roles: [rollout], nproc: 1}",
     "placement.main.nproc=1",
