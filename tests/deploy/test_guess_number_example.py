@@ -15,6 +15,7 @@ from deploy.trajectories_cli import CLOSE, OPEN
 from tests.deploy.test_run import job, quick_argv, records, summary
 
 
+@pytest.mark.extended  # its checks run in the default tier on a vLLM rollout group (test_vllm.py)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_quick_game_runs_multi_turn_and_shows_the_games_observations(tmp_path: Path) -> None:
