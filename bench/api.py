@@ -10,7 +10,8 @@ The last line is a JSON object: ``api_step_s`` and ``run_step_s`` (median GRPO s
 GRPO; target within 0.05), and from ``bench/api_chaos.py`` (a loop of the same primitives, with
 gradient accumulation, on a placement with one group per kind, run undisturbed and with a rank of
 each group killed): ``api_chaos_equal`` (the final weights and every step's reward bitwise equal),
-``api_chaos_kills``, ``api_chaos_rollbacks``.
+``api_chaos_kills``, ``api_chaos_rollbacks``; ``mesh_start_s``: the seconds ``hf.mesh`` takes to
+start the quickstart's groups (models made, ranks started and registered), the best of two.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import hybridflow as hf
 from bench.api_chaos import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+async def mesh_start(folder: Path) -> float:
+    """Seconds from ``hf.mesh`` to its first call: the file checked, its models made, every
+    group started and registered."""
+    began = time.perf_counter()
+    async with hf.mesh(ROOT / "examples" / "quickstart.yaml", run_dir=folder) as m:
+        await m.sync_weights()
+        return time.perf_counter() - began
 
 
 def main() -> None:
@@ -88,6 +100,7 @@ def main() -> None:
         run_acc = json.loads((run_dir / "summary.json").read_text())["val_acc_after"]
         (Path(tmp) / "chaos").mkdir()
         chaos = asyncio.run(compare(Path(tmp) / "chaos", steps=3))
+        starts = [asyncio.run(mesh_start(Path(tmp) / f"start{i}")) for i in range(2)]
     found = {
         "bench": "api",
         "api_step_s": round(statistics.median(api_steps), 3),
@@ -96,6 +109,7 @@ def main() -> None:
         "api_acc": round(api_acc, 3),
         "run_acc": round(run_acc, 3),
         **chaos,
+        "mesh_start_s": round(min(starts), 2),
     }
     print(json.dumps(found))
 
