@@ -43,7 +43,13 @@ from controller.placement import GroupSpec, check_placement
 from controller.rejections import Rejections, short
 from transport.channel import PeerWatch, bind_router, host_id, readable, send_frames
 from transport.codec import Encoded, HeaderLimits, decode, encode, frame_buffer
-from transport.errors import CallTimeoutError, RegistrationError, RemoteError, RoleDeadError
+from transport.errors import (
+    CallTimeoutError,
+    RegistrationError,
+    RemoteError,
+    RoleDeadError,
+    remote_error,
+)
 from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.security import CurveServer, HandshakeLog, HandshakeWatch, new_token, token_ok
 from transport.settings import Timeouts
@@ -521,7 +527,7 @@ class Controller:
         else:
             b = msg.body
             future.set_exception(
-                RemoteError(b["role"], b["rank"], b["exc_type"], b["message"], b["traceback"])
+                remote_error(b["role"], b["rank"], b["exc_type"], b["message"], b["traceback"])
             )
 
     # -- deaths ---------------------------------------------------------------------------------

@@ -28,13 +28,21 @@ from controller.datum import Datum, batch_of, datums
 from deploy.experiment import ExperimentError
 from deploy.mesh import Mesh, mesh, prompt_batch, rows, run
 from deploy.mesh_sync import SyncMesh, mesh_sync
-from transport.batch import TensorBatch
-from transport.errors import CallTimeoutError, RemoteError
+from transport.batch import BatchError, TensorBatch
+from transport.errors import (
+    CallTimeoutError,
+    RemoteBatchError,
+    RemoteEngineError,
+    RemoteError,
+    RemoteGenerationError,
+    RemoteRewardError,
+)
 from transport.sampling import SamplingConfig
 from transport.training import OptimConfig, PolicyLossConfig
 
 __all__ = [
     "ActorClient",
+    "BatchError",
     "CallTimeoutError",
     "CriticClient",
     "Datum",
@@ -44,7 +52,11 @@ __all__ = [
     "OptimConfig",
     "PolicyLossConfig",
     "ReferenceClient",
+    "RemoteBatchError",
+    "RemoteEngineError",
     "RemoteError",
+    "RemoteGenerationError",
+    "RemoteRewardError",
     "RewardClient",
     "RolloutClient",
     "SamplingConfig",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transport.batch import BatchError
+
 
 class HybridflowError(RuntimeError):
     """Base class of hybridflow's runtime errors."""
@@ -24,6 +26,38 @@ class RemoteError(HybridflowError):
             + (f"\n  at {where}" if where else "")
             + "\n  (the remote traceback: .remote_traceback)"
         )
+
+
+class RemoteEngineError(RemoteError):
+    """A training engine refused or failed a call on a rank (``EngineError``: e.g. an optimizer
+    step with no gradients, gradients pending before a whole step)."""
+
+
+class RemoteGenerationError(RemoteError):
+    """A generation engine refused or failed a call on a rank (``GenerationError``)."""
+
+
+class RemoteBatchError(RemoteError, BatchError):
+    """A rank found a batch unusable (``BatchError``: a column missing or misshapen); caught by
+    ``except BatchError`` as the same check made before sending is."""
+
+
+class RemoteRewardError(RemoteError):
+    """A reward function (user code) raised, or returned no score, on a rank (``RewardError``)."""
+
+
+#: a rank's exception type, by name, to the class the caller gets (anything else: RemoteError)
+REMOTE_TYPES: dict[str, type[RemoteError]] = {
+    "EngineError": RemoteEngineError,
+    "GenerationError": RemoteGenerationError,
+    "BatchError": RemoteBatchError,
+    "RewardError": RemoteRewardError,
+}
+
+
+def remote_error(role: str, rank: int, exc_type: str, message: str, traceback: str) -> RemoteError:
+    """The error a rank's ERROR reply becomes: a subclass naming its kind where there is one."""
+    return REMOTE_TYPES.get(exc_type, RemoteError)(role, rank, exc_type, message, traceback)
 
 
 def innermost_frame(traceback: str) -> str:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import hybridflow as hf
-from transport.errors import RemoteError
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 GROUPS = [
@@ -99,7 +98,7 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
             hf.Datum(d.prompt, d.response, advantages=1.0, old_log_probs=[-1.0] * len(d.response))
             for d in ROWS_A
         ]
-        with pytest.raises(RemoteError, match=r"forward_backward call.* are pending"):
+        with pytest.raises(hf.RemoteEngineError, match=r"forward_backward call.* are pending"):
             await m.train_step(rows, hf.PolicyLossConfig())
         await m.optim_step()
 
@@ -111,7 +110,7 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4))  # pushes branch 1
         await m.forward_backward(ROWS_A, "cross_entropy")  # pending when the state is loaded
         out["loaded_version"] = await m.load_state("a")
-        with pytest.raises(RemoteError, match="no gradients since the last step"):
+        with pytest.raises(hf.RemoteEngineError, match="no gradients since the last step"):
             await m.optim_step()
         for _ in range(3):
             await m.forward_backward(ROWS_B, "cross_entropy")
