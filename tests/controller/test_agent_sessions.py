@@ -6,12 +6,12 @@ the bookkeeping; real groups run in ``tests/controller/test_agent.py``)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from controller.agent import AgentConfig, AgentRollout, run_trajectories
+from tests.fixtures.clients import ONE_RANK
 from transport.agent import EnvOpen, EnvResult, EnvSpec
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
@@ -23,11 +23,7 @@ class DyingGenerator:
     """A one-rank generator whose every call fails, as a group that died mid-rollout."""
 
     role = "actor"
-    controller = SimpleNamespace(
-        group_of=lambda role: SimpleNamespace(
-            spec=SimpleNamespace(nproc=1, tp=1, pp=1, gen_tp=0, gen_pp=0)
-        )
-    )
+    controller = ONE_RANK
 
     def __init__(self) -> None:
         self.dropped: list[str] = []

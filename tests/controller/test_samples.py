@@ -18,6 +18,7 @@ import torch
 from controller.metrics import JsonlSink, TensorBoardSink, markdown_table, read_samples
 from controller.scoring import stash
 from controller.trainer import LogSamples, Trainer, TrainerConfig
+from tests.fixtures.clients import ONE_RANK
 from transport.batch import TensorBatch
 
 PROMPTS = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
@@ -37,6 +38,7 @@ class Generator:
     """Answers ``i+1=`` with ``i+1`` for even ``i``, with an empty string otherwise."""
 
     role = "actor"
+    controller = ONE_RANK
 
     async def generate(self, prompts: TensorBatch, sampling: Any, min_version: int) -> TensorBatch:
         text = prompts.non_tensors
