@@ -35,6 +35,12 @@ def test_the_quick_game_runs_multi_turn_and_shows_the_games_observations(tmp_pat
         assert r["agent/tool_calls"] == 0  # an environment is not a tool: no calls are counted
         assert 0.0 <= r["train/reward/mean"] <= 1.0  # env_reward: 1 for a game won, else 0
 
+    shows_the_games(run_dir)
+
+
+def shows_the_games(run_dir: Path) -> None:
+    """``hybridflow trajectories`` on a guess-number run: the game's first observation follows
+    the prompt, and its replies follow the guesses."""
     shown = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "trajectories", str(run_dir), "--count", "2"],
         capture_output=True,
@@ -42,7 +48,6 @@ def test_the_quick_game_runs_multi_turn_and_shows_the_games_observations(tmp_pat
         timeout=60,
     )
     assert shown.returncode == 0, shown.stderr
-    # the game's first observation follows the prompt, and its replies follow the guesses
     assert f"Game: {OPEN}Guess my number from 1 to 16.{CLOSE}" in shown.stdout
     assert shown.stdout.count(OPEN) >= 4 and shown.stdout.count(CLOSE) >= 4
     assert "rollout trajectories logged" in shown.stdout

@@ -20,8 +20,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -650,17 +648,9 @@ def test_multi_turn_games_run_on_vllm_token_in_token_out_with_its_prefix_cache(
     # is in the extended tier): games end on the right guess or after 5, an environment is no
     # tool, and the trajectory viewer shows the game's observations after the guesses
     assert all(r["agent/turns"] <= 5 and r["agent/tool_calls"] == 0 for r in rl)
-    from deploy.trajectories_cli import CLOSE, OPEN
+    from tests.deploy.test_guess_number_example import shows_the_games
 
-    shown = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "trajectories", str(tmp_path), "--count", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert shown.returncode == 0, shown.stderr
-    assert f"Game: {OPEN}Guess my number from 1 to 16.{CLOSE}" in shown.stdout
-    assert shown.stdout.count(OPEN) >= 4 and shown.stdout.count(CLOSE) >= 4
+    shows_the_games(tmp_path)
 
 
 # extended: a composition of what the default tier checks apart (a resume is bitwise on the
