@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,22 @@ REDUCED = [
     "trainer.val_every=0",
     "trainer.export=false",
 ]
+
+
+def seed_runs(
+    capsys: pytest.CaptureFixture[str],
+    example: str,
+    count: int,
+    out: Path,
+    sets: Sequence[str] = (),
+    *flags: str,
+) -> tuple[int, dict]:
+    """``bench.seeds EXAMPLE --seeds COUNT --out OUT --set S ... FLAGS``: its exit code and the
+    JSON of its last line."""
+    argv = [str(EXAMPLES / example), "--seeds", str(count), "--out", str(out)]
+    code = seeds.main([*argv, *(x for s in sets for x in ("--set", s)), *flags])
+    found: dict = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return code, found
 
 
 def row(seed: int, before: float, after: float) -> seeds.SeedResult:
@@ -91,9 +108,8 @@ def test_runner_runs_three_quick_seeds_and_reports_their_spread(
     # The CI-sized form only: its 40 SFT steps learn no sums yet (number learning takes off
     # between steps 350 and 700 of the full recipe), so the gain itself is measured by the full
     # 8-seed run.
-    argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", "3", "--quick", "--out", str(tmp_path)]
-    code = seeds.main([*argv, "--timeout", "90", "--require-after", "2.0"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    flags = ("--quick", "--timeout", "90", "--require-after", "2.0")
+    code, result = seed_runs(capsys, "quickstart.yaml", 3, tmp_path, [], *flags)
     assert code == 1 and result["failed"] == [0, 1, 2]  # no accuracy reaches 2.0
     assert [r["seed"] for r in result["seeds"]] == [0, 1, 2]
     assert {r["dtype"] for r in result["seeds"]} == {"fp32"}  # conftest forces fp32
@@ -108,10 +124,8 @@ def test_runner_runs_three_quick_seeds_and_reports_their_spread(
 
 def reduced_quickstart(tmp_path: Path, capsys: pytest.CaptureFixture[str], count: int) -> None:
     # Measured (fp32, seeds 0-2): before RL 0.000 on each, after 0.537 / 0.463 / 0.415.
-    argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", str(count), "--out", str(tmp_path)]
-    sets = [x for pair in REDUCED for x in ("--set", pair)]
-    code = seeds.main([*argv, *sets, "--timeout", "300", "--require-gain", "0.25"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    flags = ("--timeout", "300", "--require-gain", "0.25")
+    code, result = seed_runs(capsys, "quickstart.yaml", count, tmp_path, REDUCED, *flags)
     assert code == 0 and result["failed"] == []
     assert {r["dtype"] for r in result["seeds"]} == {"fp32"}
     assert [r["seed"] for r in result["seeds"]] == list(range(count))
@@ -148,10 +162,8 @@ def test_reduced_quickstart_still_gains_from_rl_at_max_staleness_1(
     # seeds 0-2): after RL 0.341 / 0.439 / 0.488, against 0.537 / 0.463 / 0.415 on-policy; the
     # 0.05-on-average comparison is made at full size (the extended test below: 41 test
     # problems make one answer 0.024 here).
-    argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", "3", "--out", str(tmp_path)]
     sets = [*REDUCED, "stages.1.algorithm.max_staleness=1"]
-    code = seeds.main([*argv, *(x for s in sets for x in ("--set", s)), "--timeout", "300"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    code, result = seed_runs(capsys, "quickstart.yaml", 3, tmp_path, sets, "--timeout", "300")
     assert code == 0 and [r["seed"] for r in result["seeds"]] == [0, 1, 2]
     assert all(r["gain"] >= 0.25 for r in result["seeds"]), result["seeds"]
     staleness = [
@@ -175,9 +187,8 @@ def test_async_quickstart_ends_within_0_05_of_on_policy_over_three_seeds(
     # and 0.894 / 0.941 / 0.935 (means 0.930 and 0.923).
     means = {}
     for k in (0, 1):
-        argv = [str(EXAMPLES / "quickstart.yaml"), "--seeds", "3", "--out", str(tmp_path / f"{k}")]
-        code = seeds.main([*argv, "--set", f"stages.1.algorithm.max_staleness={k}"])
-        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        sets = [f"stages.1.algorithm.max_staleness={k}"]
+        code, result = seed_runs(capsys, "quickstart.yaml", 3, tmp_path / f"{k}", sets)
         assert code == 0
         means[k] = sum(r["after"] for r in result["seeds"]) / 3
     assert abs(means[1] - means[0]) <= 0.05, means
@@ -194,13 +205,11 @@ REDUCED_TOOL_USE = [
 
 
 def reduced_tool_use(tmp_path: Path, capsys: pytest.CaptureFixture[str], count: int) -> None:
-    argv = [str(EXAMPLES / "tool_use.yaml"), "--seeds", str(count), "--out", str(tmp_path)]
-    sets = [x for pair in REDUCED_TOOL_USE for x in ("--set", pair)]
     # RL's bar is where it ends, not how far it came: how well SFT alone does moves a lot with
     # float-level changes (seed 0 after SFT: 0.57, then 0.65 once the engine computed logits only
     # at response positions, 0.33 with them everywhere in bf16), and what RL adds moves with it
-    code = seeds.main([*argv, *sets, "--timeout", "400", "--require-after", "0.6"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    flags = ("--timeout", "400", "--require-after", "0.6")
+    code, result = seed_runs(capsys, "tool_use.yaml", count, tmp_path, REDUCED_TOOL_USE, *flags)
     assert code == 0 and result["failed"] == [], result["seeds"]
     assert all(r["gain"] > 0 for r in result["seeds"]), result["seeds"]
     assert all(r["calls_after"] >= 0.9 > r["calls_before"] for r in result["seeds"])
