@@ -590,9 +590,10 @@ class Controller:
         group.ready = asyncio.Event()
         group.incarnation += 1
 
-    def report_exit(self, name: str, rank: int, returncode: int) -> None:
-        """The local launcher saw a rank process end."""
-        self.declare_dead(name, rank, exit_cause(returncode), True)
+    def report_exit(self, name: str, rank: int, returncode: int, said: str = "") -> None:
+        """The local launcher saw a rank process end; ``said`` is its log's last error line."""
+        cause = exit_cause(returncode)
+        self.declare_dead(name, rank, f"{cause}: {said}" if said else cause, True)
 
     # -- calls ----------------------------------------------------------------------------------
     def group_of(self, role: str) -> Group:

@@ -46,7 +46,7 @@ from transport.shm import sweep_dead
 
 log = logging.getLogger("hybridflow.launcher")
 
-ExitCallback = Callable[[str, int, int], None]  # group, rank, returncode
+ExitCallback = Callable[[str, int, int, str], None]  # group, rank, returncode, its last error
 
 
 @dataclass
@@ -264,11 +264,18 @@ class LocalLauncher:
         sweep_dead()  # shared memory a killed rank can no longer remove itself
         if self.stopping or proc.retired:
             return
+        said = ""
         if code != 0:
+            said = last_error(proc.log_path, proc.log_start)
             log.error(
-                "%s rank %d ended (code %d); log: %s", proc.group, proc.rank, code, proc.log_path
+                "%s rank %d ended (code %d): %s; log: %s",
+                proc.group,
+                proc.rank,
+                code,
+                said,
+                proc.log_path,
             )
-        self.on_exit(proc.group, proc.rank, code)
+        self.on_exit(proc.group, proc.rank, code, said)
         if code == 0:
             return  # a clean exit (the group was told to stop); its peers follow on their own
         for other in self.procs:

@@ -272,7 +272,7 @@ async def _launch_here(opts: RoleOptions) -> int:
     failed: list[tuple[int, int]] = []
     done = asyncio.Event()
 
-    def on_exit(group: str, rank: int, code: int) -> None:
+    def on_exit(group: str, rank: int, code: int, said: str) -> None:
         if code != 0:
             failed.append((rank, code))
         done.set()

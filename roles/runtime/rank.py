@@ -39,6 +39,8 @@ def die_with_parent() -> None:
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if parent is not None and os.getppid() != int(parent):
+        print(f"RuntimeError: the launcher (pid {parent}) is gone already", file=sys.stderr)
+        sys.stderr.flush()
         os._exit(1)
 
 
@@ -52,14 +54,18 @@ def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store, RankDevice
     timeout = datetime.timedelta(seconds=env.timeouts.group_init_s)
     # Under torchrun the agent already serves a store on MASTER_PORT; every rank joins it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        env.master_addr,
-        env.master_port,
-        env.world_size,
-        is_master=env.rank == 0 and not agent_store,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    store: dist.Store
+    if env.world_size == 1 and not agent_store:  # nobody to meet: no listener, no port to lose
+        store = dist.HashStore()
+    else:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0 and not agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     dist.init_process_group(
         device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )

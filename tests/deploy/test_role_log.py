@@ -40,7 +40,7 @@ def test_a_rank_that_dies_silently_is_not_explained_by_an_earlier_run(
         failed: list[tuple[int, int]] = []
         done = asyncio.Event()
 
-        def on_exit(group: str, rank: int, code: int) -> None:
+        def on_exit(group: str, rank: int, code: int, said: str) -> None:
             failed.append((rank, code))
             done.set()
 
@@ -62,3 +62,32 @@ def test_a_rank_that_dies_silently_is_not_explained_by_an_earlier_run(
     err = capsys.readouterr().err
     assert "rank 0 (-9) exited: it printed nothing in this run" in err
     assert "EARLIER" not in err
+
+
+def test_a_rank_that_raises_is_reported_with_its_error_line(tmp_path: Path) -> None:
+    """The launcher hands the controller the rank's last error line with its exit code, so the
+    error a caller sees says why, not only ``exited with code 1``."""
+
+    async def main() -> list[tuple[str, int, int, str]]:
+        ended: list[tuple[str, int, int, str]] = []
+        done = asyncio.Event()
+
+        def on_exit(group: str, rank: int, code: int, said: str) -> None:
+            ended.append((group, rank, code, said))
+            done.set()
+
+        spec = GroupSpec.model_construct(
+            name="g", roles={"r": RoleSpec(cls="unset:Unset")}, nproc=1, tp=1, pp=1,
+            device=DeviceKind.CPU, fanout="socket",
+        )  # fmt: skip
+        launcher = LocalLauncher("nonsense://x", "", tmp_path, tmp_path, Timeouts(), on_exit)
+        launcher.start(spec)
+        try:
+            await asyncio.wait_for(done.wait(), 60)
+        finally:
+            await launcher.stop()
+        return ended
+
+    ((group, rank, code, said),) = asyncio.run(main())
+    assert (group, rank, code) == ("g", 0, 1)
+    assert said.startswith("zmq.error.ZMQError: Protocol not supported") and "nonsense://x" in said
