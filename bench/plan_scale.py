@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.commands.plan import PlanOptions, describe, workload
 from deploy.experiment import load
 from deploy.plan.profiles import load_profile
 from deploy.plan.search import Plan, PlanError, Planner
-from deploy.plan_cli import PlanOptions, describe, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "examples/ppo.yaml"

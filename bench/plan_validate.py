@@ -6,7 +6,7 @@ For the quickstart (GRPO on the 1.1M Llama, a rule reward) and the PPO example (
 reference, critic and a reward model, all 1.1M), several placements that fit 2 cores each run
 the experiment with SFT cut to a few steps and a short RL stage. The measured step is the
 median ``time/step_s`` of the RL steps after the first; the predicted one is
-``deploy.plan_cli.predict`` under each profile, with each run's own workload (prompt length: the
+``deploy.commands.plan.predict`` under each profile, with each run's own workload (prompt length: the
 builtin task's, about 16 tokens). ``calibrate`` is a profile measured at the start of the run
 (``hybridflow plan --calibrate``, deploy/plan/calibrate.py), on idle cores. Placements of one experiment run in turn, twice over
 (A B C A B C), and each keeps the faster of its two, so the VM's drift hits them alike.
@@ -74,9 +74,9 @@ def measured_step(run_dir: Path, rl_stage: str) -> float:
 
 
 def predicted_step(exp_path: Path, sets: list[str], profile: str) -> dict[str, float]:
+    from deploy.commands.plan import PlanOptions, predict, workload
     from deploy.experiment import load
     from deploy.plan.profiles import load_profile
-    from deploy.plan_cli import PlanOptions, predict, workload
 
     exp = load(exp_path, sets)
     opts = PlanOptions(exp_path, 2, 2, None, profile, None, None, PROMPT_LEN, None, 1, False, None)

@@ -2,7 +2,7 @@
 
 Both are the same short loop — batches of text rows to a dp-split training endpoint, a held-out
 evaluation every ``eval_every`` steps and at the end — and hold no model code: the roles tokenize
-their own shard. ``deploy/train_cli.py`` wraps them as ``hybridflow sft`` and ``hybridflow rm``.
+their own shard. ``deploy/commands/train.py`` wraps them as ``hybridflow sft`` and ``hybridflow rm``.
 
     actor = ActorClient(controller, "actor")
     for rows in batches(train, cfg):

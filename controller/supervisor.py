@@ -16,7 +16,7 @@ role, rank and cause. With one, the ``Supervisor`` acts according to the kind of
   regenerated batch equals the one that was lost.
 * **Stateful groups** (the actor, critics, the reference, any group hosting one of them) are
   not restarted under the calls: their deaths reach the program, and the run loop
-  (``deploy/run_cli.py``) asks ``rollback`` to restart every stateful group together from the
+  (``deploy/commands/run.py``) asks ``rollback`` to restart every stateful group together from the
   last complete checkpoint, then replays the steps since it with a new trainer in the same
   controller process. A deterministic run ends with the weights of an undisturbed one.
 

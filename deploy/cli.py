@@ -4,17 +4,17 @@
   data-parallel group that fits a linear model; prints the result (``--json`` for one JSON
   line). Not the main job, which is ``make demo`` (``hybridflow run examples/quickstart.yaml``).
 - ``hybridflow role NAMES --connect ADDR --nproc N`` — start, by hand, a process group hosting the
-  comma-separated roles and join a controller that was started separately (``deploy/role_cli.py``).
-- ``hybridflow model init|import-gguf|check`` — model folders (``deploy/model_cli.py``).
-- ``hybridflow sft`` / ``hybridflow rm`` — supervised training jobs (``deploy/train_cli.py``).
+  comma-separated roles and join a controller that was started separately (``deploy/commands/role.py``).
+- ``hybridflow model init|import-gguf|check`` — model folders (``deploy/commands/model.py``).
+- ``hybridflow sft`` / ``hybridflow rm`` — supervised training jobs (``deploy/commands/train.py``).
 - ``hybridflow run EXPERIMENT.yaml`` / ``hybridflow report RUN_DIR`` — experiments: SFT and RL
-  stages, checkpoints, resume, plots (``deploy/run_cli.py``).
+  stages, checkpoints, resume, plots (``deploy/commands/run.py``).
 - ``hybridflow controller EXPERIMENT.yaml --bind tcp://HOST:PORT`` — the same run with the
   controller alone; each group joins with ``hybridflow role`` (the command is printed).
-- ``hybridflow slurm`` / ``hybridflow keys`` — sbatch scripts (``deploy/slurm_cli.py``) and CURVE
-  keys (``deploy/keys_cli.py``).
+- ``hybridflow slurm`` / ``hybridflow keys`` — sbatch scripts (``deploy/commands/slurm.py``) and CURVE
+  keys (``deploy/commands/keys.py``).
 - ``hybridflow reshard-plan --model llama2-70b --train 1-8-16 --gen 1-4`` — bytes, memory and
-  groups of a training → generation weight reshard, planned on paper (``deploy/reshard_cli.py``).
+  groups of a training → generation weight reshard, planned on paper (``deploy/commands/reshard.py``).
 
 Each command module adds its parser, with a help line for every option (plain text: ``--help``
 prints it as written), and turns the parsed arguments into one typed options object
@@ -37,18 +37,18 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from controller.demo import demo_placement, train_linear
-from deploy.keys_cli import add_keys_command
-from deploy.model_cli import add_model_commands, run_model_command
-from deploy.plan_cli import add_plan_command
+from deploy.commands.keys import add_keys_command
+from deploy.commands.model import add_model_commands, run_model_command
+from deploy.commands.plan import add_plan_command
+from deploy.commands.reshard import add_reshard_command
+from deploy.commands.role import add_role_command
+from deploy.commands.run import add_run_commands, report_command, run_experiment_command
+from deploy.commands.slurm import add_slurm_command
+from deploy.commands.train import add_train_commands, run_train_command
+from deploy.commands.trajectories import add_trajectories_command
 from deploy.processes import add_status_command
-from deploy.reshard_cli import add_reshard_command
-from deploy.role_cli import add_role_command
-from deploy.run_cli import add_run_commands, report_command, run_experiment_command
 from deploy.session import local_session
-from deploy.slurm_cli import add_slurm_command
 from deploy.terminal import console, run_async
-from deploy.train_cli import add_train_commands, run_train_command
-from deploy.trajectories_cli import add_trajectories_command
 
 __all__ = ["build_parser", "console", "main", "run_async"]
 

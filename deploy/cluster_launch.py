@@ -33,7 +33,7 @@ from pathlib import Path
 
 from controller.placement import GroupSpec
 from deploy.clusters import RemoteCluster, SlurmCluster
-from deploy.keys_cli import client_files
+from deploy.commands.keys import client_files
 from deploy.local import begin_log, last_error
 from deploy.slurm import (
     FAILED_STEPS,

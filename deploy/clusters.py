@@ -35,6 +35,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deploy.commands.keys import client_files, server_files
 from deploy.experiment import (
     Experiment,
     ExperimentError,
@@ -43,7 +44,6 @@ from deploy.experiment import (
     placement,
     read_yaml,
 )
-from deploy.keys_cli import client_files, server_files
 from deploy.slurm import overfull, slurm_cpus_per_node
 from transport.channel import is_local_address, split_tcp
 

@@ -126,7 +126,7 @@ def group_rank_env(
     parent_pid: int | None = None,
 ) -> RankEnv:
     """The environment of the rank at ``place`` in ``spec``'s group (this launcher's ranks and
-    a rank torchrun or srun started, ``role_cli.py``)."""
+    a rank torchrun or srun started, ``deploy/commands/role.py``)."""
     return RankEnv(
         place=place,
         group=spec.name,

@@ -31,7 +31,7 @@ from deploy.clusters import (
     RemoteCluster,
     SlurmCluster,
 )
-from deploy.keys_cli import server_files
+from deploy.commands.keys import server_files
 from deploy.local import LocalLauncher, SocketFolder, sweep_socket_folders
 from transport.channel import split_tcp
 from transport.errors import RegistrationError

@@ -1,4 +1,4 @@
-"""SLURM pieces shared by ``hybridflow slurm`` (``slurm_cli.py``) and cluster specs
+"""SLURM pieces shared by ``hybridflow slurm`` (``deploy/commands/slurm.py``) and cluster specs
 (``clusters.py`` checks a SLURM cluster, ``cluster_launch.py`` submits its job).
 
 - the batch script's parts: ``sbatch_header``, one ``srun`` step per group (``group_steps``) and

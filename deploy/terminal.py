@@ -3,7 +3,7 @@
 ``console`` writes progress and errors to stderr, so a command's ``--json`` output on stdout
 stays one line. ``run_async`` runs a command's async main on uvloop (when installed) and turns
 SIGINT/SIGTERM into cancelling it, so sessions tear their processes down in order. They live
-here, apart from ``deploy/cli.py``, because the command modules (``run_cli``, ``train_cli``, ...)
+here, apart from ``deploy/cli.py``, because the command modules (``deploy/commands/``)
 need them and ``cli.py`` needs the command modules.
 
 When stderr is not a terminal (``nohup``, SLURM, CI, a pipe) output is for grep and log parsers:

@@ -2,5 +2,5 @@
 
 ``profiles``: the cost constants per device kind; ``cost``: a step's time and memory for a group
 of colocated models under one parallel strategy; ``search``: set partitions x device
-allocations x strategies, ranked by predicted step time. The command is ``deploy/plan_cli.py``.
+allocations x strategies, ranked by predicted step time. The command is ``deploy/commands/plan.py``.
 """

@@ -25,7 +25,7 @@ accelerate 1.15.0 importable, ``from_pretrained(gguf_file=...)`` gives bit-ident
 ``load_gguf`` (checked on SmolLM2); if accelerate becomes a dependency, ``load_gguf`` can load with
 it and copy the state dict into the ``from_config`` model.
 
-The CLI is ``hybridflow model init|import-gguf|check`` (``deploy/model_cli.py``).
+The CLI is ``hybridflow model init|import-gguf|check`` (``deploy/commands/model.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What rank 0 of a group tells whoever started the group: that it joined, and how it ended.
 
-A group started by hand (``hybridflow role``, ``deploy/role_cli.py``) has a person watching its
+A group started by hand (``hybridflow role``, ``deploy/commands/role.py``) has a person watching its
 terminal, who must learn from it that the group joined the controller, what it runs (roles,
 ranks, layout, device) and how it ended (exit status and why) — not only from the controller's
 side or from rank logs. The coordinator reports these events (``report``); where they go is

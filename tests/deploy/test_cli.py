@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser
+from deploy.commands.role import RoleOptions, _group_spec
 from deploy.local import SOCKET_PREFIX
-from deploy.role_cli import RoleOptions, _group_spec
 from tests.roles.test_mesh import pid_alive
 from tests.waiting import wait_for, waits
 
@@ -162,7 +162,7 @@ def test_a_failed_run_prints_its_cause_with_brackets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``hybridflow run``'s failure line: the cause is a remote error quoting gloo's source path."""
-    from deploy.run_cli import RunOptions, _say_failed
+    from deploy.commands.run import RunOptions, _say_failed
     from deploy.terminal import console
 
     gloo = "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed"

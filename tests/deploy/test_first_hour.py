@@ -27,8 +27,8 @@ import yaml
 
 from controller.data import DatasetError
 from deploy.cli import build_parser
+from deploy.commands.run import _prepare
 from deploy.experiment import ExperimentError, check, parse, read_data
-from deploy.run_cli import _prepare
 from roles.modeling.models import init_model
 from tests.deploy.test_multicluster import rank_processes
 from tests.waiting import wait_for

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.trajectories_cli import CLOSE, OPEN
+from deploy.commands.trajectories import CLOSE, OPEN
 from tests.deploy.test_run import job, quick_argv, records, summary
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser
-from deploy.model_cli import is_hub_id
+from deploy.commands.model import is_hub_id
 
 
 def model_check(target: str) -> int:

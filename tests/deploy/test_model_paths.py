@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser
+from deploy.commands.run import _prepare
 from deploy.experiment import load
-from deploy.run_cli import _prepare
 from roles.modeling.models import init_model
 from tests.deploy.test_run import EXAMPLES
 
@@ -74,8 +74,8 @@ def test_a_gguf_model_is_converted_once_per_machine_and_linked_into_each_run(
     run converts it into the machine's cache, every run links to it, and the run folder's size
     (what ``summary.json`` reports) does not count it."""
     import roles.modeling.models as models
+    from deploy.commands.run import folder_bytes
     from deploy.experiment import CACHE_ENV, prepare_models
-    from deploy.run_cli import folder_bytes
 
     converted: list[Path] = []
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
+from deploy.commands.plan import PlanOptions, run_plan
 from deploy.experiment import Experiment, check, parse, prepare_models
 from deploy.groups import build_groups
 from deploy.plan.cost import Strategy
 from deploy.plan.rules import RunRules
-from deploy.plan_cli import PlanOptions, run_plan
 from reshard.shapes import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +171,7 @@ def test_tp_must_divide_the_experiments_own_model_whatever_size_is_priced() -> N
 
     tiny = SIZES["tiny"]
     assert tiny["num_key_value_heads"] == 2
-    from deploy.plan_cli import model_dims
+    from deploy.commands.plan import model_dims
 
     rules = RunRules(exp, {"actor": model_dims(exp, "actor")}, ["actor"])
     assert rules.allows(("actor",), Strategy(p=1, t=2, d=2, gen_t=2))

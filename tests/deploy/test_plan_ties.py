@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from deploy.commands.plan import PlanOptions, run_plan
 from deploy.plan.cost import ModelShape, Workload
 from deploy.plan.profiles import PROFILES
 from deploy.plan.search import Plan, PlanError, Planner, tie
-from deploy.plan_cli import PlanOptions, run_plan
 from reshard.shapes import LlamaDims
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
+from deploy.commands.plan import PlanOptions, run_plan
 from deploy.plan.written import SpliceError, carried_settings, replace_placement
-from deploy.plan_cli import PlanOptions, run_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 

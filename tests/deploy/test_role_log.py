@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from controller.placement import GroupSpec, RoleSpec
+from deploy.commands.role import _say_failed
 from deploy.local import LocalLauncher, begin_log, last_error
-from deploy.role_cli import _say_failed
 from transport.device import DeviceKind
 from transport.settings import Timeouts
 

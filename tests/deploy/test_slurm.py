@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import build_parser
+from deploy.commands.slurm import SlurmOptions, job_state, render
 from deploy.experiment import load, placement
-from deploy.slurm_cli import SlurmOptions, job_state, render
 from tests.conftest import require_system
 from tests.waiting import wait_for
 

@@ -1,4 +1,4 @@
-"""``hybridflow run --supervise`` (``deploy/supervise_cli.py``).
+"""``hybridflow run --supervise`` (``deploy/commands/supervise.py``).
 
 End to end, on real processes (the supervisor, the controller it starts, the controller's ranks):
 the controller killed with SIGKILL after a checkpoint is started again with ``--resume``, the run
@@ -20,7 +20,7 @@ import pytest
 
 from bench.chaos import EXAMPLE, ranks, records
 from controller.placement import RestartPolicy
-from deploy.supervise_cli import LOG, PID_FILE, Supervision, child_argv
+from deploy.commands.supervise import LOG, PID_FILE, Supervision, child_argv
 from tests.waiting import wait_for
 
 SETS = [
@@ -50,7 +50,7 @@ while True:
 SUPERVISOR = """
 import sys
 from pathlib import Path
-from deploy.supervise_cli import RestartPolicy, Supervision
+from deploy.commands.supervise import RestartPolicy, Supervision
 child = [sys.executable, "-c", sys.argv[2]]
 sys.exit(Supervision(["run"], Path(sys.argv[1]), RestartPolicy(), child).run())
 """

@@ -10,7 +10,7 @@ import pytest
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.cluster_launch import role_argv
-from deploy.role_cli import RoleOptions, _group_spec
+from deploy.commands.role import RoleOptions, _group_spec
 from roles.runtime.env import thread_count
 from tests.deploy.test_pipeline_placement import error_of, groups_of, run_dir  # noqa: F401
 

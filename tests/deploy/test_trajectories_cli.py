@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.trajectories_cli import CLOSE, OPEN, read_trajectories, render
+from deploy.commands.trajectories import CLOSE, OPEN, read_trajectories, render
 
 ROW = {
     "step": 3,

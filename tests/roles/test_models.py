@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from deploy.model_cli import add_model_commands, run_model_command
+from deploy.commands.model import add_model_commands, run_model_command
 from roles.modeling.models import (
     ModelError,
     build_tokenizer,

@@ -43,7 +43,7 @@ from typing import Literal
 from rich.markup import escape
 
 from controller.placement import GroupSpec, RoleSpec
-from deploy.keys_cli import client_files
+from deploy.commands.keys import client_files
 from deploy.local import LocalLauncher, group_rank_env
 from deploy.terminal import add_device_option, console, run_async
 from roles.runtime.coordinator import fanout_path

@@ -54,6 +54,7 @@ from controller.steps import Roles
 from controller.supervisor import Supervisor
 from controller.trainer import Sink, Trainer, checkpoints, newest_step
 from deploy.clusters import ClusterPlan, check_bind, cluster_plan
+from deploy.commands.keys import server_files
 from deploy.experiment import (
     RULE_CLASS,
     Experiment,
@@ -68,7 +69,6 @@ from deploy.experiment import (
     role_class,
 )
 from deploy.groups import build_groups
-from deploy.keys_cli import server_files
 from deploy.live import LiveView
 from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.processes import set_title, started_as_command
@@ -159,7 +159,7 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
         "--supervise",
         action="store_true",
         help="run the controller as a child process and restart it with --resume when it dies "
-        "(deploy/supervise_cli.py)",
+        "(deploy/commands/supervise.py)",
     )
     run.add_argument(
         "--max-restarts",
@@ -210,7 +210,7 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def run_experiment_command(args: argparse.Namespace) -> int:
     if args.supervise:  # this command again, as a child restarted when it dies
-        from deploy.supervise_cli import supervise_command
+        from deploy.commands.supervise import supervise_command
 
         return supervise_command(args, sys.argv)
     return run_experiment(RunOptions.from_args(args))

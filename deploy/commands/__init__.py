@@ -1,0 +1,1 @@
+"""The ``hybridflow`` subcommands, one module each; ``deploy/cli.py`` dispatches to them."""
