@@ -157,8 +157,8 @@ class Timer:
     ``timer.lane(call, role)`` times one role's calls instead: a span ``<call>@<role>`` only (no
     timing), so that the timeline has a lane for every role a step keeps busy, not only the
     actor's stages, and each group's idle share counts the work of all its roles
-    (``deploy/live.py``). Calls of one name in a step make one span, the first start to the last
-    end (the mini-batches of an update, the gaps between them included)."""
+    (``deploy/reports/live.py``). Calls of one name in a step make one span, the first start to
+    the last end (the mini-batches of an update, the gaps between them included)."""
 
     def __init__(
         self, into: dict[str, float], spans: dict[str, tuple[float, float]] | None = None

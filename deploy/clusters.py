@@ -44,7 +44,7 @@ from deploy.experiment import (
     placement,
     read_yaml,
 )
-from deploy.slurm import overfull, slurm_cpus_per_node
+from deploy.launchers.sbatch import overfull, slurm_cpus_per_node
 from transport.channel import is_local_address, split_tcp
 
 

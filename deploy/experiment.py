@@ -253,7 +253,8 @@ def parse(
 
 def use_import_root(folder: str) -> None:
     """``folder`` first on this process's import path and on PYTHONPATH, which the ranks this
-    process starts inherit (``deploy/local.py``), so they import ``function:`` paths alike."""
+    process starts inherit (``deploy/launchers/local.py``), so they import ``function:`` paths
+    alike."""
     if folder not in sys.path:
         sys.path.insert(0, folder)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

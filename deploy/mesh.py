@@ -69,7 +69,7 @@ from deploy.experiment import (
     reference_in_actor,
 )
 from deploy.groups import build_groups
-from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
+from deploy.launchers.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.session import cluster_session, local_session
 from transport.batch import TensorBatch
 from transport.errors import CallTimeoutError

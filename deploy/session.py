@@ -13,7 +13,6 @@ end, error, Ctrl-C, SIGTERM) tells the groups to stop and makes sure no rank out
 from __future__ import annotations
 
 import logging
-import shlex
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from pathlib import Path
 from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.supervisor import Relaunch, Supervisor
-from deploy.cluster_launch import RemoteGroups, SlurmJob, client_env, role_argv
 from deploy.clusters import (
     AnyCluster,
     ClusterSpec,
@@ -32,7 +30,11 @@ from deploy.clusters import (
     SlurmCluster,
 )
 from deploy.commands.keys import server_files
-from deploy.local import LocalLauncher, SocketFolder, sweep_socket_folders
+from deploy.launchers.base import Launcher
+from deploy.launchers.local import LocalLauncher, SocketFolder, sweep_socket_folders
+from deploy.launchers.manual import Announce, ManualLauncher
+from deploy.launchers.remote import RemoteLauncher
+from deploy.launchers.slurm import SlurmLauncher
 from transport.channel import split_tcp
 from transport.errors import RegistrationError
 from transport.security import CurveServer
@@ -40,9 +42,6 @@ from transport.settings import Timeouts
 from transport.shm import sweep_dead
 
 log = logging.getLogger("hybridflow.session")
-
-Launcher = LocalLauncher | RemoteGroups | SlurmJob
-Announce = Callable[[GroupSpec, str], None]  # a group, the command that starts it by hand
 
 
 @asynccontextmanager
@@ -69,8 +68,7 @@ async def local_session(
         )
         Supervisor(controller, {g.name: launcher.restart for g in groups})
         controller.local_groups = {g.name for g in groups}
-        for group in groups:
-            launcher.start(group)
+        launcher.start(groups)
         await controller.wait_ready()
         yield controller
     finally:
@@ -149,7 +147,7 @@ async def cluster_session(
         try:
             await controller.wait_ready()
         except RegistrationError as exc:
-            hints = [j.hint() for j in launchers if isinstance(j, SlurmJob)]
+            hints = [j.hint() for j in launchers if isinstance(j, SlurmLauncher)]
             raise RegistrationError("; ".join([str(exc), *hints])) from exc
         yield controller
     finally:
@@ -200,34 +198,24 @@ class _ClusterStart:
         """Start ``mine`` on ``cluster``; its launcher joins ``launchers`` before anything
         starts, so a launch that fails part-way is still stopped."""
         controller, keys, timeouts = self.controller, self.spec.keys, self.controller.timeouts
+        address, token = self.address, controller.token
+        launcher: Launcher
         if isinstance(cluster, LocalCluster):
-            local = LocalLauncher(
-                self.address,
-                controller.token,
-                self.run_dir,
-                self.sock_dir,
-                timeouts,
-                controller.report_exit,
+            launcher = LocalLauncher(
+                address, token, self.run_dir, self.sock_dir, timeouts, controller.report_exit, keys
             )
-            launchers.append(local)
             controller.local_groups |= {g.name for g in mine}
-            for group in mine:
-                local.start(group, client_env(keys, group.name))
-                self.relaunch[group.name] = local.restart
         elif isinstance(cluster, RemoteCluster):
-            remote = RemoteGroups(name, cluster, self.run_dir, keys, timeouts, self.dead)
-            launchers.append(remote)
-            for group in mine:
-                remote.start(group, self.address, controller.token)
-                self.relaunch[group.name] = remote.restart
+            launcher = RemoteLauncher(
+                name, cluster, self.run_dir, keys, timeouts, self.dead, address, token
+            )
         elif isinstance(cluster, SlurmCluster):
-            job = SlurmJob(name, cluster, mine, self.run_dir, keys, timeouts, self.dead)
-            launchers.append(job)
-            job.submit(self.address, controller.token)
-            self.relaunch.update({group.name: job.restart for group in mine})
+            launcher = SlurmLauncher(
+                name, cluster, self.run_dir, keys, timeouts, self.dead, address, token
+            )
         else:
-            assert isinstance(cluster, ManualCluster)  # the command to start each is printed
-            for group in mine:
-                argv = role_argv(group, self.address, None, str(keys) if keys is not None else None)
-                command = f"HYBRIDFLOW_TOKEN={controller.token} hybridflow {shlex.join(argv)}"
-                self.announce(group, command)
+            assert isinstance(cluster, ManualCluster)
+            launcher = ManualLauncher(address, token, keys, self.announce)
+        launchers.append(launcher)
+        launcher.start(mine)
+        self.relaunch.update({group.name: launcher.restart for group in mine})

@@ -10,7 +10,7 @@ When stderr is not a terminal (``nohup``, SLURM, CI, a pipe) output is for grep 
 the console never wraps a line (rich would wrap at 80 columns there), so one record is one line,
 and library progress bars (transformers' and huggingface_hub's, drawn with carriage returns) are
 off in this process and the processes it starts (``quiet_library_progress``). On a terminal the
-live view turns them off while it draws (``deploy/live.py``).
+live view turns them off while it draws (``deploy/reports/live.py``).
 """
 
 from __future__ import annotations

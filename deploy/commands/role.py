@@ -44,7 +44,7 @@ from rich.markup import escape
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.commands.keys import client_files
-from deploy.local import LocalLauncher, group_rank_env
+from deploy.launchers.local import LocalLauncher, group_rank_env
 from deploy.terminal import add_device_option, console, run_async
 from roles.runtime.coordinator import fanout_path
 from roles.runtime.env import (
@@ -292,7 +292,7 @@ async def _launch_here(opts: RoleOptions) -> int:
             f"{opts.nproc} rank{'s' if opts.nproc != 1 else ''} here, joining {opts.connect}; "
             f"rank logs: {(opts.run_dir / 'logs').resolve()}/{opts.group}-<rank>.log"
         )
-        launcher.start(_group_spec(opts), env={STATUS_ENV: inbox.target})
+        launcher.start_group(_group_spec(opts), env={STATUS_ENV: inbox.target})
         while launcher.alive() and not failed:
             done.clear()
             await done.wait()

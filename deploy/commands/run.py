@@ -13,7 +13,7 @@ printed, or, before its first checkpoint, that none exists yet.
 ``report`` draws PNG plots from a run's ``metrics.jsonl`` (one panel per stage: reward, KL,
 response length, validation score, where each step's time went), prints a one-screen summary
 with the newest logged answers, and with ``--html`` writes them all on one page
-(``deploy/report.py``).
+(``deploy/reports/summary.py``).
 
 The command line becomes one ``RunOptions`` at the edge (``run_experiment_command``); what
 ``_load`` and ``_prepare`` validate becomes one ``Run``; the steps below take those, never the
@@ -69,10 +69,10 @@ from deploy.experiment import (
     role_class,
 )
 from deploy.groups import build_groups
-from deploy.live import LiveView
-from deploy.local import SHM_ROOT, SocketFolder, sweep_socket_folders
+from deploy.launchers.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.processes import set_title, started_as_command
-from deploy.report import run_report
+from deploy.reports.live import LiveView
+from deploy.reports.summary import run_report
 from deploy.session import cluster_session, local_session, remote_session
 from deploy.terminal import console, run_async
 from transport.channel import is_local_address

@@ -13,7 +13,7 @@ Groups are spread over the nodes in placement order, each on the nodes after the
 the script and passed by environment, never written to disk. ``--submit`` runs ``sbatch``,
 follows the job's output and exits with its status; ``scancel`` ends every step (slurmd kills
 each step's processes). The script's parts and the placement arithmetic are in
-``deploy/slurm.py``, shared with cluster specs (``deploy/clusters.py``).
+``deploy/launchers/sbatch.py``, shared with cluster specs (``deploy/clusters.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from deploy.experiment import (
     placement,
     read_data,
 )
-from deploy.slurm import (
+from deploy.launchers.sbatch import (
     group_steps,
     overfull,
     sbatch_header,

@@ -1,10 +1,10 @@
 """The environment a rank process is started with, written by the launchers and read by the rank.
 
-``RankEnv`` is its one definition: each launcher writes it (``to_env``: ``deploy/local.py`` for the
-ranks it starts, ``deploy/commands/role.py`` for a rank that torchrun or srun started) and the rank reads
-it back (``from_env``). Its place in the torch.distributed group (``RankPlace``) has torchrun's
+``RankEnv`` is its one definition: each launcher writes it (``to_env``:
+``deploy/launchers/local.py`` for the ranks it starts, ``deploy/commands/role.py`` for a rank
+that torchrun or srun started) and the rank reads it back (``from_env``). Its place in the torch.distributed group (``RankPlace``) has torchrun's
 names, SLURM's as fallbacks. ``RankVar`` names every variable, for launchers that write them in
-scripts and command lines (``deploy/cluster_launch.py``). ``GroupEnv`` is what the rank runtime
+scripts and command lines (``deploy/launchers/``). ``GroupEnv`` is what the rank runtime
 works with: the same, resolved (the layout, the timeouts, the CURVE keys of a TCP link).
 """
 

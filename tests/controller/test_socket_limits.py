@@ -14,7 +14,7 @@ import zmq
 
 from controller.hello import Strangers, Verdict
 from controller.server import Controller
-from deploy.local import LocalLauncher
+from deploy.launchers.local import LocalLauncher
 from deploy.session import local_session
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.controller.flood_measure import start_stranger
@@ -143,9 +143,9 @@ def test_a_groups_frame_over_the_cap_fails_naming_the_setting(tmp_path: Path) ->
         controller = Controller(placement, timeouts)
         address = controller.bind(f"ipc://{tmp_path}/c")
         launcher = LocalLauncher(
-            address, controller.token, tmp_path, tmp_path, timeouts, lambda g, r, c: None
+            address, controller.token, tmp_path, tmp_path, timeouts, lambda g, r, c, _: None
         )
-        launcher.start(placement[0], {"HYBRIDFLOW_HOST_ID": "elsewhere"})
+        launcher.start_group(placement[0], {"HYBRIDFLOW_HOST_ID": "elsewhere"})
         try:
             await controller.wait_ready()
             echo = EchoClient(controller, "echo")

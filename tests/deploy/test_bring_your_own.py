@@ -80,7 +80,7 @@ def test_a_reward_module_beside_the_experiment_file_is_importable(tmp_path: Path
     assert exp.import_root == str(tmp_path.resolve())
     (answer,) = [c for c in scored_columns(exp) if c.name == "answer"]
     assert answer.required and module in answer.why  # imported, what it reads declared
-    # the ranks this process starts inherit its environment (deploy/local.py)
+    # the ranks this process starts inherit its environment (deploy/launchers/local.py)
     assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path.resolve())
     # a resumed run reads the saved config, which keeps the folder
     saved = yaml.safe_load(yaml.safe_dump(exp.model_dump(mode="json")))

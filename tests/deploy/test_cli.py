@@ -16,7 +16,7 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.commands.role import RoleOptions, _group_spec
-from deploy.local import SOCKET_PREFIX
+from deploy.launchers.local import SOCKET_PREFIX
 from tests.roles.test_mesh import pid_alive
 from tests.waiting import wait_for, waits
 

@@ -1,5 +1,6 @@
 """A group on a SLURM or an ssh cluster that dies is started again by its launcher and the run goes
-on (``SlurmJob.restart``, ``RemoteGroups.restart``; the supervisor: ``controller/supervisor.py``).
+on (``SlurmLauncher.restart``, ``RemoteLauncher.restart``; the supervisor:
+``controller/supervisor.py``).
 
 The run is the quickstart's tiny model with the reward group alone on the other cluster under a
 restart policy; once the RL stage logged a step, that group's rank gets ``kill -9`` (found in
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.slurm import FAILED_STEPS, wait_steps
+from deploy.launchers.sbatch import FAILED_STEPS, wait_steps
 from tests.conftest import require_system
 from tests.deploy.test_multicluster import our_jobs, rank_processes, settle
 from tests.deploy.test_slurm import cluster_up

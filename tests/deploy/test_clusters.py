@@ -1,5 +1,5 @@
-"""Cluster specs: each mistake is named before any process starts; the SLURM script for one
-cluster's groups is valid bash that waits for every step and fails with any of them."""
+"""Cluster specs: each mistake is named before any process starts; groups go to the cluster
+that names them (the SLURM job script itself: ``tests/deploy/launchers/test_slurm.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,10 @@ import pytest
 import yaml
 
 from controller.placement import GroupSpec, RoleSpec
-from deploy.cluster_launch import SlurmJob, role_argv
-from deploy.clusters import ClusterSpec, SlurmCluster, assign, check_spec, load_spec
+from deploy.clusters import ClusterSpec, assign, check_spec, load_spec
 from deploy.experiment import Experiment, ExperimentError, load
-from deploy.slurm import wait_steps
+from deploy.launchers.base import role_argv
 from tests.deploy.test_multicluster import WITH_ROLLOUT
-from transport.settings import Timeouts
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -132,43 +129,6 @@ def test_no_slurm_commands_is_a_clear_error(tmp_path: Path) -> None:
         os.environ["PATH"] = path
 
 
-def test_the_groups_job_script_waits_for_every_step_and_fails_with_one(tmp_path: Path) -> None:
-    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")}, nproc=2)
-    job = SlurmJob(
-        "farm",
-        SlurmCluster(kind="slurm", partition="debug", time="00:10:00"),
-        [group],
-        tmp_path,
-        tmp_path / "keys",
-        Timeouts(),
-        lambda *_: None,
-    )
-    script = job.script("tcp://10.0.0.1:5555", "secret-token")
-    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --partition=debug" in script
-    assert "--connect tcp://10.0.0.1:5555" in script and "--client gen" in script
-    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-    # the end: the first step to fail fails the job at once, whatever still runs
-    tail = "\n".join(wait_steps(controller=False))
-    steps = "pids=(); (sleep 8) & pids+=($!); (exit 3) & pids+=($!)"
-    assert bash(f"{steps}\n{tail}") == 3
-    steps = "pids=(); (exit 0) & pids+=($!); (sleep 0.5) & pids+=($!)"
-    assert bash(f"{steps}\n{tail}") == 0
-    # with a controller: its clean exit ends the run (the groups are waited for); its failure too
-    tail = "\n".join(wait_steps(controller=True))
-    steps = "(sleep 0.2) & controller=$!; pids=($controller); (sleep 1.5) & pids+=($!)"
-    assert bash(f"{steps}\n{tail}") == 0
-    steps = "(exit 1) & controller=$!; pids=($controller); (sleep 8) & pids+=($!)"
-    assert bash(f"{steps}\n{tail}") == 1
-
-
-def bash(script: str) -> int:
-    """Run a script; it must end within 10 s (a job must not outlive its failed step)."""
-    start = time.monotonic()
-    code = subprocess.run(["bash", "-c", script], timeout=20).returncode
-    assert time.monotonic() - start < 10
-    return code
-
-
 def test_the_role_command_for_a_group() -> None:
     group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")}, nproc=2, tp=2)
     argv = role_argv(group, "tcp://h:1", None, "/k")
@@ -184,13 +144,3 @@ def test_the_role_command_for_a_group() -> None:
 def test_the_example_specs_place_every_group(name: str) -> None:
     found = load_spec(EXAMPLES / "clusters" / name)
     assert set(assign(found, experiment()).values()) <= set(found.clusters)
-
-
-def test_a_cluster_with_its_own_workdir_writes_under_it(tmp_path: Path) -> None:
-    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")})
-    far = SlurmCluster(kind="slurm", via=["ssh", "login"], workdir="/scratch/me/hf")
-    job = SlurmJob("site2", far, [group], tmp_path / "run-1", None, Timeouts(), lambda *_: None)
-    script = job.script("tcp://h:1", "t")
-    assert "#SBATCH --chdir=/scratch/me/hf" in script
-    assert "#SBATCH --output=runs/run-1/site2/slurm-%j.out" in script
-    assert "--run-dir runs/run-1/site2" in script and str(tmp_path) not in script

@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from deploy.experiment import load
-from deploy.live import LiveView, pipeline, spans
-from deploy.report import timeline_spans
+from deploy.reports.live import LiveView, pipeline, spans
+from deploy.reports.summary import timeline_spans
 from tests.deploy.test_run import EXAMPLES, job, quick_argv, records
 
 # the critic alone in its group, so that the group's busy time is the critic's

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from deploy.live import LiveView, duration, pipeline, spans
+from deploy.reports.live import LiveView, duration, pipeline, spans
 
 GROUPS = {"actor": "train", "reward": "train", "rollout": "gen"}
 

@@ -18,12 +18,12 @@ import torch
 import yaml
 
 from deploy.cli import build_parser
-from deploy.cluster_launch import role_argv
 from deploy.commands.role import RoleOptions, _group_spec
 from deploy.experiment import ExperimentError, check, parse, prepare_models
 from deploy.groups import build_groups
-from deploy.local import LocalLauncher
-from deploy.slurm import group_steps
+from deploy.launchers.base import role_argv
+from deploy.launchers.local import LocalLauncher
+from deploy.launchers.sbatch import group_steps
 from roles.runtime.env import GroupEnv
 from transport.protocol import Layout
 from transport.settings import Timeouts

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-import deploy.report as report
-from deploy.report import run_report, stage_series, stage_spans, summary, write_report
+import deploy.reports.summary as report
+from deploy.reports.summary import run_report, stage_series, stage_spans, summary, write_report
 
 SFT_STEPS, RL_STEPS = 40, 30
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from deploy.report import timeline_spans, write_report
+from deploy.reports.summary import timeline_spans, write_report
 
 
 def test_timeline_lanes_are_offsets_from_each_step_start(tmp_path: Path) -> None:

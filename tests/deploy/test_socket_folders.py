@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local import SocketFolder, sweep_socket_folders
+from deploy.launchers.local import SocketFolder, sweep_socket_folders
 
 REPO = Path(__file__).resolve().parents[2]
 SESSION = """

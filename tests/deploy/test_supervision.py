@@ -20,8 +20,8 @@ from controller.clients.env import EnvClient
 from controller.metrics import JsonlSink, read_records, scalars
 from controller.sync import WeightSync
 from deploy.cli import build_parser
-from deploy.live import event_line
-from deploy.report import _fault_lines
+from deploy.reports.live import event_line
+from deploy.reports.summary import _fault_lines
 
 
 def steps_logged(run_dir: Path) -> list[int]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from controller.placement import GroupSpec, RoleSpec
-from deploy.cluster_launch import role_argv
 from deploy.commands.role import RoleOptions, _group_spec
+from deploy.launchers.base import role_argv
 from roles.runtime.env import thread_count
 from tests.deploy.test_pipeline_placement import error_of, groups_of, run_dir  # noqa: F401
 

@@ -15,7 +15,7 @@ from controller.clients import ActorClient
 from controller.placement import GroupSpec
 from controller.server import Controller
 from controller.sync import WeightSync
-from deploy.local import LocalLauncher, SocketFolder
+from deploy.launchers.local import LocalLauncher, SocketFolder
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.sync import ProbedRolloutClient
@@ -48,7 +48,7 @@ async def spread_session(groups: list[GroupSpec]) -> AsyncIterator[Controller]:
         controller.local_groups = {g.name for g in groups}
         for spec in groups:
             host, cluster = PLACES[spec.name]
-            launcher.start(spec, {"HYBRIDFLOW_HOST_ID": host, "HYBRIDFLOW_CLUSTER": cluster})
+            launcher.start_group(spec, {"HYBRIDFLOW_HOST_ID": host, "HYBRIDFLOW_CLUSTER": cluster})
         await controller.wait_ready()
         yield controller
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from controller.server import Controller
-from deploy.local import LocalLauncher
+from deploy.launchers.local import LocalLauncher
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import EchoClient
 from tests.waiting import wait_until
@@ -48,9 +48,9 @@ def test_curve_admits_listed_keys_and_refuses_others(
                 tmp_path / name,
                 tmp_path,
                 timeouts,
-                lambda g, r, c: exits.append((g, r, c)),
+                lambda g, r, c, _: exits.append((g, r, c)),
             )
-            launcher.start(next(g for g in placement if g.name == name))
+            launcher.start([next(g for g in placement if g.name == name)])
             launchers.append(launcher)
         try:
             async with asyncio.timeout(30):
@@ -100,9 +100,14 @@ def test_a_coordinator_does_not_join_a_controller_with_another_key(
         monkeypatch.setenv("HYBRIDFLOW_CURVE_SERVER_KEY", str(tmp_path / "real" / "controller.key"))
         exits: list[int] = []
         launcher = LocalLauncher(
-            address, controller.token, tmp_path, tmp_path, timeouts, lambda g, r, c: exits.append(c)
+            address,
+            controller.token,
+            tmp_path,
+            tmp_path,
+            timeouts,
+            lambda g, r, c, _: exits.append(c),
         )
-        launcher.start(placement[0])
+        launcher.start([placement[0]])
         try:
             await wait_until(lambda: exits, 30, "the coordinator giving up on the impostor")
             assert exits[0] != 0 and not controller.groups["main"].ready.is_set()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from controller.server import Controller
-from deploy.local import LocalLauncher
+from deploy.launchers.local import LocalLauncher
 from roles.runtime.env import RankVar
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.waiting import wait_until
@@ -32,9 +32,14 @@ def test_a_group_without_keys_is_told_the_controller_may_require_curve_keys(
         address = controller.bind("tcp://127.0.0.1:0", CurveServer(server_secret, allowed))
         exits: list[int] = []
         launcher = LocalLauncher(
-            address, controller.token, tmp_path, tmp_path, timeouts, lambda g, r, c: exits.append(c)
+            address,
+            controller.token,
+            tmp_path,
+            tmp_path,
+            timeouts,
+            lambda g, r, c, _: exits.append(c),
         )
-        launcher.start(placement[0])
+        launcher.start([placement[0]])
         try:
             await wait_until(lambda: exits, 30, "the keyless group gives up")
             assert exits[0] != 0

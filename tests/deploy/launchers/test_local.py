@@ -1,16 +1,21 @@
-"""Issue 21, 2d: the role launcher's rank logs are appended to across runs; the error it reports
-when a rank dies comes from this run's part of the log, never from an earlier run's."""
+"""The local launcher: it says where each rank runs, restarts a group with new processes and
+leaves none behind; rank logs are appended to across runs and the error it reports when a rank
+dies comes from this run's part of the log, never from an earlier run's."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from pathlib import Path
 
 import pytest
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.commands.role import _say_failed
-from deploy.local import LocalLauncher, begin_log, last_error
+from deploy.launchers.base import Launcher, Where, begin_log, last_error
+from deploy.launchers.local import LocalLauncher
+from deploy.processes import alive
 from transport.device import DeviceKind
 from transport.settings import Timeouts
 
@@ -49,7 +54,7 @@ def test_a_rank_that_dies_silently_is_not_explained_by_an_earlier_run(
             device=DeviceKind.CPU, fanout="socket",
         )  # fmt: skip
         launcher = LocalLauncher("ipc:///nowhere", "", tmp_path, tmp_path, Timeouts(), on_exit)
-        launcher.start(spec)
+        launcher.start([spec])
         launcher.procs[0].popen.kill()  # dies before printing anything (as after kill -9)
         try:
             await asyncio.wait_for(done.wait(), 30)
@@ -81,7 +86,7 @@ def test_a_rank_that_raises_is_reported_with_its_error_line(tmp_path: Path) -> N
             device=DeviceKind.CPU, fanout="socket",
         )  # fmt: skip
         launcher = LocalLauncher("nonsense://x", "", tmp_path, tmp_path, Timeouts(), on_exit)
-        launcher.start(spec)
+        launcher.start([spec])
         try:
             await asyncio.wait_for(done.wait(), 60)
         finally:
@@ -91,3 +96,35 @@ def test_a_rank_that_raises_is_reported_with_its_error_line(tmp_path: Path) -> N
     ((group, rank, code, said),) = asyncio.run(main())
     assert (group, rank, code) == ("g", 0, 1)
     assert said.startswith("zmq.error.ZMQError: Protocol not supported") and "nonsense://x" in said
+
+
+def test_it_says_where_each_rank_runs_restarts_a_group_and_leaves_nothing(tmp_path: Path) -> None:
+    """Through the launcher interface alone (``deploy/launchers/base.py``): two ranks that never
+    reach a controller (none listens) are started, found, restarted and stopped."""
+    exits: list[int] = []
+
+    async def main() -> tuple[list[Where], list[Where], bool]:
+        spec = GroupSpec.model_construct(
+            name="g", roles={"r": RoleSpec(cls="unset:Unset")}, nproc=2, tp=1, pp=1,
+            device=DeviceKind.CPU, fanout="socket", restart=None,
+        )  # fmt: skip
+        timeouts = Timeouts(shutdown_s=0.5)
+        launcher: Launcher = LocalLauncher(
+            f"ipc://{tmp_path}/nobody", "", tmp_path, tmp_path, timeouts,
+            lambda g, r, code, said: exits.append(code),
+        )  # fmt: skip
+        launcher.start([spec])
+        first = launcher.where()
+        await launcher.restart(spec)
+        second = launcher.where()
+        await launcher.stop()
+        return first, second, any(alive(w.pid or 0) for w in first + second)
+
+    first, second, left = asyncio.run(main())
+    host = socket.gethostname()
+    assert [(w.group, w.rank, w.host) for w in first] == [("g", 0, host), ("g", 1, host)]
+    assert [(w.group, w.rank) for w in second] == [("g", 0), ("g", 1)]
+    assert {w.pid for w in first}.isdisjoint({w.pid for w in second})  # new processes
+    assert not left and exits == []  # a restart's and the stop's ends are no deaths
+    written = json.loads((tmp_path / "processes.json").read_text())
+    assert [r["pid"] for r in written["ranks"]] == [w.pid for w in second]

@@ -1,41 +1,37 @@
-"""Starting a run's groups on the clusters of a cluster spec (``deploy/clusters.py``).
-
-- ``local``: ``LocalLauncher`` ranks, here, connecting to the controller's TCP address.
-- ``remote``: one ``hybridflow role`` per group, run through the cluster's ``via`` command (ssh).
-  The token goes over stdin (never on a command line); the process is in its own session, dies
-  with this one (``PR_SET_PDEATHSIG``), and its exit is seen at once through a pidfd.
-- ``slurm``: one batch job per cluster, its script on sbatch's stdin; ``scontrol`` is polled so a
-  job that ends (or fails) before the run does is reported as the death of its groups; a job
-  still there when the run is over gets ``scancel``.
-- ``manual``: the command to start each group is printed.
-
-Each launcher reports a group's death as ``on_dead(group, rank, cause)`` and has ``stop()``:
-after the controller told the groups to stop, wait for them, then end what is left. The remote
-and SLURM launchers also have ``restart(spec)``, the supervisor's relaunch of a dead group
-(``controller/supervisor.py``): a remote group's process is ended (its session) and started
-again; a SLURM group comes back as a new step of its job (``srun --jobid --overlap``) while the
-job's allocation runs, else in a job of its own. A replaced incarnation's end is no death.
-"""
+"""The ``slurm`` launcher: the groups placed on one SLURM cluster as one batch job, its script
+(``sbatch.py``) on sbatch's stdin. ``scontrol`` is polled so a job that ends (or fails) before
+the run does is reported as the death of its groups; a job still there when the run is over gets
+``scancel``. A group the supervisor restarts comes back as a new step of its job (``srun --jobid
+--overlap``) while the job's allocation runs, else in a job of its own. A replaced incarnation's
+end is no death."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
-import os
 import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 from controller.placement import GroupSpec
-from deploy.clusters import RemoteCluster, SlurmCluster
-from deploy.commands.keys import client_files
-from deploy.local import begin_log, last_error
-from deploy.slurm import (
+from deploy.clusters import SlurmCluster
+from deploy.launchers.base import (
+    DeathCallback,
+    Log,
+    Popen,
+    Where,
+    dir_there,
+    end_session,
+    kill_session,
+    last_error,
+    may_restart,
+    spawn,
+)
+from deploy.launchers.sbatch import (
     FAILED_STEPS,
     group_nodes,
     group_step,
@@ -47,194 +43,15 @@ from deploy.slurm import (
     wait_steps,
 )
 from reshard.peers import CLUSTER_ENV
-from roles.runtime.env import RankVar, curve_env
+from roles.runtime.env import RankVar
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
-DeathCallback = Callable[[str, int | None, str], None]  # group, rank, cause
-Popen = subprocess.Popen[bytes]
 LINGER_S = 60  # what a job keeps its allocation for a replacement step, besides the back-off
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
 
 
-def role_argv(group: GroupSpec, address: str, run_dir: str | None, keys: str | None) -> list[str]:
-    """The arguments of ``hybridflow`` that start one group and join the controller."""
-    argv = ["role", ",".join(group.roles), "--connect", address, "--group", group.name]
-    argv += ["--nproc", str(group.nproc), "--tp", str(group.tp), "--pp", str(group.pp)]
-    argv += ["--threads", str(group.threads)] if group.threads > 1 else []
-    argv += ["--gen-tp", str(group.gen_tp)] if group.gen_tp else []
-    argv += ["--gen-pp", str(group.gen_pp)] if group.gen_pp else []
-    argv += ["--fanout", group.fanout, "--device", group.device]
-    if run_dir is not None:
-        argv += ["--run-dir", run_dir]
-    if keys is not None:
-        argv += ["--keys", keys, "--client", group.name]
-    return argv
-
-
-def dir_there(cluster: RemoteCluster | SlurmCluster, run_dir: Path, name: str) -> str:
-    """Where a cluster's groups write (logs, SLURM output): ``runs/RUN/CLUSTER`` under its
-    ``workdir`` when it has its own, else ``RUN_DIR/CLUSTER`` (the same filesystem)."""
-    if cluster.workdir is not None:
-        return f"runs/{run_dir.name}/{name}"
-    return str(run_dir / name)
-
-
-_LIBC = ctypes.CDLL(None)  # loaded here: the child between fork and exec only makes a call
-
-Log = tuple[Path, int]  # a log file and where this run's lines begin in it
-ExitCallback = Callable[[subprocess.Popen[bytes], Log], None]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def spawn(argv: list[str], token: str, log_path: Path, on_exit: ExitCallback) -> Popen:
-    """Run ``argv`` in a session of its own that dies with this process, its output appended
-    to ``log_path``, ``token`` on its stdin (never on a command line); ``on_exit(proc, log)``
-    runs in the event loop as soon as it ends (a pidfd)."""
-    start = begin_log(log_path)  # errors are read from here: this run's lines only
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-    assert proc.stdin is not None
-    proc.stdin.write(f"{token}\n".encode())
-    proc.stdin.close()
-    pidfd = os.pidfd_open(proc.pid)
-    loop = asyncio.get_running_loop()
-
-    def exited() -> None:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-        proc.wait()
-        on_exit(proc, (log_path, start))
-
-    loop.add_reader(pidfd, exited)
-    return proc
-
-
-async def end_session(proc: Popen, limit_s: float, what: str) -> None:
-    """SIGKILL the session ``proc`` leads (it and what it started here) and wait until every
-    process of it is gone; RuntimeError naming ``what`` after ``limit_s`` seconds."""
-    _kill_session(proc, signal.SIGKILL)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while proc.poll() is None or _session_alive(proc.pid):
-        if loop.time() > deadline:
-            raise RuntimeError(f"{what} (pid {proc.pid}) would not die")
-        await asyncio.sleep(0.02)
-
-
-def _kill_session(proc: Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)  # ``start_new_session``: its process group is its session
-    except ProcessLookupError:
-        pass  # every process of it is gone
-
-
-def _session_alive(sid: int) -> bool:
-    """Whether a process of session ``sid`` still runs here (``/proc``; a zombie is gone)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(") ", 1)[1].split()  # from field 3 (state) on
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if fields[0] != "Z" and int(fields[3]) == sid:  # field 6: the session
-            return True
-    return False
-
-
-class RemoteGroups:
-    """Groups on a host reached through ``via``: one ``hybridflow role`` process each."""
-
-    def __init__(
-        self,
-        name: str,
-        cluster: RemoteCluster,
-        run_dir: Path,
-        keys: Path | None,
-        timeouts: Timeouts,
-        on_dead: DeathCallback,
-    ) -> None:
-        self.name, self.cluster, self.run_dir = name, cluster, run_dir
-        self.keys = cluster.keys or (str(keys) if keys is not None else None)
-        self.timeouts, self.on_dead = timeouts, on_dead
-        self.procs: dict[str, Popen] = {}  # each group's current process
-        self.retired: list[Popen] = []  # processes a restart replaced (and has not seen end)
-        self.joins: dict[str, tuple[str, str]] = {}  # group -> the address and token it joins
-        self.stopping = False
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-
-    def command_line(self, group: GroupSpec, address: str) -> str:
-        python = self.cluster.python or sys.executable
-        workdir = self.cluster.workdir or str(Path.cwd())
-        there = dir_there(self.cluster, self.run_dir, self.name)
-        env = [f"{TIMEOUTS_ENV}={self.timeouts.to_env()}", f"{RankVar.THREADS}=1"]
-        env.append(f"{CLUSTER_ENV}={self.name}")  # weight syncs pick paths by it (reshard/peers.py)
-        cli = [python, "-m", "deploy.cli", *role_argv(group, address, there, self.keys)]
-        argv = ["env", *env, *cli, "--token", "-"]
-        return f"cd {shlex.quote(workdir)} && exec {shlex.join(argv)}"
-
-    def start(self, group: GroupSpec, address: str, token: str) -> None:
-        log_path = self.run_dir / "logs" / f"{self.name}-{group.name}.log"
-        argv = [*self.cluster.via, self.command_line(group, address)]
-        self.procs[group.name] = spawn(argv, token, log_path, partial(self._exited, group.name))
-        self.joins[group.name] = (address, token)
-
-    def _exited(self, group: str, proc: Popen, log: Log) -> None:
-        code = proc.returncode
-        if self.stopping or code == 0 or self.procs.get(group) is not proc:
-            return  # the shutdown, a clean exit, or an incarnation a restart replaced
-        via = " ".join(self.cluster.via)
-        cause = f"on cluster {self.name!r} ({via}) exited with {code}: {last_error(*log)}"
-        self.on_dead(group, 0, f"{cause} (log: {log[0]})")
-
-    async def restart(self, spec: GroupSpec) -> None:
-        """End what is left of the group's process (its whole session), wait until it is gone,
-        then start the group again with the address and token it first joined with. The old
-        process's exit is not reported: the controller already forgot that incarnation
-        (``Controller.reset``). Over ssh the session here is the ssh client: a ``hybridflow
-        role`` still running there leaves on its own once its ranks lose the controller."""
-        old = self.procs.pop(spec.name, None)  # from here on its exit is no death (``_exited``)
-        if old is not None:
-            self.retired.append(old)  # should it not die, stop() tries again
-            what = f"the process of group {spec.name!r} on cluster {self.name!r}"
-            await end_session(old, self.timeouts.shutdown_s + 5.0, what)
-            self.retired.remove(old)
-        self.start(spec, *self.joins[spec.name])
-
-    async def stop(self) -> None:
-        """The groups leave on the controller's SHUTDOWN; what is still running after the
-        grace period is ended (its whole session)."""
-        self.stopping = True
-        procs = [*self.procs.values(), *self.retired]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeouts.shutdown_s + 5.0
-        while any(p.poll() is None for p in procs) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in procs:
-                if proc.poll() is None:
-                    _kill_session(proc, sig)
-            await asyncio.sleep(0.5)
-
-
-def may_restart(group: GroupSpec) -> bool:
-    """Whether the group's restart policy allows any restart (a rollback restarts it too)."""
-    return group.restart is not None and group.restart.max > 0
-
-
-class SlurmJob:
+class SlurmLauncher:
     """The groups placed on one SLURM cluster, as one batch job.
 
     A group that may be restarted comes back (``restart``) as a new step of the job it ran in,
@@ -247,18 +64,20 @@ class SlurmJob:
         self,
         name: str,
         cluster: SlurmCluster,
-        groups: list[GroupSpec],
         run_dir: Path,
         keys: Path | None,
         timeouts: Timeouts,
         on_dead: DeathCallback,
+        address: str,
+        token: str,
     ) -> None:
-        self.name, self.cluster, self.groups, self.run_dir = name, cluster, groups, run_dir
+        self.name, self.cluster, self.run_dir = name, cluster, run_dir
+        self.groups: list[GroupSpec] = []  # every group of the cluster, given to ``start``
         self.keys = cluster.keys or (str(keys) if keys is not None else None)
         self.timeouts, self.on_dead = timeouts, on_dead
         self.job: str | None = None  # the job submitted first, holding every group
         self.state, self.reason = "", ""  # that job's
-        self.joins = ("", "")  # the address and token the groups join with
+        self.joins = (address, token)  # what the groups join
         self.job_of: dict[str, str] = {}  # group -> the job it runs in now
         self.node_of: dict[str, int] = {}  # group -> its node's index in that job
         self.lingering: set[str] = set()  # jobs that keep their allocation for a restart
@@ -279,10 +98,11 @@ class SlurmJob:
         """The job's output file (``%j``: the job id), relative to ``workdir`` if it has one."""
         return f"{self.there}/slurm-%j.out"
 
-    def script(self, address: str, token: str, groups: list[GroupSpec] | None = None) -> str:
+    def script(self, groups: list[GroupSpec] | None = None) -> str:
         """The batch script of every group of the cluster, or of ``groups`` alone on one node
         (a group restarted after its job ended)."""
         c = self.cluster
+        address, token = self.joins
         specs = {g.name: g for g in (groups or self.groups)}
         nodes = c.nodes if groups is None else 1
         lines = sbatch_header(
@@ -323,9 +143,9 @@ class SlurmJob:
             f"export {CLUSTER_ENV}={shlex.quote(self.name)}",
         ]
 
-    def submit(self, address: str, token: str) -> None:
+    def start(self, groups: Sequence[GroupSpec]) -> None:
         """Submit the job of every group and follow its state."""
-        self.joins = (address, token)
+        self.groups = list(groups)
         self.job = self._submit(None)
         self._hold(self.job, self.groups)
         nodes = group_nodes({g.name: g for g in self.groups}, self.cluster.nodes, False)
@@ -352,7 +172,7 @@ class SlurmJob:
             command = argv
         done = subprocess.run(
             command,
-            input=self.script(*self.joins, groups),
+            input=self.script(groups),
             capture_output=True,
             text=True,
             check=False,
@@ -407,6 +227,12 @@ class SlurmJob:
         out = Path(self.cluster.workdir or ".") / self.output.replace("%j", job)
         said = f": {last_error(out)}" if not self.cluster.via and out.is_file() else ""
         return f"{said} (output: {out})"
+
+    def where(self) -> list[Where]:
+        return [
+            Where(g, None, f"SLURM job {job} on cluster {self.name!r}")
+            for g, job in self.job_of.items()
+        ]
 
     def hint(self) -> str:
         if self.job is None:
@@ -530,7 +356,7 @@ class SlurmJob:
         if left:
             await asyncio.to_thread(run_there, self.cluster.via, ["scancel", *left])
         for proc in sruns:
-            _kill_session(proc, signal.SIGKILL)
+            kill_session(proc, signal.SIGKILL)
 
     async def _runs_steps(self, job: str) -> bool:
         """Whether a step of a group runs in ``job`` (the batch script's own is no group's);
@@ -546,10 +372,3 @@ def linger_s(groups: list[GroupSpec]) -> int:
     replacement step: its longest back-off and a minute; 0 when none may be restarted."""
     backoffs = [max(g.restart.backoff_s) for g in groups if g.restart and may_restart(g)]
     return math.ceil(max(backoffs)) + LINGER_S if backoffs else 0
-
-
-def client_env(keys: Path | None, group: str) -> dict[str, str]:
-    """What a rank process reads to be a CURVE client (``roles/runtime/env.py``)."""
-    if keys is None:
-        return {}
-    return curve_env(*client_files(keys, group))

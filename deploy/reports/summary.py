@@ -1,7 +1,7 @@
 """``hybridflow report RUN_DIR``: PNG plots of a run's ``metrics.jsonl`` into ``RUN_DIR/plots``,
 and a one-screen summary of the run (its stages, validation scores, last metrics and a few of the
 answers logged in ``samples.jsonl``); ``--html`` also writes ``RUN_DIR/report.html``
-(``deploy/report_html.py``).
+(``deploy/reports/html.py``).
 
 The line plots have one panel per stage, each with its own x axis (the step within the stage),
 so 30 RL steps after 1,000 SFT steps fill a panel instead of 3% of one: reward.png (train reward
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from controller.metrics import SAMPLES_FILE, Sample, read_records, read_samples
-from deploy.report_html import write_html
+from deploy.reports.html import write_html
 
 Rows = list[dict[str, Any]]
 

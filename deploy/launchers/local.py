@@ -30,12 +30,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from controller.placement import GroupSpec
+from deploy.launchers.base import Where, begin_log, client_env, last_error
 from deploy.processes import write_processes
 from roles.runtime.device import check_device
 from roles.runtime.env import RankEnv, RankPlace
@@ -145,15 +145,9 @@ def group_rank_env(
     )
 
 
-def begin_log(path: Path) -> int:
-    """Mark the start of a run in an appended log; returns the offset after the marker."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with open(path, "ab") as out:
-        out.write(f"--- hybridflow: started {stamp} by pid {os.getpid()} ---\n".encode())
-        return out.tell()
-
-
 class LocalLauncher:
+    """Every rank of the groups as a child process of this one (``Launcher``)."""
+
     def __init__(
         self,
         controller_address: str,
@@ -162,8 +156,10 @@ class LocalLauncher:
         socket_dir: Path,
         timeouts: Timeouts,
         on_exit: ExitCallback,
+        keys: Path | None = None,
     ) -> None:
         self.controller_address = controller_address
+        self.keys = keys  # CURVE key folder: each group's ranks get its client files
         self.token = token
         self.run_dir = run_dir
         self.socket_dir = socket_dir
@@ -194,7 +190,11 @@ class LocalLauncher:
         env[TIMEOUTS_ENV] = self.timeouts.to_env()
         return env
 
-    def start(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
+    def start(self, groups: Sequence[GroupSpec]) -> None:
+        for spec in groups:
+            self.start_group(spec, client_env(self.keys, spec.name))
+
+    def start_group(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
         """Start the group's ranks; ``env`` adds to their environment (CURVE key files)."""
         check_device(spec.device, spec.name, spec.nproc)  # ranks run here: fail now, not in each
         self.envs[spec.name] = env
@@ -254,7 +254,7 @@ class LocalLauncher:
             await asyncio.sleep(0.02)
         sweep_dead()
         self.procs = [p for p in self.procs if not (p.retired and p.pidfd < 0)]
-        self.start(spec, self.envs.get(spec.name))
+        self.start_group(spec, self.envs.get(spec.name))
 
     def _exited(self, proc: RankProcess) -> None:
         asyncio.get_running_loop().remove_reader(proc.pidfd)
@@ -289,6 +289,11 @@ class LocalLauncher:
                 return last_error(proc.log_path, proc.log_start)
         return f"no rank {rank} of {group!r} was started"
 
+    def where(self) -> list[Where]:
+        host = socket.gethostname()
+        live = [p for p in self.procs if not p.retired]
+        return [Where(p.group, p.rank, host, p.popen.pid) for p in live]
+
     def alive(self) -> list[RankProcess]:
         return [p for p in self.procs if p.popen.poll() is None]
 
@@ -317,18 +322,3 @@ class LocalLauncher:
             raise RuntimeError(
                 f"ranks would not die: {[(p.group, p.rank, p.popen.pid) for p in left]}"
             )
-
-
-def last_error(log_path: Path, start: int = 0) -> str:
-    """The last line of a log from byte ``start`` on (this run's part) that names an error (the
-    reason a group was refused); else its last line."""
-    try:
-        with open(log_path, "rb") as log:
-            log.seek(start)
-            lines = log.read().decode(errors="replace").splitlines()
-    except OSError:
-        return "no log"
-    for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line.split("]: ", 1)[-1].strip()
-    return lines[-1] if lines else "it printed nothing in this run"

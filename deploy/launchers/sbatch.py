@@ -1,5 +1,5 @@
 """SLURM pieces shared by ``hybridflow slurm`` (``deploy/commands/slurm.py``) and cluster specs
-(``clusters.py`` checks a SLURM cluster, ``cluster_launch.py`` submits its job).
+(``clusters.py`` checks a SLURM cluster, ``launchers/slurm.py`` submits its job).
 
 - the batch script's parts: ``sbatch_header``, one ``srun`` step per group (``group_steps``) and
   the end that watches the steps (``wait_steps``);
@@ -87,7 +87,7 @@ def wait_steps(controller: bool, linger_s: int = 0) -> list[str]:
     status (SLURM then ends the others), so nobody waits for a group that is gone. A clean exit
     of the ``controller`` step ends the run; the groups leave on its SHUTDOWN.
 
-    With ``linger_s`` (a job whose groups may be restarted, ``cluster_launch.SlurmJob``), a failed
+    With ``linger_s`` (a job whose groups may be restarted, ``launchers/slurm.py``), a failed
     step in ``again`` (pid -> group) does not end the job: it is written in the job's Comment
     (``FAILED_STEPS``, where the controller reads it) and the controller starts the group again
     as a new step of this job from outside (``srun --jobid --overlap``). Once the script's own

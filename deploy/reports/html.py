@@ -1,8 +1,8 @@
 """``hybridflow report RUN_DIR --html``: the run on one self-contained page, ``RUN_DIR/report.html``.
 
-The page holds the summary ``hybridflow report`` prints (``deploy/report.py``), every plot it drew (PNG files embedded
-as ``data:`` URIs, so the page can be mailed or attached on its own) and the answers the trainer
-logged in ``samples.jsonl`` as a table (newest first). It needs no script, stylesheet or font
+The page holds the summary ``hybridflow report`` prints (``deploy/reports/summary.py``), every
+plot it drew (PNG files embedded as ``data:`` URIs, so the page can be mailed or attached on its
+own) and the answers the trainer logged in ``samples.jsonl`` as a table (newest first). It needs no script, stylesheet or font
 from elsewhere: the standard library writes it (``html.escape`` on every value).
 """
 

@@ -1,0 +1,68 @@
+"""The SLURM launcher's batch job: the script for one cluster's groups is valid bash that waits
+for every step and fails with any of them; a cluster with its own workdir writes under it. The
+launcher on a real SLURM cluster: ``tests/deploy/test_multicluster.py``,
+``tests/deploy/test_cluster_restart.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from controller.placement import GroupSpec, RoleSpec
+from deploy.clusters import SlurmCluster
+from deploy.launchers.sbatch import wait_steps
+from deploy.launchers.slurm import SlurmLauncher
+from transport.settings import Timeouts
+
+
+def test_the_groups_job_script_waits_for_every_step_and_fails_with_one(tmp_path: Path) -> None:
+    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")}, nproc=2)
+    job = SlurmLauncher(
+        "farm",
+        SlurmCluster(kind="slurm", partition="debug", time="00:10:00"),
+        tmp_path,
+        tmp_path / "keys",
+        Timeouts(),
+        lambda *_: None,
+        "tcp://10.0.0.1:5555",
+        "secret-token",
+    )
+    job.groups = [group]  # what start() keeps before it submits
+    script = job.script()
+    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --partition=debug" in script
+    assert "--connect tcp://10.0.0.1:5555" in script and "--client gen" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    # the end: the first step to fail fails the job at once, whatever still runs
+    tail = "\n".join(wait_steps(controller=False))
+    steps = "pids=(); (sleep 8) & pids+=($!); (exit 3) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 3
+    steps = "pids=(); (exit 0) & pids+=($!); (sleep 0.5) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 0
+    # with a controller: its clean exit ends the run (the groups are waited for); its failure too
+    tail = "\n".join(wait_steps(controller=True))
+    steps = "(sleep 0.2) & controller=$!; pids=($controller); (sleep 1.5) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 0
+    steps = "(exit 1) & controller=$!; pids=($controller); (sleep 8) & pids+=($!)"
+    assert bash(f"{steps}\n{tail}") == 1
+
+
+def bash(script: str) -> int:
+    """Run a script; it must end within 10 s (a job must not outlive its failed step)."""
+    start = time.monotonic()
+    code = subprocess.run(["bash", "-c", script], timeout=20).returncode
+    assert time.monotonic() - start < 10
+    return code
+
+
+def test_a_cluster_with_its_own_workdir_writes_under_it(tmp_path: Path) -> None:
+    group = GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")})
+    far = SlurmCluster(kind="slurm", via=["ssh", "login"], workdir="/scratch/me/hf")
+    job = SlurmLauncher(
+        "site2", far, tmp_path / "run-1", None, Timeouts(), lambda *_: None, "tcp://h:1", "t"
+    )
+    job.groups = [group]  # what start() keeps before it submits
+    script = job.script()
+    assert "#SBATCH --chdir=/scratch/me/hf" in script
+    assert "#SBATCH --output=runs/run-1/site2/slurm-%j.out" in script
+    assert "--run-dir runs/run-1/site2" in script and str(tmp_path) not in script
