@@ -84,6 +84,12 @@ class GroupSpec(BaseModel):
         0, ge=0, description="tensor-parallel size while generating (reshard/); 0: as tp"
     )
     gen_pp: int = Field(0, ge=0, description="pipeline size while generating (reshard/); 0: as pp")
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="nodes the ranks span, nproc / nodes a node, laid out node by node (rank r "
+        "on node r // (nproc / nodes)): tensor-parallel peers share a node",
+    )
     fanout: Literal["socket", "zmq", "rpc"] = Field(
         "socket", description="how rank 0 reaches the other ranks (python -m bench.transport)"
     )
@@ -117,6 +123,22 @@ class GroupSpec(BaseModel):
             raise ValueError(
                 f"group {self.name!r}: tp={self.tp} x pp={self.pp} does not divide "
                 f"nproc={self.nproc}; pick tp and pp whose product divides {self.nproc}"
+            )
+        if self.nproc % self.nodes:
+            raise ValueError(
+                f"group {self.name!r}: nodes={self.nodes} does not divide nproc={self.nproc}; "
+                "every node of a group holds as many ranks"
+            )
+        if (self.nproc // self.nodes) % self.tp:
+            raise ValueError(
+                f"group {self.name!r}: tp={self.tp} does not divide a node's share of the group "
+                f"(nproc={self.nproc} / nodes={self.nodes} = {self.nproc // self.nodes} a node); "
+                "tensor-parallel peers must share a node"
+            )
+        if self.nodes > 1 and self.fanout == "rpc":
+            raise ValueError(
+                f"group {self.name!r}: fanout=rpc (torch rpc, unencrypted) cannot span nodes; "
+                "use socket or zmq (links between nodes then go over CURVE)"
             )
         if self.gen_tp and self.tp % self.gen_tp:
             raise ValueError(

@@ -181,6 +181,19 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
     groups = placement(exp)
     for name, cluster in spec.clusters.items():
         mine = {g: groups[g] for g, c in where.items() if c == name}
+        spread = [g for g, config in mine.items() if config.nodes > 1]
+        if spread and not isinstance(cluster, SlurmCluster):
+            raise ExperimentError(
+                f"cluster {name!r} ({cluster.kind}): group {spread[0]!r} spans "
+                f"{mine[spread[0]].nodes} nodes, which only a slurm cluster lays out; put it on "
+                f"one (groups.{spread[0]}) or set placement.{spread[0]}.nodes: 1"
+            )
+        if spread and spec.keys is None:
+            raise ExperimentError(
+                f"cluster spec: group {spread[0]!r} spans nodes, so links between its ranks "
+                "need CURVE keys; make them with `hybridflow keys DIR --clients "
+                f"{','.join(where)}` and set keys: DIR"
+            )
         if isinstance(cluster, SlurmCluster) and mine:
             _check_job_fits(name, cluster, mine, probe)
         elif isinstance(cluster, LocalCluster | RemoteCluster) and cluster.slots:

@@ -149,6 +149,13 @@ class GroupConfig(BaseModel):
     gen_pp: int = Field(
         0, ge=0, description="pipeline stages the actor generates at (reshard/); 0: pp"
     )
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="nodes the group's ranks span (SLURM and remote launchers), nproc / nodes "
+        "on each, node by node: tensor-parallel peers share a node, pipeline and data parallel "
+        "go across; needs CURVE keys (the links between nodes are encrypted)",
+    )
     fanout: Literal["socket", "zmq", "rpc"] = "socket"
     device: DeviceKind = Field(DeviceKind.CPU, description="cpu (gloo) or cuda (NCCL)")
     restart: RestartPolicy | None = Field(

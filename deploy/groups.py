@@ -59,6 +59,7 @@ def group_spec(gname: str, group: GroupConfig, roles: dict[str, RoleSpec]) -> Gr
             pp=group.pp,
             gen_tp=group.gen_tp,
             gen_pp=group.gen_pp,
+            nodes=group.nodes,
             fanout=group.fanout,
             device=group.device,
             **restart_policy(roles, group.restart),

@@ -28,7 +28,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from transport.codec import Encoded
-from transport.security import HANDSHAKE_EVENTS, CurveClient, CurveServer, HandshakeWatch
+from transport.security import HANDSHAKE_EVENTS, CurveSide, HandshakeWatch
 from transport.settings import Timeouts
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def bind_router(
     ctx: zmq.Context[Any],
     address: str,
     timeouts: Timeouts,
-    curve: CurveServer | None = None,
+    curve: CurveSide | None = None,
     exposed: bool = False,
 ) -> tuple[zmq.Socket[Any], str]:
     """A ROUTER bound at ``address`` (``tcp://HOST:0`` picks a free port); returns the socket
@@ -150,7 +150,7 @@ def connect_dealer(
     address: str,
     identity: bytes,
     timeouts: Timeouts,
-    curve: CurveClient | None = None,
+    curve: CurveSide | None = None,
 ) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

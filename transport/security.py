@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.auth
@@ -253,3 +253,39 @@ class CurveClient:
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_serverkey = load_public(self.server_public_file)
+
+
+class CurveSide(Protocol):
+    """What a socket is given to speak CURVE: a side of a key exchange."""
+
+    def apply(self, sock: zmq.Socket[Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LinkServer:
+    """A coordinator's end of its group's links between hosts: it serves with the group's own
+    key pair (the client key files every rank of the group holds). Who may join stays the
+    group token's business (the HELLO, which CURVE now encrypts)."""
+
+    secret_file: Path
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        public, secret = load_keypair(self.secret_file)
+        sock.curve_server = True
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+
+@dataclass(frozen=True)
+class LinkClient:
+    """A rank's end of the same: a key pair made on the spot, and the group's public key, which
+    the coordinator must prove it holds."""
+
+    secret_file: Path
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        group_public, _ = load_keypair(self.secret_file)
+        public, secret = zmq.curve_keypair()
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.curve_serverkey = group_public

@@ -41,6 +41,7 @@ from deploy.launchers.sbatch import (
     sbatch_header,
     slurm_cpus_per_node,
     slurm_problem,
+    spans_too_many,
     tasks_per_node,
     wait_steps,
 )
@@ -136,6 +137,8 @@ def _checked(opts: SlurmOptions) -> tuple[Experiment, dict[str, GroupConfig]]:
     if opts.nodes < 1:
         raise ExperimentError(f"--nodes={opts.nodes} must be >= 1")
     groups = placement(exp)
+    if why := spans_too_many(groups, opts.nodes):
+        raise ExperimentError(why)
     gpus = opts.gpus_per_node
     if gpus and (why := overfull(groups, opts.nodes, gpus, controller=False)):
         raise ExperimentError(f"one rank per GPU: {why}")

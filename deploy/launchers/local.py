@@ -196,6 +196,12 @@ class LocalLauncher:
 
     def start_group(self, spec: GroupSpec, env: dict[str, str] | None = None) -> None:
         """Start the group's ranks; ``env`` adds to their environment (CURVE key files)."""
+        if spec.nodes > 1:
+            raise ValueError(
+                f"group {spec.name!r} spans {spec.nodes} nodes, and this launcher starts every "
+                "rank here; run it on a SLURM cluster (hybridflow slurm --nodes, or a cluster "
+                "spec's slurm cluster)"
+            )
         check_device(spec.device, spec.name, spec.nproc)  # ranks run here: fail now, not in each
         self.envs[spec.name] = env
         loop = asyncio.get_running_loop()

@@ -49,6 +49,9 @@ class Placed(Protocol):
     @property
     def device(self) -> DeviceKind: ...
 
+    @property
+    def nodes(self) -> int: ...
+
 
 Groups = Mapping[str, Placed]
 
@@ -145,24 +148,45 @@ def wait_steps(controller: bool, linger_s: int = 0) -> list[str]:
     return lines
 
 
-def group_nodes(groups: Groups, nodes: int, controller: bool) -> list[int]:
-    """The node of each group, in order: round robin, starting after the controller's node
-    (node 0) when the job has more than one node."""
-    start = 1 if controller and nodes > 1 else 0
-    return [(i + start) % nodes for i in range(len(groups))]
+def group_nodes(groups: Groups, nodes: int, controller: bool) -> list[list[int]]:
+    """The nodes of each group, in order: round robin, starting after the controller's node
+    (node 0) when the job has more than one node; a group over K nodes takes the next K (its
+    rank 0 on the first). ``spans_too_many`` first: a group over more nodes than the job has
+    would be given one twice."""
+    cursor = 1 if controller and nodes > 1 else 0
+    found = []
+    for group in groups.values():
+        found.append([(cursor + i) % nodes for i in range(group.nodes)])
+        cursor += group.nodes
+    return found
+
+
+def spans_too_many(groups: Groups, nodes: int) -> str | None:
+    """Why a group cannot be laid out on a job of ``nodes`` nodes, or None."""
+    for name, group in groups.items():
+        if group.nodes > nodes:
+            return (
+                f"group {name!r} spans {group.nodes} nodes but the job has {nodes}; "
+                f"ask for --nodes {group.nodes} or more, or lower placement.{name}.nodes"
+            )
+    return None
 
 
 def node_ranks(groups: Groups, nodes: int, controller: bool) -> list[list[str]]:
     """What runs on each node: group names, and "controller" on node 0 when there is one."""
     where: list[list[str]] = [["controller"] if controller and n == 0 else [] for n in range(nodes)]
-    for node, name in zip(group_nodes(groups, nodes, controller), groups, strict=True):
-        where[node].append(name)
+    for its, name in zip(group_nodes(groups, nodes, controller), groups, strict=True):
+        for node in its:
+            where[node].append(name)
     return where
 
 
 def _tasks(groups: Groups, names: list[str]) -> int:
-    """The tasks of one node's groups (the controller is one task)."""
-    return sum(1 if name == "controller" else groups[name].nproc for name in names)
+    """The tasks of one node's groups (the controller is one task; a group over K nodes puts
+    nproc / K on each)."""
+    return sum(
+        1 if name == "controller" else groups[name].nproc // groups[name].nodes for name in names
+    )
 
 
 def tasks_per_node(groups: Groups, nodes: int, controller: bool) -> int:
@@ -173,6 +197,8 @@ def tasks_per_node(groups: Groups, nodes: int, controller: bool) -> int:
 def overfull(groups: Groups, nodes: int, per_node: int, controller: bool) -> str | None:
     """Why the groups (and the controller, 1 task on node 0) do not fit ``nodes`` nodes of
     ``per_node`` tasks each, or None."""
+    if why := spans_too_many(groups, nodes):
+        return why
     for n, names in enumerate(node_ranks(groups, nodes, controller)):
         ranks = _tasks(groups, names)
         if ranks > per_node:
@@ -193,19 +219,22 @@ def group_steps(
     controller: bool,
     again: Collection[str] = (),
 ) -> list[str]:
-    """One background srun step per group, on the node ``group_nodes`` gives it; each rank is
-    one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group stays on one node,
-    so its ranks meet on loopback. The steps of the groups in ``again`` (they may be restarted)
-    are listed in the script's ``again`` too, by pid (``wait_steps``)."""
-    lines: list[str] = []
-    for node, (name, group) in zip(
+    """One background srun step per group, on the nodes ``group_nodes`` gives it; each rank is
+    one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group on one node meets
+    on loopback; a group over several meets at its first node's address (``NODE_ADDR``). The
+    steps of the groups in ``again`` (they may be restarted) are listed in the script's
+    ``again`` too, by pid (``wait_steps``)."""
+    lines: list[str] = [NODE_ADDR] if any(g.nodes > 1 for g in groups.values()) else []
+    for its, (name, group) in zip(
         group_nodes(groups, nodes, controller), groups.items(), strict=True
     ):
-        step = group_step(name, group, f"${{nodes[{node}]}}", connect, run_dir, python, keys)
+        hosts = [f"${{nodes[{node}]}}" for node in its]
+        step = group_step(name, group, hosts, connect, run_dir, python, keys)
         roles = ",".join(group.roles)
+        spread = f" over {group.nodes} nodes" if group.nodes > 1 else ""
         lines += [
             "",
-            f"# group {name}: {roles}, {group.nproc} rank(s), tp={group.tp}, pp={group.pp}",
+            f"# group {name}: {roles}, {group.nproc} rank(s){spread}, tp={group.tp}, pp={group.pp}",
             *step[:-1],
             step[-1] + " &",
             "pids+=($!)" + (f"; again[$!]={name}" if name in again else ""),
@@ -216,27 +245,40 @@ def group_steps(
 def group_step(
     name: str,
     group: Placed,
-    node: str,
+    hosts: list[str],
     connect: str,
     run_dir: str | Path,
     python: str,
     keys: str,
     options: str = "",
 ) -> list[str]:
-    """The srun command (continued lines) that runs one group on ``node`` as a job step named
-    after the group (``squeue -s`` finds it by that name); ``options`` come first (``--jobid=J
-    --overlap``: a step started from outside the job)."""
+    """The srun command (continued lines) that runs one group on ``hosts`` (one a node of the
+    group) as a job step named after the group (``squeue -s`` finds it by that name); ranks fill
+    the nodes in order (``--distribution=block``), so tensor-parallel peers share one. A group
+    on one node meets on loopback, one over several at its first node's address (the script's
+    ``node_addr``, ``NODE_ADDR``). ``options`` come first (``--jobid=J --overlap``: a step
+    started from outside the job)."""
     roles = ",".join(group.roles)
+    k = len(hosts)
+    where = f"--nodes={k} --ntasks={group.nproc} --ntasks-per-node={group.nproc // k} "
+    where += f"--distribution=block --nodelist={','.join(hosts)}"
+    master = "127.0.0.1" if k == 1 else f'"$(node_addr {hosts[0]})"'
     return [
-        f"srun {options}--job-name={name} --nodes=1 --ntasks={group.nproc} --nodelist={node} "
-        "--exact \\",
+        f"srun {options}--job-name={name} {where} --exact \\",
         f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
         f"  --group {name} --tp {group.tp} --pp {group.pp} --gen-tp {group.gen_tp} "
         f"--gen-pp {group.gen_pp} --device {group.device} "
         "--launcher env "
-        "--master-addr 127.0.0.1 "
+        f"--master-addr {master} "
         f"--run-dir {shlex.quote(str(run_dir))}" + (f"{keys} --client {name}" if keys else ""),
     ]
+
+
+# a node's address as SLURM knows it (``NodeAddr``: the hostname on most clusters, an address
+# where names do not resolve); a group over several nodes meets at its first node's
+NODE_ADDR = (
+    "node_addr() { scontrol show node \"$1\" -o | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p'; }"
+)
 
 
 def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -33,6 +33,7 @@ from deploy.launchers.base import (
 )
 from deploy.launchers.sbatch import (
     FAILED_STEPS,
+    NODE_ADDR,
     group_nodes,
     group_step,
     group_steps,
@@ -79,7 +80,7 @@ class SlurmLauncher:
         self.state, self.reason = "", ""  # that job's
         self.joins = (address, token)  # what the groups join
         self.job_of: dict[str, str] = {}  # group -> the job it runs in now
-        self.node_of: dict[str, int] = {}  # group -> its node's index in that job
+        self.node_of: dict[str, list[int]] = {}  # group -> its nodes' indices in that job
         self.lingering: set[str] = set()  # jobs that keep their allocation for a restart
         self.steps: dict[str, Popen] = {}  # group -> the srun of a step started from here
         self.retired: list[Popen] = []  # such sruns a restart replaced
@@ -99,12 +100,12 @@ class SlurmLauncher:
         return f"{self.there}/slurm-%j.out"
 
     def script(self, groups: list[GroupSpec] | None = None) -> str:
-        """The batch script of every group of the cluster, or of ``groups`` alone on one node
-        (a group restarted after its job ended)."""
+        """The batch script of every group of the cluster, or of ``groups`` alone on the nodes
+        it spans (a group restarted after its job ended)."""
         c = self.cluster
         address, token = self.joins
         specs = {g.name: g for g in (groups or self.groups)}
-        nodes = c.nodes if groups is None else 1
+        nodes = c.nodes if groups is None else max(g.nodes for g in groups)
         lines = sbatch_header(
             f"hybridflow-{self.name}",
             nodes,
@@ -255,9 +256,9 @@ class SlurmLauncher:
             fields = await asyncio.to_thread(self.fields, job)
             if fields.get("JobState") == "RUNNING":
                 hosts = await asyncio.to_thread(self._hosts, fields.get("NodeList", ""))
-                self._start_step(spec, job, hosts[self.node_of[name]])
+                self._start_step(spec, job, [hosts[n] for n in self.node_of[name]])
             else:  # the allocation is gone: a job of its own
-                self.node_of[name] = 0
+                self.node_of[name] = list(range(spec.nodes))
                 self._hold(await asyncio.to_thread(self._submit, [spec]), [spec])
         finally:
             self.restarting.discard(name)
@@ -295,26 +296,27 @@ class SlurmLauncher:
             raise RuntimeError(slurm_problem(f"cluster {self.name!r}: scontrol", done.stderr))
         return done.stdout.split()
 
-    def step_command(self, spec: GroupSpec, job: str, host: str) -> str:
-        """The shell line that runs the group as a new step of ``job`` on ``host``, from outside
-        the job; it reads the token from stdin into the step's environment."""
+    def step_command(self, spec: GroupSpec, job: str, hosts: list[str]) -> str:
+        """The shell line that runs the group as a new step of ``job`` on ``hosts``, from
+        outside the job; it reads the token from stdin into the step's environment."""
         c = self.cluster
         python = shlex.quote(c.python or sys.executable)
         keys = f" --keys {shlex.quote(self.keys)}" if self.keys else ""
         address = self.joins[0]
         options = f"--jobid={job} --overlap "
-        srun = group_step(spec.name, spec, host, address, self.there, python, keys, options)
+        srun = group_step(spec.name, spec, hosts, address, self.there, python, keys, options)
         return "\n".join(
             [
                 f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
                 f"read -r {RankVar.TOKEN} && export {RankVar.TOKEN}",
                 *self._exports(),
+                *([NODE_ADDR] if spec.nodes > 1 else []),
                 "exec " + "\n".join(srun) + " </dev/null",
             ]
         )
 
-    def _start_step(self, spec: GroupSpec, job: str, host: str) -> None:
-        line = self.step_command(spec, job, host)
+    def _start_step(self, spec: GroupSpec, job: str, hosts: list[str]) -> None:
+        line = self.step_command(spec, job, hosts)
         argv = [*self.cluster.via, line] if self.cluster.via else ["sh", "-c", line]
         log_path = self.run_dir / "logs" / f"{self.name}-{spec.name}.log"
         on_exit = partial(self._step_exited, spec.name, job)

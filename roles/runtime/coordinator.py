@@ -136,7 +136,7 @@ class Coordinator:
         local = e.master_addr in {"127.0.0.1", "localhost"}
         path = fanout_path(e.socket_dir, e.group, os.getpid()) if local else None
         base = f"unix:{path}" if path is not None else f"tcp:{e.master_addr}"
-        self.links = fanout_links(e.link_kind, self.ctx, base, e.timeouts)
+        self.links = fanout_links(e.link_kind, self.ctx, base, e.timeouts, e.link_curve(True))
         try:
             store.set(FANOUT_KEY, json.dumps({"address": self.links.address, "host": host_id()}))
             hellos = self.links.wait_hellos(set(range(1, e.world_size)), e.timeouts, e.token)

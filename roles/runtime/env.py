@@ -20,7 +20,7 @@ from typing import Any, Literal
 from transport.channel import host_id
 from transport.device import DeviceKind
 from transport.protocol import PROTOCOL_VERSION, Layout
-from transport.security import CurveClient
+from transport.security import CurveClient, CurveSide, LinkClient, LinkServer
 from transport.settings import Timeouts
 
 Fanout = Literal["socket", "zmq", "rpc"]
@@ -215,10 +215,30 @@ class GroupEnv(RankEnv):
         return self.place.master_port
 
     @property
+    def spans_hosts(self) -> bool:
+        """Whether the group's ranks meet over the network (rank 0's node is not loopback)."""
+        host = self.master_addr
+        return self.world_size > 1 and not (host in {"localhost", "::1"} or host.startswith("127."))
+
+    @property
     def link_kind(self) -> str:
-        """The coordinator↔rank links: ZeroMQ for the zmq backend, plain sockets otherwise
-        (the rpc backend uses them for hello, liveness and shutdown)."""
-        return "zmq" if self.fanout == "zmq" else "socket"
+        """The coordinator↔rank links: ZeroMQ for the zmq backend and for a group over several
+        hosts that has CURVE keys (``link_curve``), plain sockets otherwise (the rpc backend
+        uses them for hello, liveness and shutdown). The launchers here give a group over
+        several nodes keys or refuse it; a group started by hand over hosts without keys talks
+        in the clear, as before."""
+        encrypted = self.spans_hosts and self.curve is not None
+        return "zmq" if self.fanout == "zmq" or encrypted else "socket"
+
+    def link_curve(self, coordinator: bool) -> CurveSide | None:
+        """The CURVE side of this rank's links when they leave the host: the group's own key
+        pair (``transport/security.py``, ``LinkServer``/``LinkClient``); None on one host, and
+        None without keys (the coordinator's bind then refuses, naming ``hybridflow keys``)."""
+        if not self.spans_hosts or self.curve is None:
+            return None
+        if coordinator:
+            return LinkServer(self.curve.secret_file)
+        return LinkClient(self.curve.secret_file)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GroupEnv:

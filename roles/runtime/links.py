@@ -2,9 +2,11 @@
 
 Two interchangeable kinds, chosen by ``HYBRIDFLOW_FANOUT``:
 
-- ``socket`` (default): one plain stream socket per rank (Unix domain on one host, TCP across
-  hosts), see ``transport.stream``. One wake-up per message; a dead rank reads as end-of-file.
-- ``zmq``: a ROUTER at the coordinator, a DEALER per rank; deaths come from the monitor.
+- ``socket`` (default): one plain stream socket per rank on one host (Unix domain), see
+  ``transport.stream``. One wake-up per message; a dead rank reads as end-of-file.
+- ``zmq``: a ROUTER at the coordinator, a DEALER per rank; deaths come from the monitor. A group
+  whose ranks span hosts takes these when it has CURVE keys, encrypted with the group's key pair
+  (``GroupEnv.link_curve``): plain sockets would carry batches and weights in the clear.
 
 ``python -m bench.transport`` measures both (and the rpc backend, which sends tasks with
 torch.distributed.rpc and uses these links only for hello, liveness and shutdown); the default is
@@ -25,7 +27,7 @@ from transport.channel import PeerWatch, bind_router, connect_dealer, send_frame
 from transport.codec import Encoded, decode
 from transport.errors import RegistrationError
 from transport.protocol import Message, MsgType, ProtocolError
-from transport.security import token_ok
+from transport.security import CurveSide, token_ok
 from transport.settings import Timeouts
 from transport.stream import connect, listen, recv_message, send_message, tune
 
@@ -170,8 +172,14 @@ class SocketFanOut(FanOutLinks):
 
 
 class ZmqFanOut(FanOutLinks):
-    def __init__(self, ctx: zmq.Context[Any], address: str, timeouts: Timeouts) -> None:
-        self.sock, self.address = bind_router(ctx, address, timeouts)
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        timeouts: Timeouts,
+        curve: CurveSide | None = None,
+    ) -> None:
+        self.sock, self.address = bind_router(ctx, address, timeouts, curve)
         self.watch = PeerWatch.on(self.sock)
         self.ids: dict[int, bytes] = {}
 
@@ -244,8 +252,15 @@ class SocketWorkerLink(WorkerLink):
 
 
 class ZmqWorkerLink(WorkerLink):
-    def __init__(self, ctx: zmq.Context[Any], address: str, rank: int, timeouts: Timeouts) -> None:
-        self.sock = connect_dealer(ctx, address, f"rank{rank}".encode(), timeouts)
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        rank: int,
+        timeouts: Timeouts,
+        curve: CurveSide | None = None,
+    ) -> None:
+        self.sock = connect_dealer(ctx, address, f"rank{rank}".encode(), timeouts, curve)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -268,21 +283,31 @@ class ZmqWorkerLink(WorkerLink):
 
 
 def fanout_links(
-    kind: str, ctx: zmq.Context[Any], address_base: str, timeouts: Timeouts
+    kind: str,
+    ctx: zmq.Context[Any],
+    address_base: str,
+    timeouts: Timeouts,
+    curve: CurveSide | None = None,
 ) -> FanOutLinks:
-    """The coordinator's links; ``address_base`` is ``unix:PATH`` or ``tcp:HOST``."""
+    """The coordinator's links; ``address_base`` is ``unix:PATH`` or ``tcp:HOST``; ``curve``
+    (zmq only) when they leave the host."""
     if kind == "socket":
         return SocketFanOut(
             address_base if address_base.startswith("unix:") else f"{address_base}:0"
         )
     if address_base.startswith("unix:"):
         return ZmqFanOut(ctx, f"ipc://{address_base[len('unix:') :]}", timeouts)
-    return ZmqFanOut(ctx, f"tcp://{address_base[len('tcp:') :]}:0", timeouts)
+    return ZmqFanOut(ctx, f"tcp://{address_base[len('tcp:') :]}:0", timeouts, curve)
 
 
 def worker_link(
-    kind: str, ctx: zmq.Context[Any], address: str, rank: int, timeouts: Timeouts
+    kind: str,
+    ctx: zmq.Context[Any],
+    address: str,
+    rank: int,
+    timeouts: Timeouts,
+    curve: CurveSide | None = None,
 ) -> WorkerLink:
     if kind == "socket":
         return SocketWorkerLink(address, timeouts)
-    return ZmqWorkerLink(ctx, address, rank, timeouts)
+    return ZmqWorkerLink(ctx, address, rank, timeouts, curve)

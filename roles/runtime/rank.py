@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import fcntl
 import logging
 import os
 import signal
+import socket
+import struct
 import sys
 import traceback
 
@@ -44,6 +47,37 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def _loopback(host: str) -> bool:
+    return host in {"localhost", "::1"} or host.startswith("127.")
+
+
+def interface_towards(host: str, port: int) -> str:
+    """The name of this host's network interface whose address routes to ``host``: gloo's
+    ranks on other nodes must reach this rank on it. Gloo's own choice (the address this
+    host's name resolves to, else loopback) fails where node names do not resolve."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # no packet: the kernel only picks the route
+        mine = probe.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        if interface_address(name) == mine:
+            return name
+    raise RuntimeError(f"no interface here holds {mine}, the address that reaches {host}")
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (SIOCGIFADDR), None when it has none."""
+    request = struct.pack("256s", name.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            answer = fcntl.ioctl(s.fileno(), 0x8915, request)  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
 def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store, RankDevice]:
     """Decide this rank's device (``roles/runtime/device.py``; a group asking for a device this
     machine lacks fails here, before it waits on anyone), then join the group's torch.distributed
@@ -66,9 +100,18 @@ def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store, RankDevice
             timeout=timeout,
             wait_for_workers=False,
         )
+    spans_hosts = env.world_size > 1 and not _loopback(env.master_addr)
+    if device.backend == "gloo" and spans_hosts and GLOO_IFNAME not in os.environ:
+        try:
+            os.environ[GLOO_IFNAME] = interface_towards(env.master_addr, env.master_port)
+        except (OSError, RuntimeError) as exc:  # gloo then picks as it does by itself
+            log.warning(
+                "no interface found towards %s (%s); set %s", env.master_addr, exc, GLOO_IFNAME
+            )
     dist.init_process_group(
         device.backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+
     group = dist.group.WORLD
     if group is None:
         raise RuntimeError("torch.distributed gave no WORLD group after init_process_group")

@@ -38,7 +38,10 @@ class Worker:
         self.reader = ShmReader() if same_host else None
         self.arena = ShmArena(prefix="hfw") if same_host else None
         self.ctx = zmq.Context()
-        self.link = worker_link(env.link_kind, self.ctx, info["address"], env.rank, env.timeouts)
+        curve = env.link_curve(False)
+        self.link = worker_link(
+            env.link_kind, self.ctx, info["address"], env.rank, env.timeouts, curve
+        )
 
     def serve(self) -> None:
         self.link.send(encode(Message(MsgType.HELLO, 0, hello_body(self.env))))

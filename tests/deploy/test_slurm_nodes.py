@@ -157,3 +157,51 @@ def test_a_run_over_two_slurm_nodes(
     crossed = veth_bytes_of(node2, f"v{node2}") - before
     print(f"bytes between the nodes: {crossed}")
     assert crossed > 1_000_000, crossed
+
+
+def slurm_run(node1: list[str], env: dict[str, str], run_dir: Path, *sets: str) -> str:
+    """``hybridflow slurm --submit`` of a short quick quickstart on both nodes; its output."""
+    argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick", "--nodes", "2"]
+    argv += ["--keys", str(run_dir.parent / "keys"), "--run-dir", str(run_dir), "--submit"]
+    short = ["stages.0.steps=6", "stages.1.steps=2", "trainer.val_every=100"]
+    for override in [*short, "placement.main.nproc=4", *sets]:
+        argv += ["--set", override]
+    done = subprocess.run(
+        [*node1, *CLI, *argv], capture_output=True, text=True, env=env, timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "COMPLETED" in done.stdout
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_group_over_two_nodes_trains_bitwise_as_on_one(
+    two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
+) -> None:
+    """The actor group's four ranks two a node (rank 0 and 1 on the second node, 2 and 3 on the
+    first, beside the controller) train to the same bits as the four on one node: the same
+    gloo all-reduce over the link between the nodes, CURVE on the group's own links."""
+    node1, env, node2 = two_nodes
+    keys = tmp_path / "keys"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    before = veth_bytes_of(node2, f"v{node2}")
+    slurm_run(node1, env, tmp_path / "spread", "placement.main.nodes=2")
+    crossed = veth_bytes_of(node2, f"v{node2}") - before
+    slurm_run(node1, env, tmp_path / "one", "placement.main.nodes=1")
+    script = (tmp_path / "spread" / "job.sbatch").read_text()
+    group = script.split("# group main")[1]
+    assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --distribution=block" in group
+    assert "--nodelist=${nodes[1]},${nodes[0]}" in group
+    assert '--master-addr "$(node_addr ${nodes[1]})"' in group and "node_addr() {" in script
+    alone = (tmp_path / "one" / "job.sbatch").read_text().split("# group main")[1]
+    assert "--nodes=1 --ntasks=4" in alone and "--master-addr 127.0.0.1" in alone
+    spread, one = (
+        (tmp_path / run / "export" / "actor" / "model.safetensors").read_bytes()
+        for run in ("spread", "one")
+    )
+    assert spread == one  # bitwise: the same weights after SFT and GRPO steps
+    summaries = [json.loads((tmp_path / r / "summary.json").read_text()) for r in ("spread", "one")]
+    assert summaries[0]["steps"] == summaries[1]["steps"] == 8
+    print(f"bytes between the nodes with the group spread: {crossed}")
+    assert crossed > 1_000_000, crossed  # gradients crossed between the nodes
