@@ -256,7 +256,9 @@ def run_plan(opts: PlanOptions) -> int:
     wl = workload(exp, opts)
     raw = read_yaml(opts.experiment, "experiment file")
     carried = carried_settings(raw.get("placement"))
-    rules = RunRules(exp, own_dims(exp, opts), list(wl.models), wl.generator, carried)
+    rules = RunRules(
+        exp, own_dims(exp, opts), list(wl.models), wl.generator, carried, opts.per_node
+    )
     start = time.perf_counter()
     planner = Planner(wl, opts.gpus, opts.per_node, profile, allow_pp=True, allows=rules.allows)
     try:

@@ -66,7 +66,8 @@ class RunRules:
 
     ``dims``: each role's own model (None: not known here); ``planned``: the roles the planner
     places (the others join the generator's group); ``carried``: settings every written group
-    gets (``written.carried_settings``)."""
+    gets (``written.carried_settings``); ``per_node``: devices a node has (a bigger group is
+    written with ``nodes``)."""
 
     def __init__(
         self,
@@ -75,8 +76,9 @@ class RunRules:
         planned: Sequence[str],
         generator: str = "actor",
         carried: Mapping[str, Any] | None = None,
+        per_node: int | None = None,
     ) -> None:
-        self.exp, self.generator = exp, generator
+        self.exp, self.generator, self.per_node = exp, generator, per_node
         self.configs = {r: hf_fields(d) for r, d in dims.items() if d is not None}
         self.extra = [r for r in exp.roles if r not in planned]
         self.carried = dict(carried or {})
@@ -96,7 +98,7 @@ class RunRules:
     def entry(self, group: Sequence[str], s: Strategy) -> dict[str, Any]:
         """The placement entry ``--write`` writes for ``group`` at ``s``."""
         roles = [*group, *self.extra] if self.generator in group else list(group)
-        return group_entry(roles, s, self.generator, self.carried)
+        return group_entry(roles, s, self.generator, self.carried, self.per_node)
 
     def allows(self, group: tuple[str, ...], s: Strategy) -> bool:
         """Whether ``hybridflow run`` accepts the group at ``s`` (cached: only whether dp > 1

@@ -34,12 +34,18 @@ class SpliceError(ValueError):
 
 
 def group_entry(
-    roles: Sequence[str], s: Strategy, generator: str, carried: Mapping[str, Any]
+    roles: Sequence[str],
+    s: Strategy,
+    generator: str,
+    carried: Mapping[str, Any],
+    per_node: int | None = None,
 ) -> dict[str, Any]:
     """A planned group as a placement entry: ``nproc`` and only the sizes that differ from the
     defaults (``gen_pp: 1`` where the generator's group is pipelined: it generates on one
-    stage)."""
+    stage; ``nodes`` where it needs more devices than a node of ``per_node`` has)."""
     entry: dict[str, Any] = {"roles": list(roles), "nproc": s.p * s.t * s.d}
+    if per_node is not None and entry["nproc"] > per_node:
+        entry["nodes"] = nodes_for(entry["nproc"], s.t, per_node)
     if s.t > 1:
         entry["tp"] = s.t
     if s.p > 1:
@@ -50,6 +56,16 @@ def group_entry(
         entry["gen_pp"] = 1
     entry.update(carried)
     return entry
+
+
+def nodes_for(nproc: int, tp: int, per_node: int) -> int:
+    """The fewest nodes of ``per_node`` devices that hold ``nproc`` ranks evenly, tensor-parallel
+    peers inside one (what ``GroupSpec`` accepts); ``nproc`` when none does."""
+    least = -(-nproc // per_node)
+    for nodes in range(least, nproc + 1):
+        if nproc % nodes == 0 and (nproc // nodes) % tp == 0 and nproc // nodes <= per_node:
+            return nodes
+    return nproc
 
 
 def group_name(roles: Sequence[str]) -> str:

@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from deploy.commands.plan import PlanOptions, run_plan
+from deploy.experiment import load, placement
+from deploy.launchers.sbatch import overfull
 from deploy.plan.written import SpliceError, carried_settings, replace_placement
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,3 +132,23 @@ def test_write_keeps_the_examples_as_written(
     assert head == lines[: len(head)] and tail == lines[len(lines) - len(tail) :]
     assert block[0] == "placement:" and len(block) == 1 + len(result["placement"])
     assert yaml.safe_load(written)["placement"] == result["placement"]
+
+
+def test_a_group_bigger_than_a_node_is_written_over_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--gpus-per-node 2`` on 8 devices: a group of more than 2 ranks is written with the
+    nodes it spans, and what is written is a placement ``hybridflow slurm`` lays out."""
+    out = tmp_path / "planned.yaml"
+    source = ROOT / "examples" / "quickstart.yaml"
+    opts = PlanOptions(source, 8, 2, None, "a100", "llama2-7b", None, 64, None, 3, True, out)
+    assert run_plan(opts) == 0
+    capsys.readouterr()
+    exp = load(out)
+    groups = placement(exp)
+    big = [g for g in groups.values() if g.nproc > 2]
+    assert big, groups  # the best plan uses more than one node for a group
+    for group in groups.values():
+        assert group.nodes == (1 if group.nproc <= 2 else group.nproc // 2)
+        assert group.nproc // group.nodes <= 2 and (group.nproc // group.nodes) % group.tp == 0
+    assert overfull(groups, sum(g.nodes for g in groups.values()) + 1, 2, controller=False) is None

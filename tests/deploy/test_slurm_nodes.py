@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import require_system
 from tests.deploy.test_netns import netns_available, veth_bytes_of
@@ -159,12 +160,11 @@ def test_a_run_over_two_slurm_nodes(
     assert crossed > 1_000_000, crossed
 
 
-def slurm_run(node1: list[str], env: dict[str, str], run_dir: Path, *sets: str) -> str:
-    """``hybridflow slurm --submit`` of a short quick quickstart on both nodes; its output."""
-    argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick", "--nodes", "2"]
+def slurm_run(node1: list[str], env: dict[str, str], run_dir: Path, exp: Path, *sets: str) -> str:
+    """``hybridflow slurm EXP --quick --nodes 2 --submit``, shortened; its output."""
+    argv = ["slurm", str(exp), "--quick", "--nodes", "2"]
     argv += ["--keys", str(run_dir.parent / "keys"), "--run-dir", str(run_dir), "--submit"]
-    short = ["stages.0.steps=6", "stages.1.steps=2", "trainer.val_every=100"]
-    for override in [*short, "placement.main.nproc=4", *sets]:
+    for override in ["stages.0.steps=6", "stages.1.steps=2", "trainer.val_every=100", *sets]:
         argv += ["--set", override]
     done = subprocess.run(
         [*node1, *CLI, *argv], capture_output=True, text=True, env=env, timeout=400
@@ -176,32 +176,39 @@ def slurm_run(node1: list[str], env: dict[str, str], run_dir: Path, *sets: str) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_group_over_two_nodes_trains_bitwise_as_on_one(
+def test_a_planned_group_over_two_nodes_trains_bitwise_as_on_one(
     two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
 ) -> None:
-    """The actor group's four ranks two a node (rank 0 and 1 on the second node, 2 and 3 on the
-    first, beside the controller) train to the same bits as the four on one node: the same
-    gloo all-reduce over the link between the nodes, CURVE on the group's own links."""
+    """``hybridflow plan --gpus 4 --gpus-per-node 2 --write`` puts the quickstart's group on two
+    nodes; ``hybridflow slurm`` runs the written file as it is: two ranks a node (ranks 0 and 1
+    on the second node, 2 and 3 on the first, beside the controller), gloo's all-reduce over the
+    link between the nodes, CURVE on the group's own links. It trains to the same bits as the
+    same four ranks on one node."""
     node1, env, node2 = two_nodes
+    planned = tmp_path / "planned.yaml"
+    argv = ["plan", str(EXAMPLES / "quickstart.yaml"), "--gpus", "4", "--gpus-per-node", "2"]
+    subprocess.run([*CLI, *argv, "--write", str(planned)], check=True, capture_output=True)
+    ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
+    assert (group["nproc"], group["nodes"]) == (4, 2), group
     keys = tmp_path / "keys"
-    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    subprocess.run([*CLI, "keys", str(keys), "--clients", name], check=True, capture_output=True)
     before = veth_bytes_of(node2, f"v{node2}")
-    slurm_run(node1, env, tmp_path / "spread", "placement.main.nodes=2")
+    slurm_run(node1, env, tmp_path / "spread", planned)
     crossed = veth_bytes_of(node2, f"v{node2}") - before
-    slurm_run(node1, env, tmp_path / "one", "placement.main.nodes=1")
+    slurm_run(node1, env, tmp_path / "one", planned, f"placement.{name}.nodes=1")
     script = (tmp_path / "spread" / "job.sbatch").read_text()
-    group = script.split("# group main")[1]
-    assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --distribution=block" in group
-    assert "--nodelist=${nodes[1]},${nodes[0]}" in group
-    assert '--master-addr "$(node_addr ${nodes[1]})"' in group and "node_addr() {" in script
-    alone = (tmp_path / "one" / "job.sbatch").read_text().split("# group main")[1]
+    steps = script.split(f"# group {name}")[1]
+    assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --distribution=block" in steps
+    assert "--nodelist=${nodes[1]},${nodes[0]}" in steps
+    assert '--master-addr "$(node_addr ${nodes[1]})"' in steps and "node_addr() {" in script
+    alone = (tmp_path / "one" / "job.sbatch").read_text().split(f"# group {name}")[1]
     assert "--nodes=1 --ntasks=4" in alone and "--master-addr 127.0.0.1" in alone
     spread, one = (
         (tmp_path / run / "export" / "actor" / "model.safetensors").read_bytes()
         for run in ("spread", "one")
     )
-    assert spread == one  # bitwise: the same weights after SFT and GRPO steps
+    assert spread == one  # bitwise: the same weights after the SFT and GRPO steps
     summaries = [json.loads((tmp_path / r / "summary.json").read_text()) for r in ("spread", "one")]
     assert summaries[0]["steps"] == summaries[1]["steps"] == 8
     print(f"bytes between the nodes with the group spread: {crossed}")
-    assert crossed > 1_000_000, crossed  # gradients crossed between the nodes
+    assert crossed > 1_000_000, crossed  # the gradients crossed between the nodes
