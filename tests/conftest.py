@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -22,7 +22,7 @@ os.environ.setdefault(AUTO_DTYPE_ENV, "fp32")
 TEST_TIMEOUTS = Timeouts(call_s=60, connect_s=60, group_init_s=30, shutdown_s=3)
 
 
-def run(main: Callable[[], Awaitable[Any]]) -> Any:
+def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     return uvloop.run(main())
 
 

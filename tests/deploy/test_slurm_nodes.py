@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,13 @@ def two_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
         daemons_available(),
         "run as root with slurm-wlm, munge running (.ci/slurm-up) and iproute2",
     )
+    with slurm_nodes() as cluster:
+        yield cluster
+
+
+@contextmanager
+def slurm_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
+    """The two-node cluster (``two_nodes``), for a benchmark too (``bench/multinode.py``)."""
     d = Path(tempfile.mkdtemp(prefix="hfs-"))  # short: slurmd's socket paths are limited
     ns = {name: f"hf{name[-1]}n{os.getpid()}" for name in NODES}
     daemons: list[subprocess.Popen[bytes]] = []

@@ -1,0 +1,109 @@
+"""A group over two nodes against the same group on one, on a real two-node SLURM cluster.
+
+The cluster is the suite's (``tests/deploy/test_slurm_nodes.py``): its own slurmctld and two
+slurmd, each node a network namespace of this machine with its own address and hostname, joined
+by a veth pair whose byte counters say what crossed between the nodes. Needs root, slurm-wlm,
+munge running (``.ci/slurm-up``) and iproute2.
+
+``hybridflow plan examples/quickstart.yaml --gpus 4 --gpus-per-node 2 --write`` writes the
+quickstart's group over two nodes; ``hybridflow slurm --nodes 2 --submit`` runs the file as
+written, and again with ``nodes: 1`` (the same four ranks on the second node). The peer is that
+one-node run: the same work, whose ranks meet on loopback.
+
+    python -m bench.multinode [--sft-steps 20] [--rl-steps 4]
+
+Last line, JSON: ``multinode_equal`` (the exported weights, bit for bit), ``step_s_one_node``
+and ``step_s_two_nodes`` (median SFT step, seconds), ``cross_node_bytes_per_step`` (the veth's
+bytes over the run's steps) beside ``gradient_bytes`` (the fp32 gradient one all-reduce sums:
+a ring over n ranks moves 2(n-1)/n of it through each rank), and ``job_s`` of each run. Nothing
+here is a GPU or two machines: the link is a veth, with no bandwidth of its own to speak of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors.torch import load_file
+
+from tests.deploy.test_netns import veth_bytes_of
+from tests.deploy.test_slurm_nodes import daemons_available, slurm_nodes
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "deploy.cli"]
+
+
+def submit(
+    node1: list[str], env: dict[str, str], run_dir: Path, exp: Path, sets: list[str]
+) -> float:
+    """Run the experiment as a job on both nodes; the seconds ``hybridflow slurm`` took."""
+    argv = ["slurm", str(exp), "--quick", "--nodes", "2", "--keys", str(run_dir.parent / "keys")]
+    argv += ["--run-dir", str(run_dir), "--submit"]
+    for override in sets:
+        argv += ["--set", override]
+    start = time.perf_counter()
+    done = subprocess.run([*node1, *CLI, *argv], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the job failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
+    return time.perf_counter() - start
+
+
+def sft_step_s(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["time/step_s"] for r in rows if r.get("stage") == "sft" and "time/step_s" in r]
+    return statistics.median(steps[1:] or steps)  # the first step carries the warm-up
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench.multinode", description=__doc__)
+    parser.add_argument("--sft-steps", type=int, default=20)
+    parser.add_argument("--rl-steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    if not daemons_available():
+        raise SystemExit("needs root, slurm-wlm and munge running (.ci/slurm-up) and iproute2")
+    work = Path(tempfile.mkdtemp(prefix="hf-multinode-"))
+    planned = work / "planned.yaml"
+    plan = ["plan", str(ROOT / "examples" / "quickstart.yaml"), "--gpus", "4"]
+    subprocess.run([*CLI, *plan, "--gpus-per-node", "2", "--write", str(planned)], check=True)
+    ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
+    subprocess.run([*CLI, "keys", str(work / "keys"), "--clients", name], check=True)
+    sets = [f"stages.0.steps={args.sft_steps}", f"stages.1.steps={args.rl_steps}"]
+    sets.append("trainer.val_every=1000")
+    with slurm_nodes() as (node1, env, node2):
+        before = veth_bytes_of(node2, f"v{node2}")
+        spread_s = submit(node1, env, work / "spread", planned, sets)
+        crossed = veth_bytes_of(node2, f"v{node2}") - before
+        one_s = submit(node1, env, work / "one", planned, [*sets, f"placement.{name}.nodes=1"])
+    weights = [
+        load_file(work / r / "export" / "actor" / "model.safetensors") for r in ("spread", "one")
+    ]
+    equal = weights[0].keys() == weights[1].keys() and all(
+        weights[0][k].equal(weights[1][k]) for k in weights[0]
+    )
+    params = sum(t.numel() for t in weights[0].values())
+    result = {
+        "bench": "multinode",
+        "placement": {name: group},
+        "multinode_equal": equal,
+        "step_s_one_node": round(sft_step_s(work / "one"), 4),
+        "step_s_two_nodes": round(sft_step_s(work / "spread"), 4),
+        "cross_node_bytes_per_step": round(crossed / (args.sft_steps + args.rl_steps)),
+        "gradient_bytes": params * 4,
+        "job_s_one_node": round(one_s, 1),
+        "job_s_two_nodes": round(spread_s, 1),
+        "run_dirs": str(work),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
