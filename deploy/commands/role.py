@@ -45,6 +45,7 @@ from rich.markup import escape
 from controller.placement import GroupSpec, RoleSpec
 from deploy.commands.keys import client_files
 from deploy.launchers.local import LocalLauncher, group_rank_env
+from deploy.launchers.sbatch import STEP_FIRST_NODE, step_first_node_addr
 from deploy.terminal import add_device_option, console, run_async
 from roles.runtime.coordinator import fanout_path
 from roles.runtime.env import (
@@ -170,7 +171,11 @@ def _add_launcher_options(role: argparse.ArgumentParser) -> None:
         "torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS); auto: env when those "
         "are set",
     )
-    role.add_argument("--master-addr", help="rank 0's host for the group (env launcher)")
+    role.add_argument(
+        "--master-addr",
+        help=f"rank 0's host for the group (env launcher); {STEP_FIRST_NODE}: the first node of "
+        "this SLURM step, as scontrol knows its address (a group over several nodes)",
+    )
     role.add_argument("--keys", type=Path, help="CURVE keys (hybridflow keys) for a TCP link")
     role.add_argument("--client", help="this group's key name in --keys (default: the group)")
     role.add_argument("--master-port", type=int, help="the group's store port (env launcher)")
@@ -234,7 +239,9 @@ def run_as_rank(opts: RoleOptions) -> int:
     if opts.master_port is not None:
         env[RankVar.MASTER_PORT] = str(opts.master_port)
     place = RankPlace.from_env(env)  # as torchrun or srun set it
-    if opts.master_addr is not None:
+    if opts.master_addr == STEP_FIRST_NODE:  # rank 0 runs on the step's first node
+        place = replace(place, master_addr=step_first_node_addr(env))
+    elif opts.master_addr is not None:
         place = replace(place, master_addr=opts.master_addr)
     started = group_rank_env(
         _group_spec(opts),

@@ -221,10 +221,10 @@ def group_steps(
 ) -> list[str]:
     """One background srun step per group, on the nodes ``group_nodes`` gives it; each rank is
     one ``hybridflow role --launcher env`` process (``SLURM_PROCID``). A group on one node meets
-    on loopback; a group over several meets at its first node's address (``NODE_ADDR``). The
+    on loopback; a group over several at its step's first node (``STEP_FIRST_NODE``). The
     steps of the groups in ``again`` (they may be restarted) are listed in the script's
     ``again`` too, by pid (``wait_steps``)."""
-    lines: list[str] = [NODE_ADDR] if any(g.nodes > 1 for g in groups.values()) else []
+    lines: list[str] = []
     for its, (name, group) in zip(
         group_nodes(groups, nodes, controller), groups.items(), strict=True
     ):
@@ -255,14 +255,14 @@ def group_step(
     """The srun command (continued lines) that runs one group on ``hosts`` (one a node of the
     group) as a job step named after the group (``squeue -s`` finds it by that name); ranks fill
     the nodes in order (``--distribution=block``), so tensor-parallel peers share one. A group
-    on one node meets on loopback, one over several at its first node's address (the script's
-    ``node_addr``, ``NODE_ADDR``). ``options`` come first (``--jobid=J --overlap``: a step
-    started from outside the job)."""
+    on one node meets on loopback, one over several at the step's first node, which each rank
+    asks SLURM for (``STEP_FIRST_NODE``). ``options`` come first (``--jobid=J --overlap``: a
+    step started from outside the job)."""
     roles = ",".join(group.roles)
     k = len(hosts)
     where = f"--nodes={k} --ntasks={group.nproc} --ntasks-per-node={group.nproc // k} "
     where += f"--distribution=block --nodelist={','.join(hosts)}"
-    master = "127.0.0.1" if k == 1 else f'"$(node_addr {hosts[0]})"'
+    master = "127.0.0.1" if k == 1 else STEP_FIRST_NODE
     return [
         f"srun {options}--job-name={name} {where} --exact \\",
         f"  {python} -m deploy.cli role {roles} --connect {connect} \\",
@@ -274,11 +274,25 @@ def group_step(
     ]
 
 
-# a node's address as SLURM knows it (``NodeAddr``: the hostname on most clusters, an address
-# where names do not resolve); a group over several nodes meets at its first node's
-NODE_ADDR = (
-    "node_addr() { scontrol show node \"$1\" -o | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p'; }"
-)
+#: ``hybridflow role --master-addr`` for a group over several nodes: its ranks meet at the step's
+#: first node, where SLURM puts task 0 (tasks fill the step's nodes in SLURM's node order, which
+#: need not be the order of ``--nodelist``)
+STEP_FIRST_NODE = "@step"
+
+
+def step_first_node_addr(env: Mapping[str, str]) -> str:
+    """The address of the first node of this SLURM step as SLURM knows it (``NodeAddr``: the
+    hostname on most clusters, an address where names do not resolve)."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise SystemExit(f"hybridflow role: --master-addr {STEP_FIRST_NODE} outside a SLURM step")
+    hosts = run_there([], ["scontrol", "show", "hostnames", nodelist], timeout=30)
+    if hosts.returncode != 0 or not hosts.stdout.split():
+        raise SystemExit(slurm_problem("hybridflow role: scontrol show hostnames", hosts.stderr))
+    first = hosts.stdout.split()[0]
+    node = run_there([], ["scontrol", "show", "node", first, "-o"], timeout=30)
+    fields = dict(f.split("=", 1) for f in node.stdout.split() if "=" in f)
+    return fields.get("NodeAddr") or first
 
 
 def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

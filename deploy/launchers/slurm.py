@@ -33,7 +33,6 @@ from deploy.launchers.base import (
 )
 from deploy.launchers.sbatch import (
     FAILED_STEPS,
-    NODE_ADDR,
     group_nodes,
     group_step,
     group_steps,
@@ -310,7 +309,6 @@ class SlurmLauncher:
                 f"cd {shlex.quote(c.workdir or str(Path.cwd()))}",
                 f"read -r {RankVar.TOKEN} && export {RankVar.TOKEN}",
                 *self._exports(),
-                *([NODE_ADDR] if spec.nodes > 1 else []),
                 "exec " + "\n".join(srun) + " </dev/null",
             ]
         )
