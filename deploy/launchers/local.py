@@ -36,10 +36,18 @@ from pathlib import Path
 
 from controller.placement import GroupSpec
 from deploy.launchers.base import Where, begin_log, client_env, last_error
+from deploy.launchers.forkserver import (
+    Forked,
+    ForkLink,
+    ForkServer,
+    StaleServer,
+    fork_ranks_enabled,
+)
 from deploy.processes import write_processes
 from roles.runtime.device import check_device
 from roles.runtime.env import RankEnv, RankPlace
 from transport.channel import spare_port
+from transport.device import DeviceKind
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 from transport.shm import sweep_dead
@@ -53,8 +61,8 @@ ExitCallback = Callable[[str, int, int, str], None]  # group, rank, returncode, 
 class RankProcess:
     group: str
     rank: int
-    popen: subprocess.Popen[bytes]
-    pidfd: int
+    popen: subprocess.Popen[bytes] | Forked
+    pidfd: int  # -1: none (a forked rank's end comes from its fork server)
     log_path: Path
     log_start: int = 0  # where this run's lines begin in the (appended) log
     retired: bool = False  # an earlier incarnation of a restarted group: its exit is no death
@@ -168,13 +176,21 @@ class LocalLauncher:
         self.procs: list[RankProcess] = []
         self.envs: dict[str, dict[str, str] | None] = {}  # each group's extra environment
         self.stopping = False
+        self.fork = fork_ranks_enabled()  # ranks forked from the fork server (forkserver.py)
+        self.links: list[ForkLink] = []  # to the servers that forked this launcher's ranks
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def rank_env(
-        self, spec: GroupSpec, rank: int, port: int, extra: dict[str, str] | None = None
+        self,
+        spec: GroupSpec,
+        rank: int,
+        port: int,
+        extra: dict[str, str] | None = None,
+        parent_pid: int | None = None,
     ) -> dict[str, str]:
         """This launcher's environment, ``extra`` (CURVE key files) and the rank's
-        (``RankEnv``: its place, its group's settings) for rank ``rank`` of ``spec``."""
+        (``RankEnv``: its place, its group's settings) for rank ``rank`` of ``spec``;
+        ``parent_pid``: the process it dies with (default this one; the fork server's)."""
         env = {**os.environ, **(extra or {})}
         place = RankPlace(rank, spec.nproc, local_rank=rank, master_port=port)
         started = group_rank_env(
@@ -184,7 +200,7 @@ class LocalLauncher:
             self.token,
             self.socket_dir,
             threads=str(spec.threads),
-            parent_pid=os.getpid(),
+            parent_pid=parent_pid or os.getpid(),
         )
         env.update(started.to_env())
         env[TIMEOUTS_ENV] = self.timeouts.to_env()
@@ -209,8 +225,14 @@ class LocalLauncher:
         for rank in range(spec.nproc):
             log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
             start = begin_log(log_path)
+            title = f"hybridflow {spec.name}:{rank} ({','.join(spec.roles)})"
+            roles = tuple(spec.roles)
+            forked = self._forked(spec, rank, port, env, title, log_path)
+            if forked is not None:
+                proc = RankProcess(spec.name, rank, forked, -1, log_path, start, roles=roles)
+                self.procs.append(proc)
+                continue
             with open(log_path, "ab") as out:
-                title = f"hybridflow {spec.name}:{rank} ({','.join(spec.roles)})"
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "roles.runtime", title],  # ps: which rank this is
                     env=self.rank_env(spec, rank, port, env),
@@ -219,11 +241,46 @@ class LocalLauncher:
                     start_new_session=True,
                 )
             pidfd = os.pidfd_open(popen.pid)
-            roles = tuple(spec.roles)
             proc = RankProcess(spec.name, rank, popen, pidfd, log_path, start, roles=roles)
             self.procs.append(proc)
             loop.add_reader(proc.pidfd, self._exited, proc)
         self._write_processes()
+
+    def _forked(
+        self,
+        spec: GroupSpec,
+        rank: int,
+        port: int,
+        env: dict[str, str] | None,
+        title: str,
+        log_path: Path,
+    ) -> Forked | None:
+        """The rank forked by this process's fork server, or None: to be started as its own
+        interpreter (a GPU rank, forking off, or the server failed: said once, then off)."""
+        if not self.fork or spec.device != DeviceKind.CPU:
+            return None
+        for _ in range(2):  # a stale server is replaced once (a second is said, then off)
+            try:
+                if not self.links or self.links[-1].server is not ForkServer.shared():
+                    self.links.append(ForkLink(ForkServer.shared(), self._forked_exited))
+                link = self.links[-1]
+                ranks_env = self.rank_env(spec, rank, port, env, parent_pid=link.server.pid)
+                child = link.spawn(title, ranks_env, log_path, self.timeouts.group_init_s)
+                link.watch()
+                return child
+            except StaleServer as stale:
+                log.info("a fresh fork server: %s", stale)
+                stale.server.retire()
+            except (OSError, RuntimeError) as exc:
+                log.warning("ranks start as their own interpreters from now on: %s", exc)
+                break
+        else:
+            log.warning(
+                "ranks start as their own interpreters from now on: the environment "
+                "changed between two starts"
+            )
+        self.fork = False
+        return None
 
     def _write_processes(self) -> None:
         """``RUN_DIR/processes.json`` with the ranks started so far (``deploy/processes.py``)."""
@@ -266,7 +323,15 @@ class LocalLauncher:
         asyncio.get_running_loop().remove_reader(proc.pidfd)
         os.close(proc.pidfd)
         proc.pidfd = -1
-        code = proc.popen.wait()
+        self._ended(proc, proc.popen.wait())
+
+    def _forked_exited(self, child: Forked) -> None:
+        for proc in self.procs:
+            if proc.popen is child:
+                self._ended(proc, child.wait())
+                return
+
+    def _ended(self, proc: RankProcess, code: int) -> None:
         sweep_dead()  # shared memory a killed rank can no longer remove itself
         if self.stopping or proc.retired:
             return
@@ -323,6 +388,8 @@ class LocalLauncher:
                 loop.remove_reader(proc.pidfd)
                 os.close(proc.pidfd)
                 proc.pidfd = -1
+        for link in self.links:
+            link.close()
         left = self.alive()
         if left:
             raise RuntimeError(

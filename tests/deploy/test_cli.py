@@ -22,9 +22,17 @@ from tests.waiting import wait_for, waits
 
 
 def rank_pids(parent: int) -> list[int]:
-    """Rank processes started by ``parent`` (children in their own sessions)."""
+    """Rank processes started by ``parent``: its descendants that call themselves ranks (its
+    fork server's children, or its own when ranks start as their own interpreters)."""
     out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    found = []
+    for pid in map(int, out.stdout.split()):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        found += [pid] if b"roles.runtime" in title else rank_pids(pid)
+    return found
 
 
 def accepted(socket_path: Path) -> bool:
