@@ -69,6 +69,7 @@ from deploy.experiment import (
     reference_in_actor,
 )
 from deploy.groups import build_groups
+from deploy.launchers.forkserver import prestart
 from deploy.launchers.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.session import cluster_session, local_session
 from transport.batch import TensorBatch
@@ -588,6 +589,7 @@ async def mesh(
         Path(run_dir) if run_dir else Path("runs") / f"{exp.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     folder.mkdir(parents=True, exist_ok=True)
+    prestart()  # the fork server imports while the models are prepared
     prepare_models(exp, folder)
     groups = build_groups(exp, folder)
     resolved = exp.model_dump(mode="json", exclude={"quick"})

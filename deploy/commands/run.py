@@ -69,6 +69,7 @@ from deploy.experiment import (
     role_class,
 )
 from deploy.groups import build_groups
+from deploy.launchers.forkserver import prestart
 from deploy.launchers.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.processes import set_title, started_as_command
 from deploy.reports.live import LiveView
@@ -221,6 +222,7 @@ def run_experiment(opts: RunOptions) -> int:
     on Ctrl-C, saying the same)."""
     try:
         exp, run_dir, plan, resume_step = _load(opts)
+        prestart()  # the fork server imports while the models and data are prepared
         data, groups = _prepare(exp, run_dir)
     except (ExperimentError, ValueError, FileNotFoundError) as exc:
         print(f"hybridflow {opts.command}: {exc}", file=sys.stderr)

@@ -271,6 +271,13 @@ def fork_ranks_enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1") != "0" and sys.platform.startswith("linux")
 
 
+def prestart() -> None:
+    """Start this process's server now, so its imports overlap other work (it answers the
+    first rank once they are done)."""
+    if fork_ranks_enabled():
+        ForkServer.shared()
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
