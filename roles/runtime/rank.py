@@ -29,6 +29,7 @@ from roles.runtime.env import GroupEnv, RankVar
 from roles.runtime.host import RoleHost
 from roles.runtime.status import ENDED, report
 from roles.runtime.worker import Worker
+from transport.device import DeviceKind
 
 log = logging.getLogger("hybridflow.rank")
 
@@ -48,10 +49,6 @@ def die_with_parent() -> None:
 
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
-
-
-def _loopback(host: str) -> bool:
-    return host in {"localhost", "::1"} or host.startswith("127.")
 
 
 def interface_towards(host: str, port: int) -> str:
@@ -100,8 +97,7 @@ def init_group(env: GroupEnv) -> tuple[dist.ProcessGroup, dist.Store, RankDevice
             timeout=timeout,
             wait_for_workers=False,
         )
-    spans_hosts = env.world_size > 1 and not _loopback(env.master_addr)
-    if device.backend == "gloo" and spans_hosts and GLOO_IFNAME not in os.environ:
+    if device.kind == DeviceKind.CPU and env.spans_hosts and GLOO_IFNAME not in os.environ:
         try:
             os.environ[GLOO_IFNAME] = interface_towards(env.master_addr, env.master_port)
         except (OSError, RuntimeError) as exc:  # gloo then picks as it does by itself
