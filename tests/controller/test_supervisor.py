@@ -18,6 +18,7 @@ from controller.placement import GroupSpec, RestartPolicy
 from controller.server import Controller
 from deploy.session import local_session, remote_session
 from tests.conftest import TEST_TIMEOUTS, group, run
+from tests.processes import descendants, rank_title
 from tests.waiting import wait_until
 from transport.errors import RoleDeadError
 
@@ -116,8 +117,8 @@ def test_a_kill_during_the_restart_itself_is_survived() -> None:
             os.kill(first, signal.SIGKILL)
 
             def newborn() -> int | None:
-                for child in _children(os.getpid()):
-                    if child != first and _group_of(child) == "g":
+                for child in descendants(os.getpid()):
+                    if child != first and (rank_title(child) or ("",))[0] == "g":
                         return child
                 return None
 
@@ -131,46 +132,14 @@ def test_a_kill_during_the_restart_itself_is_survived() -> None:
     run(main)
 
 
-def _children(parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry))
-    return found
-
-
 def _ranks(name: str) -> list[int]:
-    """The pids of group ``name``'s ranks (this process's children), in rank order."""
+    """The pids of group ``name``'s ranks (started by this process), in rank order."""
     found = {}
-    for pid in _children(os.getpid()):
-        env = _environ(pid)
-        if env.get(b"HYBRIDFLOW_GROUP") == name.encode():
-            found[int(env[b"RANK"])] = pid
+    for pid in descendants(os.getpid()):
+        title = rank_title(pid)
+        if title is not None and title[0] == name:
+            found[title[1]] = pid
     return [found[r] for r in sorted(found)]
-
-
-def _environ(pid: int) -> dict[bytes, bytes]:
-    try:
-        raw = open(f"/proc/{pid}/environ", "rb").read()
-    except OSError:
-        return {}
-    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-
-
-def _group_of(pid: int) -> str | None:
-    try:
-        raw = open(f"/proc/{pid}/environ", "rb").read()
-    except OSError:
-        return None
-    for item in raw.split(b"\0"):
-        if item.startswith(b"HYBRIDFLOW_GROUP="):
-            return item.split(b"=", 1)[1].decode()
-    return None
 
 
 def _by_hand(address: str, token: str, tmp: Path, name: str) -> subprocess.Popen[bytes]:

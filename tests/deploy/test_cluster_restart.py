@@ -30,6 +30,7 @@ from deploy.launchers.sbatch import FAILED_STEPS, wait_steps
 from tests.conftest import require_system
 from tests.deploy.test_multicluster import our_jobs, rank_processes, settle
 from tests.deploy.test_slurm import cluster_up
+from tests.processes import rank_title
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +60,8 @@ class Rank:
 
 def ranks_of(group: str, marker: Path) -> list[Rank]:
     """The processes running ``group``'s rank of this test's run (they mention ``marker``): a
-    process started as a rank has ``--group GROUP`` in its command line under srun, and
-    ``HYBRIDFLOW_GROUP=GROUP`` in its environment when a ``hybridflow role`` started it."""
+    process started as a rank has ``--group GROUP`` in its command line under srun, and its
+    title names the group when a ``hybridflow role`` started it (``tests/processes.py``)."""
     found = []
     for line in rank_processes(marker):
         pid = int(line.split()[0])
@@ -73,7 +74,7 @@ def ranks_of(group: str, marker: Path) -> list[Rank]:
             continue  # gone meanwhile
         env = dict(v.decode().split("=", 1) for v in raw.split(b"\0") if b"=" in v)
         by_srun = name == "slurmstepd" and group.encode() in _after(argv, b"--group")
-        if env.get("HYBRIDFLOW_GROUP") == group or by_srun:
+        if (rank_title(pid) or ("",))[0] == group or by_srun:
             found.append(Rank(pid, env, parent, name))
     return found
 

@@ -70,8 +70,8 @@ def alive(pid: int) -> bool:
 
 
 def naming(run_dir: Path) -> list[int]:
-    """Live processes whose command line or environment names ``run_dir`` (a controller, its
-    ranks, a stray supervisor) — other than this test's own."""
+    """Live processes whose command line, environment or open files (a rank's log) name
+    ``run_dir`` (a controller, its ranks, a stray supervisor) — other than this test's own."""
     marker, found = str(run_dir).encode(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -79,6 +79,7 @@ def naming(run_dir: Path) -> list[int]:
         try:
             seen = Path(f"/proc/{entry}/cmdline").read_bytes()
             seen += Path(f"/proc/{entry}/environ").read_bytes()
+            seen += b"".join(os.readlink(fd).encode() for fd in Path(f"/proc/{entry}/fd").iterdir())
         except OSError:
             continue  # gone, or not ours to read
         if marker in seen and alive(int(entry)):
