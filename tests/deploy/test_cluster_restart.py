@@ -56,6 +56,7 @@ class Rank:
     env: dict[str, str]
     parent: int
     parent_name: str  # the parent's comm: slurmstepd, python (a ``hybridflow role``), ...
+    role: int = 0  # the ``hybridflow role`` that started it (its parent or its fork server's)
 
 
 def ranks_of(group: str, marker: Path) -> list[Rank]:
@@ -74,8 +75,13 @@ def ranks_of(group: str, marker: Path) -> list[Rank]:
             continue  # gone meanwhile
         env = dict(v.decode().split("=", 1) for v in raw.split(b"\0") if b"=" in v)
         by_srun = name == "slurmstepd" and group.encode() in _after(argv, b"--group")
-        if (rank_title(pid) or ("",))[0] == group or by_srun:
+        if by_srun:
             found.append(Rank(pid, env, parent, name))
+        elif (rank_title(pid) or ("",))[0] == group:
+            try:
+                found.append(Rank(pid, env, parent, name, _role_command(pid)))
+            except (OSError, AssertionError):
+                continue  # it or its launcher ended meanwhile
     return found
 
 
@@ -250,14 +256,25 @@ def test_a_group_over_ssh_comes_back_as_a_new_ssh_process(tmp_path: Path) -> Non
         with ended_on_error(run):
             killed = kill_rank_mid_run(run, tmp_path)
             again = wait_for(lambda: replacement(killed, tmp_path), 60, "a new rank", proc=run)
-            role = _parent(again.parent)  # the new ``hybridflow role``, started by sshd
+            old_role, new_role = killed.role, again.role
+            role = _parent(new_role)  # the new ``hybridflow role``, started by sshd
         restart = finish(run, tmp_path)
         logins = (tmp_path / "ssh" / "log").read_text().count("Accepted publickey")
-    assert again.parent != killed.parent  # a new ``hybridflow role``, over a second ssh login
+    assert new_role != old_role  # a new ``hybridflow role``, over a second ssh login
     assert role[1] == "sshd" and logins == 2
-    assert settle(lambda: Path(f"/proc/{killed.parent}").exists()) is False  # the old one left
+    assert settle(lambda: Path(f"/proc/{old_role}").exists()) is False  # the old one left
     assert restart["tries"] == 1 and restart["recover_s"] < 60
     assert settle(lambda: rank_processes(tmp_path)) == []
+
+
+def _role_command(pid: int) -> int:
+    """The ``hybridflow role`` process above rank ``pid`` (its parent, or its fork server's)."""
+    while pid > 1:
+        pid = _parent(pid)[0]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"deploy.cli" in argv and b"role" in argv:
+            return pid
+    raise AssertionError("no hybridflow role above the rank")
 
 
 def _parent(pid: int) -> tuple[int, str]:
