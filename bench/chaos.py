@@ -12,8 +12,8 @@ undisturbed run and whether the final weights are bitwise equal (deterministic: 
 The last line is one JSON object with ``kills``, ``survived``, ``completed``, ``weights_equal``,
 ``recovery_s_max`` (and ``recovery_s_max_<kind>``), ``steps_replayed``, ``overhead_s``.
 
-The chaos is external, as a real fault is: ranks are found in ``/proc`` as the children of the
-run's process (``ranks``), and a kill waits until the run logged a given step and the target
+The chaos is external, as a real fault is: ranks are found in ``/proc`` below the run's process
+by their titles (``ranks``), and a kill waits until the run logged a given step and the target
 group is up again (a kill is never aimed at a process that is already gone).
 """
 
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
+
+from deploy.processes import descendants, rank_title
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "quickstart.yaml"
@@ -67,21 +69,13 @@ def command(run_dir: Path, sets: list[str], example: Path = EXAMPLE) -> list[str
 
 
 def ranks(parent: int) -> dict[tuple[str, int], int]:
-    """(group, rank) -> pid of every rank process a launcher in process ``parent`` started."""
+    """(group, rank) -> pid of every rank process a launcher in process ``parent`` started (its
+    children, or its fork server's), found by their titles."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue  # gone, or not ours
-        env = dict(v.split(b"=", 1) for v in raw.split(b"\0") if b"=" in v)
-        if env.get(b"HYBRIDFLOW_PARENT_PID") != str(parent).encode():
-            continue
-        group, rank = env.get(b"HYBRIDFLOW_GROUP"), env.get(b"RANK")
-        if group is not None and rank is not None:
-            found[(group.decode(), int(rank))] = int(entry)
+    for pid in descendants(parent):
+        title = rank_title(pid)
+        if title is not None:
+            found[title] = pid
     return found
 
 

@@ -8,6 +8,10 @@ current (rewritten when a group starts or restarts): the controller's pid and, p
 group, rank, roles, pid, host and log. ``hybridflow status RUN_DIR`` prints it with whether each
 process is alive (on this host). Groups started elsewhere (SLURM, ssh, by hand) are not listed:
 their ranks' titles and logs say the same on their hosts.
+
+From outside, a run's ranks are found by those titles (``rank_title``, ``descendants``), never by
+``/proc/PID/environ``: a rank forked by the fork server (``launchers/forkserver.py``) shows the
+server's environment there.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 from collections.abc import Iterable
@@ -107,3 +112,38 @@ def status_command(args: argparse.Namespace) -> int:
         log = f"  log {row['log']}" if row.get("log") else ""
         console.print(f"{row['what']:<32} pid {row['pid']:<8} {row['host']}  {state}{log}")
     return 0
+
+
+_TITLE = re.compile(rb"hybridflow ([\w-]+):(\d+) \(")
+
+
+def rank_title(pid: int) -> tuple[str, int] | None:
+    """(group, rank) of a rank process, None for any other process (or one gone)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    found = _TITLE.match(cmdline)
+    if found is None or b"roles.runtime" not in cmdline:
+        return None
+    return found[1].decode(), int(found[2])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

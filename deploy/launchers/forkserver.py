@@ -31,6 +31,7 @@ connection that closes takes its children with it (SIGKILL).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import json
 import logging
@@ -246,6 +247,16 @@ class ForkServer:
         )
         listener.close()
         self.pid = self.proc.pid
+        atexit.register(self.end)  # gone before this process is: nothing outlives a command
+
+    def end(self) -> None:
+        """Kill the server (its children die with it) and wait until it is gone."""
+        if os.getpid() != self.owner:
+            return  # a fork of the process that started it: not this one's to end
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     @classmethod
     def shared(cls) -> ForkServer:

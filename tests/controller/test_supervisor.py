@@ -16,9 +16,9 @@ import pytest
 
 from controller.placement import GroupSpec, RestartPolicy
 from controller.server import Controller
+from deploy.processes import descendants, rank_title
 from deploy.session import local_session, remote_session
 from tests.conftest import TEST_TIMEOUTS, group, run
-from tests.processes import descendants, rank_title
 from tests.waiting import wait_until
 from transport.errors import RoleDeadError
 

@@ -27,10 +27,10 @@ import pytest
 import yaml
 
 from deploy.launchers.sbatch import FAILED_STEPS, wait_steps
+from deploy.processes import rank_title
 from tests.conftest import require_system
 from tests.deploy.test_multicluster import our_jobs, rank_processes, settle
 from tests.deploy.test_slurm import cluster_up
-from tests.processes import rank_title
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
