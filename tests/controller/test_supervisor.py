@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -106,14 +107,17 @@ def test_without_a_policy_a_death_fails_the_call_as_before() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_kill_during_the_restart_itself_is_survived() -> None:
-    """The new incarnation is killed as soon as it exists, before it registered: the recovery
-    tries again, within the same policy."""
+    """The new incarnation is killed as soon as it exists, before it joined (held in its role's
+    construction: a forked rank registers in milliseconds): the recovery tries again, within the
+    same policy."""
 
     async def main() -> None:
         policy = RestartPolicy(max=3, window_s=600, backoff_s=[0.0])
-        spec = supervised(group("g", 1, faulty=FAULTY), policy)
+        hold = Path(tempfile.mkdtemp()) / "hold"  # while it exists, a new rank never joins
+        spec = supervised(group("g", 1, faulty=(FAULTY, {"hold": str(hold)})), policy)
         async with local_session([spec], TEST_TIMEOUTS) as controller:
             first = await pid(controller, "faulty")
+            hold.touch()
             os.kill(first, signal.SIGKILL)
 
             def newborn() -> int | None:
@@ -124,6 +128,7 @@ def test_a_kill_during_the_restart_itself_is_survived() -> None:
 
             second = await wait_until(newborn, 30, "the restarted rank's process")
             os.kill(second, signal.SIGKILL)
+            hold.unlink()  # the next incarnation may join
             third = await pid(controller, "faulty")
             assert third not in (first, second)
             restarts = [e for e in controller.supervisor.events if e["event"] == "restart"]
