@@ -1,11 +1,14 @@
 """Local launcher: every rank of every group as its own OS process on this machine.
 
-Ranks run ``python -m roles.runtime`` with torchrun-style variables. Each child asks the kernel
-for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``, see ``roles.runtime.rank.die_with_parent``), so
-even ``kill -9`` of the launcher leaves no orphans; each gets its own session so a terminal's
-Ctrl-C reaches only the launcher, which then shuts the children down in order. A pidfd per child
-in the event loop reports an exit within milliseconds, with its code or signal; the rest of that
-group is then killed (its process group is broken anyway).
+A rank runs ``roles.runtime.rank.main`` with torchrun-style variables: forked by this process's
+fork server (``forkserver.py``: CPU ranks, imports done once) or started as ``python -m
+roles.runtime`` (GPU ranks, or forking off). Each asks the kernel for SIGKILL when its parent
+dies (``PR_SET_PDEATHSIG``, ``roles.runtime.rank.die_with_parent``; the server, in turn, ends
+with the launcher), so even ``kill -9`` of the launcher leaves no orphans; each gets its own
+session so a terminal's Ctrl-C reaches only the launcher, which then shuts the ranks down in
+order. An exit is seen within milliseconds (a pidfd per child in the event loop, or the fork
+server's word on its connection), with its code or signal; the rest of that group is then
+killed (its process group is broken anyway).
 
 Rank logs are appended to across runs (an earlier run's log is kept for reading); each start
 writes a marker line and remembers where this run's part begins, and ``last_error`` reads from
