@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +180,25 @@ def send_frames(
         return tracker
     sock.send_multipart(frames, flags, copy=True)
     return None
+
+
+SEND_RETRY_S = 0.05  # how often ``send_within`` tries again
+
+
+def send_within(sock: zmq.Socket[Any], encoded: Encoded, timeout_s: float) -> bool:
+    """Send one small message, waiting at most ``timeout_s`` for a connection to take it;
+    False when none did. A DEALER with no connection blocks a send for ever, and ZeroMQ drops
+    a connection whose handshake failed (a refused CURVE key) with what was queued on it;
+    POLLOUT is no guide then (it says ready while a send would block), so the send is tried."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            send_frames(sock, encoded, block=False)
+            return True
+        except zmq.Again:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(SEND_RETRY_S)
 
 
 def _shut(fd: int) -> None:

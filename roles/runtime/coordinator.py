@@ -63,7 +63,7 @@ from roles.runtime.fanout import RpcFanOut, init_rpc
 from roles.runtime.host import RoleHost
 from roles.runtime.links import fanout_links
 from roles.runtime.status import ENDED, JOINED, report
-from transport.channel import connect_dealer, host_id, readable, send_frames
+from transport.channel import connect_dealer, host_id, readable, send_frames, send_within
 from transport.codec import decode, encode
 from transport.errors import RegistrationError
 from transport.protocol import Message, MsgType, ProtocolError
@@ -158,8 +158,11 @@ class Coordinator:
             self.env.curve,
         )
         self.ctrl_monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        send_frames(self.ctrl, encode(Message(MsgType.HELLO, 0, hello_body(self.env))))
-        if not self.ctrl.poll(int(self.env.timeouts.connect_s * 1000)):
+        deadline = time.monotonic() + self.env.timeouts.connect_s
+        hello = encode(Message(MsgType.HELLO, 0, hello_body(self.env)))
+        if not send_within(self.ctrl, hello, self.env.timeouts.connect_s):  # never blocks
+            raise RegistrationError(self._no_answer())
+        if not self.ctrl.poll(_ms_left(deadline)):
             raise RegistrationError(self._no_answer())
         reply = decode(self.ctrl.recv_multipart(copy=False))
         if reply.type == MsgType.REFUSE:
@@ -450,3 +453,7 @@ class Coordinator:
         self.arena.close()
         self.ctx.destroy(linger=500)  # flush the SHUTDOWNs before the process goes
         os._exit(code)
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))

@@ -12,10 +12,12 @@ from controller.server import Controller
 from deploy.launchers.local import LocalLauncher
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import EchoClient
-from tests.waiting import wait_until
-from transport.channel import bind_router
+from tests.waiting import wait_for, wait_until
+from transport.channel import bind_router, connect_dealer, send_within
+from transport.codec import encode
 from transport.errors import RegistrationError
-from transport.security import CurveServer, make_keypair
+from transport.protocol import Message, MsgType
+from transport.security import CurveClient, CurveServer, make_keypair
 
 
 def test_curve_admits_listed_keys_and_refuses_others(
@@ -119,3 +121,42 @@ def test_a_coordinator_does_not_join_a_controller_with_another_key(
             await launcher.stop()
 
     run(main)
+
+
+def test_a_refused_client_s_hello_is_not_a_send_that_blocks_for_ever(tmp_path: Path) -> None:
+    """ZeroMQ drops a connection whose CURVE handshake the server refused, and a DEALER with no
+    connection blocks a send for ever: a coordinator whose key is refused hung in its hello
+    (when it sent after the refusal) instead of giving up after connect_s."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    _, server_secret = make_keypair(tmp_path / "server", "controller")
+    (tmp_path / "allowed").mkdir()
+    _, stranger = make_keypair(tmp_path / "strangers", "bad")
+    ctx = zmq.Context()
+    server = CurveServer(server_secret, tmp_path / "allowed")
+    auth = server.start_authenticator(ctx)
+    router, address = bind_router(ctx, "tcp://127.0.0.1:0", TEST_TIMEOUTS, server)
+    client = CurveClient(stranger, tmp_path / "server" / "controller.key")
+    dealer = connect_dealer(ctx, address, b"bad", TEST_TIMEOUTS, client)
+    monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        assert monitor.poll(10_000), "no handshake failure within 10 s"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+        def refuses_a_send() -> bool:  # no connection left: a blocking send would wait for ever
+            try:
+                dealer.send(b"probe", zmq.NOBLOCK)  # lands in the connection being dropped
+            except zmq.Again:
+                return True
+            return False
+
+        wait_for(refuses_a_send, 10, "the dealer dropping its refused connection")
+        hello = encode(Message(MsgType.HELLO, 0, {}))
+        assert send_within(dealer, hello, 0.3) is False
+        assert router.poll(100) == 0  # and nothing reached the controller
+    finally:
+        for sock in (monitor, dealer, router):
+            sock.close(0)
+        auth.stop()
+        ctx.term()
