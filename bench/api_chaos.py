@@ -102,7 +102,7 @@ class Chaos:
         while time.monotonic() < deadline:
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
-            except (FileNotFoundError, IndexError):
+            except (OSError, IndexError):  # gone between open and read: ESRCH
                 return
             if state in ("Z", "X"):
                 return

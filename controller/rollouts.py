@@ -129,6 +129,7 @@ class RolloutPipeline:
         # pushes whatever the group says it holds
         self.synced: int | None = None
         self.sync_bytes = 0  # what the last sync moved into the rollout group's rank 0
+        self.sync_controller_bytes = 0  # what crossed the controller meanwhile (commands only)
         self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch out or done
         self._spans: dict[int, tuple[float, float]] = {}  # step -> when its batch generated
         self._stage: StageRollouts | None = None
@@ -245,9 +246,12 @@ class RolloutPipeline:
         if not self.switch:
             await self.drain()
         try:
+            traffic = rollout.controller.traffic
+            before = traffic.sent + traffic.received
             async with self.gate.push():
                 pushed = await self.weights.push(rollout, version)
             self.sync_bytes = int(pushed.get("received", {}).get("bytes", 0))
+            self.sync_controller_bytes = traffic.sent + traffic.received - before
         except WeightSyncError:  # the rollout group died during the push, and was restarted?
             supervisor = rollout.controller.supervisor
             if supervisor is None or not await supervisor.recovered(self._rollout_group):

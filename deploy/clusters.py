@@ -12,6 +12,7 @@ controller (this process) and each placed group started on the cluster the spec 
       home: {kind: local}                                  # child processes of the controller
       lab:  {kind: remote, via: [ssh, gpu7]}               # a command line run through `via`
       farm: {kind: slurm, nodes: 2, gpus_per_node: 8, partition: gpu, via: [ssh, login.farm]}
+      pool: {kind: ray, address: auto, gpus_per_rank: 1}   # a placement group per group on Ray
       desk: {kind: manual}                                 # the command is printed; start it by hand
     groups:                          # a placement group, or a role (the group that hosts it)
       main: home
@@ -31,7 +32,7 @@ import errno
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -92,6 +93,33 @@ class SlurmCluster(BaseModel):
     keys: str | None = None
 
 
+class RayCluster(BaseModel):
+    """A Ray cluster: each group a placement group, each rank a Ray actor that runs it
+    (``deploy/launchers/ray.py``); the mesh's links stay its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["ray"]
+    address: str = Field(
+        "auto", description="auto, HOST:PORT (the head's GCS) or ray://HOST:10001 (Ray Client)"
+    )
+    namespace: str | None = None
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray's runtime_env for the ranks")
+    cpus_per_rank: float = Field(1.0, ge=0)
+    gpus_per_rank: float | None = Field(
+        None, ge=0, description="GPUs each rank reserves (default: 1 for a cuda group, else 0)"
+    )
+    resources_per_rank: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each rank reserves"
+    )
+    placement_timeout_s: float = Field(60.0, gt=0, description="seconds for Ray to place a group")
+    python: str | None = Field(None, description="python on the nodes (default: the actor's)")
+    workdir: str | None = Field(
+        None, description="checkout on the nodes (default: this one's path)"
+    )
+    keys: str | None = Field(None, description="key directory on the nodes (default: this one's)")
+
+
 class ManualCluster(BaseModel):
     """Groups started by hand with the command the controller prints."""
 
@@ -101,7 +129,8 @@ class ManualCluster(BaseModel):
 
 
 AnyCluster = Annotated[
-    LocalCluster | RemoteCluster | SlurmCluster | ManualCluster, Field(discriminator="kind")
+    LocalCluster | RemoteCluster | SlurmCluster | RayCluster | ManualCluster,
+    Field(discriminator="kind"),
 ]
 
 
@@ -182,10 +211,10 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
     for name, cluster in spec.clusters.items():
         mine = {g: groups[g] for g, c in where.items() if c == name}
         spread = [g for g, config in mine.items() if config.nodes > 1]
-        if spread and not isinstance(cluster, SlurmCluster):
+        if spread and not isinstance(cluster, SlurmCluster | RayCluster):
             raise ExperimentError(
                 f"cluster {name!r} ({cluster.kind}): group {spread[0]!r} spans "
-                f"{mine[spread[0]].nodes} nodes, which only a slurm cluster lays out; put it on "
+                f"{mine[spread[0]].nodes} nodes, which only a slurm or ray cluster lays out; put it on "
                 f"one (groups.{spread[0]}) or set placement.{spread[0]}.nodes: 1"
             )
         if spread and spec.keys is None:
@@ -196,6 +225,8 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
             )
         if isinstance(cluster, SlurmCluster) and mine:
             _check_job_fits(name, cluster, mine, probe)
+        elif isinstance(cluster, RayCluster) and mine and probe:
+            _check_ray_fits(name, cluster, mine)
         elif isinstance(cluster, LocalCluster | RemoteCluster) and cluster.slots:
             _check_slots(name, cluster.slots, mine)
     return where
@@ -239,6 +270,16 @@ def _check_job_fits(
         per_node = per_node or cpus
     if per_node and (why := overfull(mine, cluster.nodes, per_node, controller=False)):
         raise ExperimentError(f"cluster {name!r}: {why} (clusters.{name}.nodes)")
+
+
+def _check_ray_fits(name: str, cluster: RayCluster, mine: dict[str, GroupConfig]) -> None:
+    """The Ray cluster answers, and some of its nodes can hold each group placed there."""
+    from deploy.launchers.ray import check_groups  # ray is an extra: imported when used
+
+    try:
+        check_groups(name, cluster, dict(mine))
+    except RuntimeError as exc:  # not installed, not answering, too small
+        raise ExperimentError(str(exc)) from None
 
 
 def _check_slots(name: str, slots: int, mine: dict[str, GroupConfig]) -> None:

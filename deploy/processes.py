@@ -59,14 +59,22 @@ def short_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.:" else "_" for c in name)[:15]
 
 
-def write_processes(run_dir: Path, ranks: Iterable[dict[str, Any]]) -> Path:
+def write_processes(run_dir: Path, ranks: Iterable[dict[str, Any]], cluster: str = "") -> Path:
     """``RUN_DIR/processes.json``: this process (the controller's) and ``ranks``, written aside
-    and renamed so a reader never sees half of it."""
+    and renamed so a reader never sees half of it. ``cluster`` names whose ranks these are: the
+    ranks another launcher of this controller wrote (a cluster spec's clusters) are kept."""
+    path = run_dir / PROCESSES_FILE
+    kept: list[dict[str, Any]] = []
+    try:
+        before = json.loads(path.read_text())
+        if before["controller"]["pid"] == os.getpid():
+            kept = [r for r in before["ranks"] if r.get("cluster", "") != cluster]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or an earlier run's
     found = {
         "controller": {"pid": os.getpid(), "host": socket.gethostname()},
-        "ranks": list(ranks),
+        "ranks": kept + [{**r, "cluster": cluster} if cluster else r for r in ranks],
     }
-    path = run_dir / PROCESSES_FILE
     aside = path.with_name(path.name + ".tmp")
     aside.write_text(json.dumps(found, indent=1))
     aside.replace(path)
@@ -110,7 +118,8 @@ def status_command(args: argparse.Namespace) -> int:
     for row in rows:
         state = {True: "running", False: "gone", None: "(another host)"}[row["alive"]]
         log = f"  log {row['log']}" if row.get("log") else ""
-        console.print(f"{row['what']:<32} pid {row['pid']:<8} {row['host']}  {state}{log}")
+        actor = f"  ray actor {row['actor']}" if row.get("actor") else ""
+        console.print(f"{row['what']:<32} pid {row['pid']:<8} {row['host']}  {state}{actor}{log}")
     return 0
 
 

@@ -26,6 +26,7 @@ from deploy.clusters import (
     ClusterSpec,
     LocalCluster,
     ManualCluster,
+    RayCluster,
     RemoteCluster,
     SlurmCluster,
 )
@@ -211,6 +212,12 @@ class _ClusterStart:
             )
         elif isinstance(cluster, SlurmCluster):
             launcher = SlurmLauncher(
+                name, cluster, self.run_dir, keys, timeouts, self.dead, address, token
+            )
+        elif isinstance(cluster, RayCluster):
+            from deploy.launchers.ray import RayLauncher  # ray is an extra: imported when used
+
+            launcher = RayLauncher(
                 name, cluster, self.run_dir, keys, timeouts, self.dead, address, token
             )
         else:

@@ -59,6 +59,10 @@ def assert_fresh_weights(done: subprocess.CompletedProcess[str], run_dir: Path) 
     rl = [r for r in rows if "train/staleness" in r]
     assert [r["train/weight_version"] for r in rl] == [41, 42, 43, 44, 45, 46]
     assert all(r["train/staleness"] == 0 for r in rl)
+    # each sync moved the weights rank to rank: megabytes into the rollout group's rank 0,
+    # while the controller carried only the sync's commands (names, shapes, addresses)
+    assert all(r["train/sync/bytes"] > 1_000_000 for r in rl), [r["train/sync/bytes"] for r in rl]
+    assert all(0 < r["train/sync/controller_bytes"] < 64 << 10 for r in rl), rl
 
 
 def our_jobs() -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import yaml
 
 from tests.conftest import require_system
 from tests.deploy.test_netns import netns_available, veth_bytes_of
+from tests.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -219,3 +221,80 @@ def test_a_planned_group_over_two_nodes_trains_bitwise_as_on_one(
     assert summaries[0]["steps"] == summaries[1]["steps"] == 8
     print(f"bytes between the nodes with the group spread: {crossed}")
     assert crossed > 1_000_000, crossed  # the gradients crossed between the nodes
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r["step"] for r in rows if "stage_step" in r]
+
+
+def kill_node(ns: str, run_dir: Path) -> list[int]:
+    """SIGKILL at once every rank of the run at ``run_dir`` on the node of network namespace
+    ``ns``: the node is lost (its slurmd stays, as a rebooted node's comes back)."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    mine = []
+    for pid in map(int, pids.split()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"role" in argv and any(str(run_dir).encode() in a for a in argv):
+            mine.append(pid)
+    for pid in mine:
+        os.kill(pid, signal.SIGKILL)
+    return mine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
+    two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
+) -> None:
+    """The controller on the first node (``hybridflow run --clusters``), the actor's group of 4
+    ranks over both nodes in a job of the cluster; midway the second node's two ranks die at
+    once. The group is stateful: the run rolls back to its checkpoint, the group comes back as
+    a new step of the same job over the same two nodes, and the run completes, each step once."""
+    node1, env, node2 = two_nodes
+    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    spec = {
+        "controller": {"bind": f"tcp://{NODES['hfnode1']}:0", "wait": 120},
+        "keys": str(keys),
+        "clusters": {"pair": {"kind": "slurm", "nodes": 2, "tasks_per_node": 2}},
+        "groups": {"main": "pair"},
+    }
+    (tmp_path / "clusters.yaml").write_text(yaml.safe_dump(spec))
+    sets = [
+        "placement.main={roles: [actor, reward], nproc: 4, nodes: 2, "
+        "restart: {max: 2, backoff_s: [0.0]}}",
+        "stages.0.steps=6",
+        "stages.1.steps=2",
+        "trainer.val_every=100",
+        "trainer.save_every=2",
+    ]
+    argv = [*CLI, "run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json"]
+    argv += ["--clusters", str(tmp_path / "clusters.yaml"), "--run-dir", str(run_dir)]
+    argv += [x for s in sets for x in ("--set", s)]
+    out = tmp_path / "run.out"
+    with (
+        open(out, "w") as sink,
+        subprocess.Popen(
+            [*node1, *argv], stdout=sink, stderr=subprocess.STDOUT, env=env, text=True
+        ) as proc,
+    ):
+        try:
+            wait_for(lambda: 3 in steps_logged(run_dir), 240, "step 3", proc=proc)
+            killed = kill_node(node2, run_dir)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    said = out.read_text()
+    assert proc.returncode == 0, said[-5000:]
+    assert len(killed) == 2, killed  # the group's two ranks on that node
+    assert steps_logged(run_dir) == list(range(1, 9))  # each step once
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["group"] for e in events if e.get("event") == "rollback"] == ["main"], said[-3000:]
+    assert [e["group"] for e in events if e.get("event") == "fault"][:1] == ["main"]
+    outputs = sorted((run_dir / "pair").glob("slurm-*.out"))
+    assert len(outputs) == 1, outputs  # one job: the group came back as a step of it

@@ -1,0 +1,463 @@
+"""The ``ray`` launcher: a group's ranks as actors on a Ray cluster, placed by a placement group.
+
+Ray only launches here. It finds the nodes, reserves a group's CPUs and GPUs, starts each rank and
+says when one is gone; the ranks then meet and talk as under every other launcher — calls,
+batches and weights on the mesh's own msgpack/ZeroMQ links, CURVE when they leave a host. Nothing
+of the run goes through Ray's object store; the actors only carry a command line, its
+environment and the group's token (the token never on a command line).
+
+* **Placement.** A group of ``nproc`` ranks over ``nodes`` nodes becomes one placement group of
+  ``nodes`` bundles, each holding one node's ranks (``nproc / nodes`` times the cluster's
+  ``cpus_per_rank``, ``gpus_per_rank`` and ``resources_per_rank``), ``STRICT_SPREAD`` over
+  distinct nodes (a group on one node: one bundle). Rank ``r`` takes its share of bundle
+  ``r // (nproc / nodes)``: ranks fill the nodes in order, so tensor-parallel peers share one,
+  as the other launchers lay them. (Ray has no strategy for "R bundles on each of K nodes"; a
+  bundle a node says it exactly.) A group no set of the cluster's nodes can hold is refused
+  before anything starts, naming what it asked for and what the nodes have; one that is not
+  placed within ``placement_timeout_s`` (the cluster busy) is refused with Ray's state of it.
+* **Ranks.** Each rank is a small actor (``RankActor``) that runs ``hybridflow role ...
+  --launcher env`` as its child with the rank's variables (``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR``: rank 0's node address, ``MASTER_PORT``: a port free there),
+  its output appended to the run's ``logs/GROUP-RANK.log``, the token on its stdin; the child
+  dies with its actor (``PR_SET_PDEATHSIG``).
+* **Supervision.** A rank that exits non-zero, or whose actor dies (a node lost, ``ray kill``),
+  is reported to the controller at once with its node and its log's last error line; a restart
+  kills the group's actors and starts new ones in the same placement group (the reservation is
+  kept). At the end every actor and placement group the run made is removed, whatever the
+  ending.
+
+The driver (``ray.init``) runs in the controller's process; ``address`` is ``auto`` (a cluster
+this machine belongs to), ``HOST:PORT`` (a head's GCS) or ``ray://HOST:10001`` (Ray Client).
+Never ran: a Ray cluster over several machines, GPUs, KubeRay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from controller.placement import GroupSpec
+from deploy.launchers.base import DeathCallback, Where, begin_log, last_error, role_argv
+from deploy.processes import write_processes
+from reshard.peers import CLUSTER_ENV
+from roles.runtime.env import RankVar
+from transport.device import DeviceKind
+from transport.settings import ENV_VAR as TIMEOUTS_ENV
+from transport.settings import Timeouts
+
+if TYPE_CHECKING:
+    from deploy.clusters import RayCluster
+
+log = logging.getLogger("hybridflow.launcher")
+
+ACTOR_PREFIX = "hybridflow:"  # rank actors are named hybridflow:CLUSTER:GROUP:RANK:N
+INSTALL_HINT = "pip install 'hybridflow[ray]' (or pip install ray) on this machine and the cluster"
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or an error that says how to get it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError(f"a ray cluster needs the ray package ({exc}): {INSTALL_HINT}") from None
+    return ray
+
+
+class RankActor:
+    """One rank on a Ray node: runs its ``hybridflow role`` process and waits for it. Ray makes
+    it a remote class (``_actor_class``); its methods run in the actor's process there."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def node(self) -> tuple[str, str, int]:
+        """(this node's address, its host name, a TCP port free here): where rank 0 meets."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return address, socket.gethostname(), port
+
+    def start(self, argv: list[str], env: dict[str, str], token: str, log: str, cwd: str) -> int:
+        """Start the rank (its pid); it dies with this actor."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("a rank actor must start its rank from its main thread")
+        libc = ctypes.CDLL(None)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **env},
+                cwd=cwd,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: libc.prctl(1, signal.SIGKILL, 0, 0, 0),  # PR_SET_PDEATHSIG
+            )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{token}\n".encode())
+        self.proc.stdin.close()
+        return self.proc.pid
+
+    def wait(self) -> int:
+        """The rank's exit status once it ends (negative: the signal)."""
+        assert self.proc is not None
+        return self.proc.wait()
+
+
+_actor_classes: dict[int, Any] = {}
+
+
+def _actor_class(ray: Any) -> Any:
+    """``RankActor`` as a Ray actor class (made once per ``ray`` module). One call at a time,
+    on the actor process's main thread: the rank it starts dies with the thread that started
+    it (``PR_SET_PDEATHSIG`` follows the thread), which lives as long as the actor."""
+    key = id(ray)
+    if key not in _actor_classes:
+        _actor_classes[key] = ray.remote(max_restarts=0)(RankActor)
+    return _actor_classes[key]
+
+
+@dataclass
+class _Rank:
+    group: str
+    rank: int
+    actor: Any
+    log_path: Path
+    log_start: int
+    name: str  # the actor's
+    node: str = ""  # the node's host name
+    address: str = ""  # the node's address
+    pid: int = 0  # the rank's, on that node
+    watch: asyncio.Task[None] | None = None
+
+
+@dataclass
+class _Group:
+    spec: GroupSpec
+    placement: Any  # Ray's PlacementGroup
+    ranks: list[_Rank] = field(default_factory=list)
+
+
+def _shown(resource: str) -> bool:
+    """A resource a group can ask for (CPU, GPU, custom), not Ray's bookkeeping."""
+    return resource not in ("memory", "object_store_memory") and ":" not in resource
+
+
+class PlacementError(RuntimeError):
+    """A group the Ray cluster cannot hold, or did not place in time."""
+
+
+class Sized(Protocol):
+    """What placing a group needs of it (a ``GroupSpec`` or an experiment's ``GroupConfig``)."""
+
+    nproc: int
+    nodes: int
+    device: DeviceKind
+
+
+_joined: list[str] = []  # the clusters this process joined as a driver (``connect``)
+
+
+def connect(ray: Any, name: str, cluster: RayCluster) -> None:
+    """Join the cluster as this process's driver, unless it is one already (its own program's
+    ``ray.init``, or an earlier check); an error names the address when nothing answers."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(
+            address=cluster.address,
+            namespace=cluster.namespace,
+            runtime_env=cluster.runtime_env,
+            log_to_driver=False,  # the ranks' output goes to the run's logs
+            logging_level=logging.WARNING,
+            configure_logging=False,
+        )
+    except Exception as exc:  # ConnectionError, a timeout, a version mismatch: say which
+        raise RuntimeError(
+            f"cluster {name!r}: no Ray cluster answered at address {cluster.address!r} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start one "
+            f"with `ray start --head`, or set clusters.{name}.address"
+        ) from None
+    _joined.append(name)
+
+
+def per_rank(cluster: RayCluster, device: DeviceKind) -> dict[str, float]:
+    """What one rank reserves: CPUs, GPUs (a cuda group: 1 by default) and the cluster's custom
+    resources."""
+    gpus = cluster.gpus_per_rank
+    if gpus is None:
+        gpus = 1.0 if device == DeviceKind.CUDA else 0.0
+    wants = {"CPU": cluster.cpus_per_rank, "GPU": gpus, **cluster.resources_per_rank}
+    return {k: v for k, v in wants.items() if v}
+
+
+def bundles(
+    cluster: RayCluster, nproc: int, nodes: int, device: DeviceKind
+) -> list[dict[str, float]]:
+    """One bundle per node of the group, holding that node's ranks."""
+    share = nproc // nodes
+    return [{k: v * share for k, v in per_rank(cluster, device).items()} for _ in range(nodes)]
+
+
+def check_fits(ray: Any, name: str, cluster: RayCluster, group: str, sized: Sized) -> None:
+    """Refuse a group that no choice of the cluster's live nodes holds (each bundle on a node
+    of its own), naming what it asks and what the nodes have."""
+    bundle = bundles(cluster, sized.nproc, sized.nodes, sized.device)[0]
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    holding = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
+    if len(holding) >= sized.nodes:
+        return
+    have = "; ".join(
+        f"{n.get('NodeManagerHostname', '?')}: "
+        + ", ".join(f"{k} {v:g}" for k, v in sorted(n["Resources"].items()) if _shown(k))
+        for n in nodes
+    )
+    want = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
+    each = ", ".join(f"{k} {v:g}" for k, v in per_rank(cluster, sized.device).items())
+    raise PlacementError(
+        f"group {group!r} cannot be placed on Ray cluster {name!r}: it needs {sized.nodes} "
+        f"node(s) with {want} each ({sized.nproc} rank(s) of {each}), and {len(holding)} of "
+        f"its {len(nodes)} live node(s) have that (nodes: {have}); lower clusters.{name}."
+        f"cpus_per_rank / gpus_per_rank / resources_per_rank or placement.{group}.nproc"
+    )
+
+
+def check_groups(name: str, cluster: RayCluster, groups: dict[str, Sized]) -> None:
+    """Before anything starts: the cluster answers, and can hold each of ``groups``."""
+    ray = import_ray()
+    connect(ray, name, cluster)  # the launcher's driver later is this one
+    for group, sized in groups.items():
+        check_fits(ray, name, cluster, group, sized)
+
+
+class RayLauncher:
+    """Groups on a Ray cluster: a placement group each, a Ray actor per rank (``Launcher``)."""
+
+    def __init__(
+        self,
+        name: str,
+        cluster: RayCluster,
+        run_dir: Path,
+        keys: Path | None,
+        timeouts: Timeouts,
+        on_dead: DeathCallback,
+        address: str,
+        token: str,
+    ) -> None:
+        self.name, self.cluster, self.run_dir = name, cluster, run_dir
+        self.address, self.token = address, token  # what the groups join
+        self.keys = cluster.keys or (str(keys) if keys is not None else None)
+        self.timeouts, self.on_dead = timeouts, on_dead
+        self.groups: dict[str, _Group] = {}
+        self.stopping = False
+        self.started = 0  # actors started so far
+        self.ray = import_ray()
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def per_rank(self, spec: GroupSpec) -> dict[str, float]:
+        return per_rank(self.cluster, spec.device)
+
+    def bundles(self, spec: GroupSpec) -> list[dict[str, float]]:
+        return bundles(self.cluster, spec.nproc, spec.nodes, spec.device)
+
+    def check_fits(self, spec: GroupSpec) -> None:
+        check_fits(self.ray, self.name, self.cluster, spec.name, spec)
+
+    def place(self, spec: GroupSpec) -> Any:
+        """The group's placement group, reserved (waits ``placement_timeout_s``)."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        self.check_fits(spec)
+        strategy = "STRICT_SPREAD" if spec.nodes > 1 else "PACK"
+        pg = placement_group(
+            self.bundles(spec), strategy=strategy, name=f"hybridflow-{self.name}-{spec.name}"
+        )
+        limit = self.cluster.placement_timeout_s
+        try:
+            self.ray.get(pg.ready(), timeout=limit)
+        except self.ray.exceptions.GetTimeoutError:
+            state = self.ray.util.placement_group_table(pg)
+            remove_placement_group(pg)
+            raise PlacementError(
+                f"group {spec.name!r} was not placed on Ray cluster {self.name!r} within "
+                f"{limit:g} s (clusters.{self.name}.placement_timeout_s): Ray says its "
+                f"placement group is {state.get('state', '?')} (bundles {self.bundles(spec)}, "
+                f"strategy {strategy}); the cluster is busy or lacks those resources"
+            ) from None
+        return pg
+
+    # -- the Launcher interface -----------------------------------------------------------------
+
+    def start(self, groups: Sequence[GroupSpec]) -> None:
+        connect(self.ray, self.name, self.cluster)
+        for spec in groups:  # every group fits before any is placed
+            self.check_fits(spec)
+        for spec in groups:
+            group = _Group(spec, self.place(spec))
+            self.groups[spec.name] = group  # placed: removed at stop even if the start fails
+            self._start_ranks(group)
+
+    def _start_ranks(self, group: _Group) -> None:
+        """Start an actor per rank in the group's bundles, rank 0 first: its node's address
+        and a port free there are where the group meets."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        spec, ray = group.spec, self.ray
+        share = spec.nproc // spec.nodes
+        per_rank = self.per_rank(spec)
+        actor_class = _actor_class(ray)
+        group.ranks = []
+        for rank in range(spec.nproc):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=group.placement, placement_group_bundle_index=rank // share
+            )
+            name = self._actor_name(spec.name, rank)  # `ray list actors` says whose it is
+            actor = actor_class.options(
+                num_cpus=per_rank.get("CPU", 0),
+                num_gpus=per_rank.get("GPU", 0),
+                resources={k: v for k, v in per_rank.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=strategy,
+                name=name,
+            ).remote()
+            log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
+            start = begin_log(log_path)
+            group.ranks.append(_Rank(spec.name, rank, actor, log_path, start, name))
+        places = ray.get([r.actor.node.remote() for r in group.ranks], timeout=self._join_s())
+        master, _, port = places[0]
+        for r, (address, host, _) in zip(group.ranks, places, strict=True):
+            r.address, r.node = address, host
+        starts = [
+            r.actor.start.remote(
+                self._argv(spec, master, port),
+                self._env(spec, r.rank, share),
+                self.token,
+                str(r.log_path),
+                self.cluster.workdir or str(Path.cwd()),
+            )
+            for r in group.ranks
+        ]
+        for r, pid in zip(group.ranks, ray.get(starts, timeout=self._join_s()), strict=True):
+            r.pid = int(pid)
+            r.watch = asyncio.get_running_loop().create_task(self._watch(group, r))
+        self._write_processes()
+
+    def _actor_name(self, group: str, rank: int) -> str:
+        self.started += 1  # a restart's actors get names of their own
+        return f"{ACTOR_PREFIX}{self.name}:{group}:{rank}:{self.started}"
+
+    def _join_s(self) -> float:
+        return max(self.timeouts.group_init_s, self.cluster.placement_timeout_s)
+
+    def _argv(self, spec: GroupSpec, master: str, port: int) -> list[str]:
+        python = self.cluster.python or sys.executable
+        argv = role_argv(spec, self.address, str(self.run_dir), self.keys)
+        argv += ["--launcher", "env", "--master-addr", master, "--master-port", str(port)]
+        return [python, "-m", "deploy.cli", *argv, "--token", "-"]
+
+    def _env(self, spec: GroupSpec, rank: int, share: int) -> dict[str, str]:
+        gpus = self.per_rank(spec).get("GPU", 0)
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(spec.nproc),
+            # Ray shows each GPU actor only its own GPUs: a rank's first visible one is its
+            "LOCAL_RANK": "0" if gpus else str(rank % share),
+            TIMEOUTS_ENV: self.timeouts.to_env(),
+            RankVar.THREADS: str(spec.threads),
+            CLUSTER_ENV: self.name,  # weight syncs pick paths by it (reshard/peers.py)
+        }
+
+    async def _watch(self, group: _Group, r: _Rank) -> None:
+        """Report the rank's end: its exit status, or its actor's death."""
+        try:
+            code = await r.actor.wait.remote()
+            cause = f"exited with {code}: {last_error(r.log_path, r.log_start)}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # RayActorError: the actor (or its node) is gone
+            code = -signal.SIGKILL
+            cause = f"its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        if self.stopping or code == 0 or r not in group.ranks:
+            return  # the shutdown, a clean exit, or an incarnation a restart replaced
+        where = f"on Ray cluster {self.name!r}, node {r.node} ({r.address})"
+        self.on_dead(r.group, r.rank, f"{where} {cause} (log: {r.log_path})")
+
+    async def restart(self, spec: GroupSpec) -> None:
+        """Kill the group's actors (their ranks die with them), wait until they are gone, and
+        start new ones in the same placement group."""
+        group = self.groups[spec.name]
+        old, group.ranks = group.ranks, []  # from here on their ends are no deaths
+        await self._kill(old)
+        self._start_ranks(group)
+
+    async def _kill(self, ranks: list[_Rank]) -> None:
+        for r in ranks:
+            self.ray.kill(r.actor, no_restart=True)
+        watches = [r.watch for r in ranks if r.watch is not None]
+        if watches:
+            _, pending = await asyncio.wait(watches, timeout=self.timeouts.shutdown_s + 5.0)
+            if pending:
+                left = [(r.group, r.rank) for r in ranks if r.watch in pending]
+                raise RuntimeError(f"ranks {left} on Ray cluster {self.name!r} would not die")
+
+    async def stop(self) -> None:
+        """The groups leave on the controller's SHUTDOWN; after the grace period every actor
+        is killed and every placement group removed."""
+        from ray.util.placement_group import remove_placement_group
+
+        self.stopping = True
+        ranks = [r for g in self.groups.values() for r in g.ranks]
+        watches = [r.watch for r in ranks if r.watch is not None]
+        if watches:
+            await asyncio.wait(watches, timeout=self.timeouts.shutdown_s + 5.0)
+        try:
+            await self._kill(ranks)
+        finally:
+            for group in self.groups.values():
+                remove_placement_group(group.placement)
+            self.groups.clear()
+            if self.name in _joined:  # joined for this run: leave (a caller's own driver stays)
+                _joined.remove(self.name)
+                self.ray.shutdown()
+
+    def _write_processes(self) -> None:
+        """This cluster's ranks in ``RUN_DIR/processes.json`` (``hybridflow status``): node,
+        the rank's pid there, its actor."""
+        ranks = [
+            {
+                "group": r.group,
+                "rank": r.rank,
+                "roles": list(g.spec.roles),
+                "pid": r.pid,
+                "host": r.node,
+                "address": r.address,
+                "actor": r.name,
+                "log": str(r.log_path),
+            }
+            for g in self.groups.values()
+            for r in g.ranks
+        ]
+        write_processes(self.run_dir, ranks, cluster=self.name)
+
+    def where(self) -> list[Where]:
+        return [
+            Where(r.group, r.rank, f"{r.node} ({r.address}, ray actor {r.name})")
+            for g in self.groups.values()
+            for r in g.ranks
+        ]
+
+    def hint(self) -> str:
+        return f"the Ray cluster {self.name!r} ({self.cluster.address}): `ray status` there"

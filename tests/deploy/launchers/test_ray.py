@@ -1,0 +1,194 @@
+"""The Ray launcher on a real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``:
+a head and a second raylet, each its own node to Ray's scheduler).
+
+One run of the shortened quickstart puts the actor's group over both Ray nodes (a rank each, a
+placement group of two bundles spread over distinct nodes) and the reward group on the one-node
+SLURM cluster, one controller for both. Midway, the Ray worker that hosts the actor's rank 1 is
+killed with SIGKILL: Ray's actor death is reported, the group restarts in its placement group,
+the run rolls back to its checkpoint and ends with the same weights, bit for bit, as the same
+run with every group local. Afterwards Ray holds no actor and no placement group of the run. A
+group that asks more than any node has is refused before a rank starts, with what it asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import require_system
+from tests.deploy.test_slurm import cluster_up
+from tests.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[3]
+CLI = [sys.executable, "-m", "deploy.cli"]
+SETS = [
+    "placement.main={roles: [actor], nproc: 2, restart: {max: 2, backoff_s: [0.0]}}",
+    "placement.score={roles: [reward], nproc: 1}",
+    "stages.0.steps=6",
+    "stages.1.steps=2",
+    "trainer.val_every=100",
+    "trainer.save_every=2",
+    "logging.tensorboard=false",
+]
+
+
+def ray_installed() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """The address of a two-node Ray cluster (2 CPUs a node), up for this module."""
+    require_system("Ray", ray_installed(), "pip install -e '.[ray]'")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": 80 << 20},
+    )
+    try:
+        cluster.add_node(num_cpus=2, object_store_memory=80 << 20)
+        cluster.wait_for_nodes()
+        yield str(cluster.address)
+    finally:
+        cluster.shutdown()
+
+
+def run(tmp_path: Path, name: str, clusters: dict[str, Any] | None, *sets: str) -> Any:
+    """``hybridflow run quickstart --quick`` with ``SETS`` (and ``sets``), on ``clusters``."""
+    argv = [*CLI, "run", str(ROOT / "examples" / "quickstart.yaml"), "--quick", "--json"]
+    argv += ["--run-dir", str(tmp_path / name)]
+    if clusters is not None:
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(yaml.safe_dump(clusters))
+        argv += ["--clusters", str(spec)]
+    for override in [*SETS, *sets]:
+        argv += ["--set", override]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r["step"] for r in rows if "stage_step" in r]
+
+
+def rank_pid(group: str, rank: int, run_dir: Path) -> int | None:
+    """The pid of ``group``'s rank ``rank`` of the run at ``run_dir`` (its ``hybridflow role``
+    process, which the Ray actor started)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"role" in argv and str(run_dir).encode() in argv and group.encode() in argv:
+            if f"RANK={rank}".encode() in env:
+                return int(entry)
+    return None
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_group_over_two_ray_nodes_survives_its_actor_killed_and_equals_the_local_run(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    require_system("SLURM", cluster_up(), "start a one-node cluster with .ci/slurm-up")
+    keys = tmp_path / "keys"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main,score"], check=True)
+    spec = {
+        "controller": {"bind": "tcp://127.0.0.1:0", "wait": 120},
+        "keys": str(keys),
+        "clusters": {
+            "pool": {"kind": "ray", "address": ray_cluster, "cpus_per_rank": 1},
+            "farm": {"kind": "slurm"},
+        },
+        "groups": {"main": "pool", "score": "farm"},
+    }
+    on_ray = tmp_path / "ray"
+    proc = run(tmp_path, "ray", spec, "placement.main.nodes=2")
+    try:
+        wait_for(lambda: 3 in steps_logged(on_ray), 240, "step 3 on Ray", proc=proc)
+        rank1 = wait_for(lambda: rank_pid("main", 1, on_ray), 10, "rank 1's process")
+        worker = parent_of(rank1)  # the Ray worker process that is rank 1's actor
+        assert "ray" in Path(f"/proc/{worker}/cmdline").read_text(), worker
+        os.kill(worker, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["steps"] == 8 and steps_logged(on_ray) == list(range(1, 9))
+    events = [json.loads(x) for x in (on_ray / "metrics.jsonl").read_text().splitlines()]
+    faults = [e for e in events if e.get("event") == "fault"]
+    assert faults and faults[0]["group"] == "main" and faults[0]["rank"] == 1, faults
+    assert "its Ray actor died" in faults[0]["cause"], faults[0]
+    assert "on Ray cluster 'pool'" in faults[0]["cause"]
+    assert [e["group"] for e in events if e.get("event") == "rollback"] == ["main"]
+    logs = on_ray / "logs"
+    assert (logs / "main-0.log").exists() and (logs / "main-1.log").exists()
+    listed = json.loads((on_ray / "processes.json").read_text())["ranks"]
+    actors = sorted(r["actor"].rsplit(":", 1)[0] for r in listed if r.get("cluster") == "pool")
+    assert actors == ["hybridflow:pool:main:0", "hybridflow:pool:main:1"], listed
+
+    local = run(tmp_path, "local", None)
+    out, err = local.communicate(timeout=300)
+    assert local.returncode == 0, err[-4000:]
+    weights = [
+        (tmp_path / name / "export" / "actor" / "model.safetensors").read_bytes()
+        for name in ("ray", "local")
+    ]
+    assert weights[0] == weights[1]  # the same bits after a rollback over two Ray nodes
+
+    # nothing of the run is left on the cluster: no live actor, no placement group
+    import ray
+
+    ray.init(address=ray_cluster, log_to_driver=False, configure_logging=False)
+    try:
+        table = ray.util.placement_group_table()
+        ours = [pg for pg in table.values() if pg["name"].startswith("hybridflow-pool-")]
+        assert len(ours) == 2 and all(pg["state"] == "REMOVED" for pg in ours), ours
+        named = ray.util.list_named_actors(all_namespaces=True)
+        assert [a for a in named if a["name"].startswith("hybridflow:")] == [], named
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_group_no_node_can_hold_is_refused_with_what_it_asked(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    spec = {
+        "controller": {"bind": "tcp://127.0.0.1:0", "wait": 30},
+        "clusters": {
+            "home": {"kind": "local"},
+            "pool": {"kind": "ray", "address": ray_cluster, "gpus_per_rank": 4},
+        },
+        "groups": {"main": "home", "score": "pool"},
+    }
+    proc = run(tmp_path, "refused", spec)
+    _, err = proc.communicate(timeout=150)
+    assert proc.returncode != 0
+    said = " ".join(err.split())
+    assert "group 'score' cannot be placed on Ray cluster 'pool'" in said, err[-3000:]
+    assert "it needs 1 node(s) with CPU 1, GPU 4 each" in said
+    assert "0 of its 2 live node(s) have that" in said
+    assert not (tmp_path / "refused" / "logs" / "score-0.log").exists()  # no rank started
