@@ -165,7 +165,7 @@ def test_a_group_over_two_ray_nodes_survives_its_actor_killed_and_equals_the_loc
     try:
         table = ray.util.placement_group_table()
         ours = [pg for pg in table.values() if pg["name"].startswith("hybridflow-pool-")]
-        assert len(ours) == 2 and all(pg["state"] == "REMOVED" for pg in ours), ours
+        assert len(ours) == 1 and ours[0]["state"] == "REMOVED", ours  # the actor group's
         named = ray.util.list_named_actors(all_namespaces=True)
         assert [a for a in named if a["name"].startswith("hybridflow:")] == [], named
     finally:
