@@ -177,6 +177,12 @@ def connect(ray: Any, name: str, cluster: RayCluster) -> None:
     ``ray.init``, or an earlier check); an error names the address when nothing answers."""
     if ray.is_initialized():
         return
+    problem = unreachable(cluster.address)
+    if problem:  # ray.init would wait minutes for a GCS that is not there
+        raise RuntimeError(
+            f"cluster {name!r}: no Ray cluster answers at address {cluster.address!r} "
+            f"({problem}); start one with `ray start --head`, or set clusters.{name}.address"
+        )
     try:
         ray.init(
             address=cluster.address,
@@ -193,6 +199,24 @@ def connect(ray: Any, name: str, cluster: RayCluster) -> None:
             f"with `ray start --head`, or set clusters.{name}.address"
         ) from None
     _joined.append(name)
+
+
+PROBE_S = 5.0  # how long a cluster's address may take to accept a connection
+
+
+def unreachable(address: str) -> str:
+    """Why nothing listens at a Ray ``address`` (``HOST:PORT`` or ``ray://HOST:PORT``); empty
+    when something does, or for ``auto`` (Ray finds this machine's cluster itself)."""
+    if address == "auto":
+        return ""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return "not auto, HOST:PORT or ray://HOST:PORT"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S):
+            return ""
+    except OSError as exc:
+        return f"{exc.strerror or exc} within {PROBE_S:g} s"
 
 
 def per_rank(cluster: RayCluster, device: DeviceKind) -> dict[str, float]:

@@ -144,3 +144,54 @@ def test_the_role_command_for_a_group() -> None:
 def test_the_example_specs_place_every_group(name: str) -> None:
     found = load_spec(EXAMPLES / "clusters" / name)
     assert set(assign(found, experiment()).values()) <= set(found.clusters)
+
+
+def ray_spec(address: str, **pool: Any) -> ClusterSpec:
+    return spec(
+        clusters={"home": {"kind": "local"}, "pool": {"kind": "ray", "address": address, **pool}},
+        groups={"actor": "home", "rollout": "pool"},
+    )
+
+
+def test_a_ray_cluster_that_does_not_answer_is_named_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ray.init`` waits minutes for a GCS that is not there: the address is probed first."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(
+        ExperimentError,
+        match=rf"cluster 'pool': no Ray cluster answers at address '127.0.0.1:{port}' \(.*refused",
+    ):
+        check_spec(ray_spec(f"127.0.0.1:{port}"), experiment(), probe=True)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ExperimentError, match=r"not auto, HOST:PORT or ray://HOST:PORT"):
+        check_spec(ray_spec("head-without-port"), experiment(), probe=True)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ExperimentError, match=r"needs the ray package .*hybridflow\[ray\]"):
+        check_spec(ray_spec(f"127.0.0.1:{port}"), experiment(), probe=True)
+
+
+def test_a_group_over_ray_nodes_needs_keys_and_other_kinds_refuse_it() -> None:
+    exp = experiment("placement.gen={roles: [rollout], nproc: 2, nodes: 2}")
+    with pytest.raises(ExperimentError, match=r"group 'gen' spans nodes, so links .* need CURVE"):
+        check_spec(ray_spec("auto"), exp, probe=False)
+    local = spec(clusters={"home": {"kind": "local"}, "farm": {"kind": "remote", "via": ["sh"]}})
+    with pytest.raises(ExperimentError, match=r"which only a slurm or ray cluster lays out"):
+        check_spec(local, exp, probe=False)
+    with pytest.raises(ExperimentError, match=r"clusters\.pool\.ray\.gpus: unknown field"):
+        load_spec_text("clusters: {pool: {kind: ray, gpus: 1}}\ngroups: {main: pool}\n")
+
+
+def load_spec_text(text: str) -> ClusterSpec:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.yaml"
+        path.write_text("controller: {bind: 'tcp://127.0.0.1:0'}\n" + text)
+        return load_spec(path)
