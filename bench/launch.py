@@ -7,10 +7,10 @@ machine, ``ray.cluster_utils.Cluster``, started here; its start is not counted).
 listens on TCP in all three, so the calls take the same path. A launcher whose cluster is
 missing is skipped and said so.
 
-    python -m bench.launch [--calls 200]
+    python -m bench.launch [--calls 1000]
 
 Reported per launcher: ``start_s`` (from entering ``hf.mesh`` until every group has joined and
-built its roles) and ``call_ms`` (median of ``--calls`` round trips of a small call to the
+built its roles; after one uncounted local start, which warms this process's fork server) and ``call_ms`` (median of ``--calls`` round trips of a small call to the
 actor's group, ``precision``). The peer is the local launcher: a launcher only starts processes,
 so once they run its calls must cost what the local launcher's cost (``call_ratio_<kind>``,
 within noise). Last line, JSON.
@@ -85,7 +85,7 @@ def slurm_up() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
     found: dict[str, Any] = {"bench": "launch", "calls": args.calls}
     work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
@@ -99,6 +99,9 @@ def main() -> None:
             kinds.append(("ray", {"kind": "ray", "address": address}))
         else:
             found["skipped_ray"] = "ray is not installed (pip install -e '.[ray]')"
+        warm = work / "warm.yaml"  # once, uncounted: this process's fork server and imports
+        warm.write_text(yaml.safe_dump(spec({"kind": "local"})))
+        asyncio.run(measure(warm, work / "warm", 1))
         for name, kind in kinds:
             path = work / f"{name}.yaml"
             path.write_text(yaml.safe_dump(spec(kind)))

@@ -274,7 +274,7 @@ def _check_job_fits(
 
 def _check_ray_fits(name: str, cluster: RayCluster, mine: dict[str, GroupConfig]) -> None:
     """The Ray cluster answers, and some of its nodes can hold each group placed there."""
-    from deploy.launchers.ray import check_groups  # ray is an extra: imported when used
+    from deploy.launchers.rayplace import check_groups  # ray is an extra: imported when used
 
     try:
         check_groups(name, cluster, dict(mine))

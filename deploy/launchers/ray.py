@@ -17,7 +17,8 @@ environment and the group's token (the token never on a command line).
   placed within ``placement_timeout_s`` (the cluster busy) is refused with Ray's state of it.
 * **Ranks.** Each rank is a small actor (``RankActor``) that runs ``hybridflow role ...
   --launcher env`` as its child with the rank's variables (``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``MASTER_ADDR``: rank 0's node address, ``MASTER_PORT``: a port free there),
+  ``LOCAL_RANK``, ``MASTER_ADDR``: rank 0's node address, loopback for a group on one node,
+  ``MASTER_PORT``: a port free there),
   its output appended to the run's ``logs/GROUP-RANK.log``, the token on its stdin; the child
   dies with its actor (``PR_SET_PDEATHSIG``).
 * **Supervision.** A rank that exits non-zero, or whose actor dies (a node lost, ``ray kill``),
@@ -45,14 +46,22 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from controller.placement import GroupSpec
 from deploy.launchers.base import DeathCallback, Where, begin_log, last_error, role_argv
+from deploy.launchers.rayplace import (
+    PlacementError,
+    bundles,
+    check_fits,
+    connect,
+    import_ray,
+    joined,
+    per_rank,
+)
 from deploy.processes import write_processes
 from reshard.peers import CLUSTER_ENV
 from roles.runtime.env import RankVar
-from transport.device import DeviceKind
 from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
@@ -62,16 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hybridflow.launcher")
 
 ACTOR_PREFIX = "hybridflow:"  # rank actors are named hybridflow:CLUSTER:GROUP:RANK:N
-INSTALL_HINT = "pip install 'hybridflow[ray]' (or pip install ray) on this machine and the cluster"
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or an error that says how to get it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise RuntimeError(f"a ray cluster needs the ray package ({exc}): {INSTALL_HINT}") from None
-    return ray
 
 
 class RankActor:
@@ -150,122 +149,6 @@ class _Group:
     spec: GroupSpec
     placement: Any  # Ray's PlacementGroup
     ranks: list[_Rank] = field(default_factory=list)
-
-
-def _shown(resource: str) -> bool:
-    """A resource a group can ask for (CPU, GPU, custom), not Ray's bookkeeping."""
-    return resource not in ("memory", "object_store_memory") and ":" not in resource
-
-
-class PlacementError(RuntimeError):
-    """A group the Ray cluster cannot hold, or did not place in time."""
-
-
-class Sized(Protocol):
-    """What placing a group needs of it (a ``GroupSpec`` or an experiment's ``GroupConfig``)."""
-
-    nproc: int
-    nodes: int
-    device: DeviceKind
-
-
-_joined: list[str] = []  # the clusters this process joined as a driver (``connect``)
-
-
-def connect(ray: Any, name: str, cluster: RayCluster) -> None:
-    """Join the cluster as this process's driver, unless it is one already (its own program's
-    ``ray.init``, or an earlier check); an error names the address when nothing answers."""
-    if ray.is_initialized():
-        return
-    problem = unreachable(cluster.address)
-    if problem:  # ray.init would wait minutes for a GCS that is not there
-        raise RuntimeError(
-            f"cluster {name!r}: no Ray cluster answers at address {cluster.address!r} "
-            f"({problem}); start one with `ray start --head`, or set clusters.{name}.address"
-        )
-    try:
-        ray.init(
-            address=cluster.address,
-            namespace=cluster.namespace,
-            runtime_env=cluster.runtime_env,
-            log_to_driver=False,  # the ranks' output goes to the run's logs
-            logging_level=logging.WARNING,
-            configure_logging=False,
-        )
-    except Exception as exc:  # ConnectionError, a timeout, a version mismatch: say which
-        raise RuntimeError(
-            f"cluster {name!r}: no Ray cluster answered at address {cluster.address!r} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start one "
-            f"with `ray start --head`, or set clusters.{name}.address"
-        ) from None
-    _joined.append(name)
-
-
-PROBE_S = 5.0  # how long a cluster's address may take to accept a connection
-
-
-def unreachable(address: str) -> str:
-    """Why nothing listens at a Ray ``address`` (``HOST:PORT`` or ``ray://HOST:PORT``); empty
-    when something does, or for ``auto`` (Ray finds this machine's cluster itself)."""
-    if address == "auto":
-        return ""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return "not auto, HOST:PORT or ray://HOST:PORT"
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S):
-            return ""
-    except OSError as exc:
-        return f"{exc.strerror or exc} within {PROBE_S:g} s"
-
-
-def per_rank(cluster: RayCluster, device: DeviceKind) -> dict[str, float]:
-    """What one rank reserves: CPUs, GPUs (a cuda group: 1 by default) and the cluster's custom
-    resources."""
-    gpus = cluster.gpus_per_rank
-    if gpus is None:
-        gpus = 1.0 if device == DeviceKind.CUDA else 0.0
-    wants = {"CPU": cluster.cpus_per_rank, "GPU": gpus, **cluster.resources_per_rank}
-    return {k: v for k, v in wants.items() if v}
-
-
-def bundles(
-    cluster: RayCluster, nproc: int, nodes: int, device: DeviceKind
-) -> list[dict[str, float]]:
-    """One bundle per node of the group, holding that node's ranks."""
-    share = nproc // nodes
-    return [{k: v * share for k, v in per_rank(cluster, device).items()} for _ in range(nodes)]
-
-
-def check_fits(ray: Any, name: str, cluster: RayCluster, group: str, sized: Sized) -> None:
-    """Refuse a group that no choice of the cluster's live nodes holds (each bundle on a node
-    of its own), naming what it asks and what the nodes have."""
-    bundle = bundles(cluster, sized.nproc, sized.nodes, sized.device)[0]
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    holding = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
-    if len(holding) >= sized.nodes:
-        return
-    have = "; ".join(
-        f"{n.get('NodeManagerHostname', '?')}: "
-        + ", ".join(f"{k} {v:g}" for k, v in sorted(n["Resources"].items()) if _shown(k))
-        for n in nodes
-    )
-    want = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
-    each = ", ".join(f"{k} {v:g}" for k, v in per_rank(cluster, sized.device).items())
-    raise PlacementError(
-        f"group {group!r} cannot be placed on Ray cluster {name!r}: it needs {sized.nodes} "
-        f"node(s) with {want} each ({sized.nproc} rank(s) of {each}), and {len(holding)} of "
-        f"its {len(nodes)} live node(s) have that (nodes: {have}); lower clusters.{name}."
-        f"cpus_per_rank / gpus_per_rank / resources_per_rank or placement.{group}.nproc"
-    )
-
-
-def check_groups(name: str, cluster: RayCluster, groups: dict[str, Sized]) -> None:
-    """Before anything starts: the cluster answers, and can hold each of ``groups``."""
-    ray = import_ray()
-    connect(ray, name, cluster)  # the launcher's driver later is this one
-    for group, sized in groups.items():
-        check_fits(ray, name, cluster, group, sized)
 
 
 class RayLauncher:
@@ -362,6 +245,8 @@ class RayLauncher:
             group.ranks.append(_Rank(spec.name, rank, actor, log_path, start, name))
         places = ray.get([r.actor.node.remote() for r in group.ranks], timeout=self._join_s())
         master, _, port = places[0]
+        if spec.nodes == 1:  # one bundle, so one node: the ranks meet on loopback, as here
+            master = "127.0.0.1"
         for r, (address, host, _) in zip(group.ranks, places, strict=True):
             r.address, r.node = address, host
         starts = [
@@ -453,8 +338,8 @@ class RayLauncher:
             for group in self.groups.values():
                 remove_placement_group(group.placement)
             self.groups.clear()
-            if self.name in _joined:  # joined for this run: leave (a caller's own driver stays)
-                _joined.remove(self.name)
+            if self.name in joined:  # joined for this run: leave (a caller's own driver stays)
+                joined.remove(self.name)
                 self.ray.shutdown()
 
     def _write_processes(self) -> None:
