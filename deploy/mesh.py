@@ -580,7 +580,7 @@ async def mesh(
 ) -> AsyncIterator[Mesh]:
     """Start the groups of ``experiment`` (``--set``-style ``overrides``) on this machine, or
     each on the cluster a cluster spec names (``clusters``: the file ``hybridflow run
-    --clusters`` takes; SLURM, ssh, by hand), yield the ``Mesh``, and stop them all on the way
+    --clusters`` takes; SLURM, ssh, Ray, by hand), yield the ``Mesh``, and stop them all on the way
     out (an error included)."""
     exp = load(experiment, overrides)  # its stages, if any, are not run
     check(exp, run=False)

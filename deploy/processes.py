@@ -5,9 +5,10 @@ Every rank sets its title to ``hybridflow GROUP:RANK (ROLES)`` and writes its pi
 log's first line (``roles/runtime/rank.py``); the run command's process, which hosts the
 controller, is ``hybridflow controller RUN_DIR``. The local launcher keeps ``processes.json``
 current (rewritten when a group starts or restarts): the controller's pid and, per rank, its
-group, rank, roles, pid, host and log. ``hybridflow status RUN_DIR`` prints it with whether each
-process is alive (on this host). Groups started elsewhere (SLURM, ssh, by hand) are not listed:
-their ranks' titles and logs say the same on their hosts.
+group, rank, roles, pid, host and log; the Ray launcher adds its ranks (their node, and the
+actor that runs each). ``hybridflow status RUN_DIR`` prints it with whether each process is alive
+(on this host). Groups started elsewhere (SLURM, ssh, by hand) are not listed: their ranks'
+titles and logs say the same on their hosts.
 
 From outside, a run's ranks are found by those titles (``rank_title``, ``descendants``), never by
 ``/proc/PID/environ``: a rank forked by the fork server (``launchers/forkserver.py``) shows the
