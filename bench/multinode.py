@@ -15,7 +15,10 @@ one-node run: the same work, whose ranks meet on loopback.
 Last line, JSON: ``multinode_equal`` (the exported weights, bit for bit), ``step_s_one_node``
 and ``step_s_two_nodes`` (median SFT step, seconds), ``cross_node_bytes_per_step`` (the veth's
 bytes over the run's steps) beside ``gradient_bytes`` (the fp32 gradient one all-reduce sums:
-a ring over n ranks moves 2(n-1)/n of it through each rank), and ``job_s`` of each run. Nothing
+a ring over n ranks moves 2(n-1)/n of it through each rank), ``job_s`` of each run, and
+``node_loss_recovered`` / ``node_loss_recover_s``: a third run (the controller on the first node
+through a cluster spec, the group in a job over both) whose second node's ranks are all killed
+after step 3 completes with each step once, the group back in the same job. Nothing
 here is a GPU or two machines: the link is a veth, with no bandwidth of its own to speak of.
 """
 
@@ -35,7 +38,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.deploy.test_netns import veth_bytes_of
-from tests.deploy.test_slurm_nodes import daemons_available, slurm_nodes
+from tests.deploy.test_slurm_nodes import daemons_available, lose_a_node, slurm_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -82,6 +85,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spread_s = submit(node1, env, work / "spread", planned, sets)
         crossed = veth_bytes_of(node2, f"v{node2}") - before
         one_s = submit(node1, env, work / "one", planned, [*sets, f"placement.{name}.nodes=1"])
+        (work / "lost").mkdir()
+        code, _, killed, lost_dir = lose_a_node(node1, env, node2, work / "lost")
+    events = [json.loads(x) for x in (lost_dir / "metrics.jsonl").read_text().splitlines()]
+    rollbacks = [e for e in events if e.get("event") == "rollback"]
+    steps = [e["step"] for e in events if "stage_step" in e]
     weights = [
         load_file(work / r / "export" / "actor" / "model.safetensors") for r in ("spread", "one")
     ]
@@ -99,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gradient_bytes": params * 4,
         "job_s_one_node": round(one_s, 1),
         "job_s_two_nodes": round(spread_s, 1),
+        # the second node's ranks killed at once after step 3 (a cluster spec's SLURM job)
+        "node_loss_recovered": code == 0 and len(killed) == 2 and steps == list(range(1, 9)),
+        "node_loss_recover_s": rollbacks[0]["recover_s"] if rollbacks else None,
         "run_dirs": str(work),
     }
     print(json.dumps(result))

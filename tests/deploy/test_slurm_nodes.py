@@ -246,17 +246,13 @@ def kill_node(ns: str, run_dir: Path) -> list[int]:
     return mine
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
-    two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
-) -> None:
+def lose_a_node(
+    node1: list[str], env: dict[str, str], node2: str, work: Path, rl_steps: int = 2
+) -> tuple[int, str, list[int], Path]:
     """The controller on the first node (``hybridflow run --clusters``), the actor's group of 4
-    ranks over both nodes in a job of the cluster; midway the second node's two ranks die at
-    once. The group is stateful: the run rolls back to its checkpoint, the group comes back as
-    a new step of the same job over the same two nodes, and the run completes, each step once."""
-    node1, env, node2 = two_nodes
-    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+    ranks over both nodes in a job of the cluster, a checkpoint every 2 steps; after step 3 the
+    second node's ranks are killed at once. (exit status, output, the pids killed, run dir)."""
+    keys, run_dir = work / "keys", work / "run"
     subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
     spec = {
         "controller": {"bind": f"tcp://{NODES['hfnode1']}:0", "wait": 120},
@@ -264,19 +260,19 @@ def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
         "clusters": {"pair": {"kind": "slurm", "nodes": 2, "tasks_per_node": 2}},
         "groups": {"main": "pair"},
     }
-    (tmp_path / "clusters.yaml").write_text(yaml.safe_dump(spec))
+    (work / "clusters.yaml").write_text(yaml.safe_dump(spec))
     sets = [
         "placement.main={roles: [actor, reward], nproc: 4, nodes: 2, "
         "restart: {max: 2, backoff_s: [0.0]}}",
         "stages.0.steps=6",
-        "stages.1.steps=2",
+        f"stages.1.steps={rl_steps}",
         "trainer.val_every=100",
         "trainer.save_every=2",
     ]
     argv = [*CLI, "run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json"]
-    argv += ["--clusters", str(tmp_path / "clusters.yaml"), "--run-dir", str(run_dir)]
+    argv += ["--clusters", str(work / "clusters.yaml"), "--run-dir", str(run_dir)]
     argv += [x for s in sets for x in ("--set", s)]
-    out = tmp_path / "run.out"
+    out = work / "run.out"
     with (
         open(out, "w") as sink,
         subprocess.Popen(
@@ -289,8 +285,18 @@ def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
             proc.wait(timeout=300)
         finally:
             proc.kill()
-    said = out.read_text()
-    assert proc.returncode == 0, said[-5000:]
+    return proc.returncode, out.read_text(), killed, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
+    two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
+) -> None:
+    """The group is stateful: the run rolls back to its checkpoint, the group comes back as a
+    new step of the same job over the same two nodes, and the run completes, each step once."""
+    code, said, killed, run_dir = lose_a_node(*two_nodes, tmp_path)
+    assert code == 0, said[-5000:]
     assert len(killed) == 2, killed  # the group's two ranks on that node
     assert steps_logged(run_dir) == list(range(1, 9))  # each step once
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
