@@ -246,12 +246,10 @@ class RolloutPipeline:
         if not self.switch:
             await self.drain()
         try:
-            traffic = rollout.controller.traffic
-            before = traffic.sent + traffic.received
             async with self.gate.push():
                 pushed = await self.weights.push(rollout, version)
             self.sync_bytes = int(pushed.get("received", {}).get("bytes", 0))
-            self.sync_controller_bytes = traffic.sent + traffic.received - before
+            self.sync_controller_bytes = int(pushed.get("controller_bytes", 0))
         except WeightSyncError:  # the rollout group died during the push, and was restarted?
             supervisor = rollout.controller.supervisor
             if supervisor is None or not await supervisor.recovered(self._rollout_group):

@@ -49,9 +49,12 @@ class WeightSync:
         self, target: WeightSinkClient, version: int, strict: bool = True
     ) -> dict[str, Any]:
         """``version`` of the source's weights into ``target`` (``strict=False``: the names both
-        hold, e.g. a backbone into a critic). Returns the seconds it took and rank 0's reports
-        (``WeightsSent``, ``WeightsReceived``) as maps: bytes, seconds, paths."""
+        hold, e.g. a backbone into a critic). Returns the seconds it took, rank 0's reports
+        (``WeightsSent``, ``WeightsReceived``) as maps (bytes, seconds, paths), and
+        ``controller_bytes``: what crossed the controller's sockets meanwhile (the commands)."""
         start = time.perf_counter()
+        traffic = self.source.controller.traffic
+        before = traffic.sent + traffic.received
         settings = self.settings
         what = f"{self.source.role} -> {target.role} (weight version {version})"
         try:
@@ -72,6 +75,7 @@ class WeightSync:
             "seconds": time.perf_counter() - start,
             "sent": to_map(sent),
             "received": to_map(got),
+            "controller_bytes": traffic.sent + traffic.received - before,
         }
 
     async def _both(

@@ -93,7 +93,9 @@ def test_launchers_that_cannot_lay_a_group_over_nodes_refuse_it(tmp_path: Path) 
         "clusters": {"home": {"kind": "local"}, "farm": {"kind": "slurm", "tasks_per_node": 4}},
         "groups": {"main": "home", "gen": "farm"},
     }
-    with pytest.raises(ExperimentError, match="only a slurm cluster lays out; put it on one"):
+    with pytest.raises(
+        ExperimentError, match="only a slurm or ray cluster lays out; put it on one"
+    ):
         check_spec(ClusterSpec.model_validate(spec), exp, probe=False)
     spec["groups"] = {"main": "farm", "gen": "home"}
     with pytest.raises(ExperimentError, match="spans nodes, so links between its ranks need"):
