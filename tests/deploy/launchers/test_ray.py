@@ -7,7 +7,8 @@ SLURM cluster, one controller for both. Midway, the Ray worker that hosts the ac
 killed with SIGKILL: Ray's actor death is reported, the group restarts in its placement group,
 the run rolls back to its checkpoint and ends with the same weights, bit for bit, as the same
 run with every group local. Afterwards Ray holds no actor and no placement group of the run. A
-group that asks more than any node has is refused before a rank starts, with what it asked."""
+group that asks more than any node has is refused before a rank starts, with what it asked; one
+the cluster is too busy to place in time is refused with Ray's state of it."""
 
 from __future__ import annotations
 
@@ -192,3 +193,39 @@ def test_a_group_no_node_can_hold_is_refused_with_what_it_asked(
     assert "it needs 1 node(s) with CPU 1, GPU 4 each" in said
     assert "0 of its 2 live node(s) have that" in said
     assert not (tmp_path / "refused" / "logs" / "score-0.log").exists()  # no rank started
+
+
+@pytest.mark.timeout(180)
+def test_a_group_the_busy_cluster_does_not_place_in_time_is_refused_with_ray_s_state(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    """The cluster could hold the group, but something else holds every CPU: Ray leaves the
+    group's placement group pending, and the run stops after ``placement_timeout_s``, naming
+    the setting and Ray's state of it, and removes it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray.init(address=ray_cluster, log_to_driver=False, configure_logging=False)
+    try:
+        hog = placement_group([{"CPU": 2}, {"CPU": 2}], strategy="STRICT_SPREAD")
+        ray.get(hog.ready(), timeout=60)
+        spec = {
+            "controller": {"bind": "tcp://127.0.0.1:0", "wait": 30},
+            "clusters": {
+                "home": {"kind": "local"},
+                "pool": {"kind": "ray", "address": ray_cluster, "placement_timeout_s": 3},
+            },
+            "groups": {"main": "home", "score": "pool"},
+        }
+        proc = run(tmp_path, "busy", spec)
+        _, err = proc.communicate(timeout=150)
+        table = ray.util.placement_group_table()
+        remove_placement_group(hog)
+    finally:
+        ray.shutdown()
+    assert proc.returncode != 0
+    said = " ".join(err.split())
+    assert "group 'score' was not placed on Ray cluster 'pool' within 3 s" in said, err[-3000:]
+    assert "(clusters.pool.placement_timeout_s): Ray says its placement group is PENDING" in said
+    ours = [pg for pg in table.values() if pg["name"] == "hybridflow-pool-score"]
+    assert [pg["state"] for pg in ours] == ["REMOVED"], ours
