@@ -60,21 +60,15 @@ async def measure(clusters: Path, run_dir: Path, calls: int) -> dict[str, float]
 
 @contextmanager
 def ray_cluster() -> Iterator[str | None]:
-    try:
-        from ray.cluster_utils import Cluster
-    except ImportError:
+    """The suite's two-node Ray cluster (``tests/deploy/launchers/test_ray.py``); None without
+    ray."""
+    from tests.deploy.launchers.test_ray import ray_installed, two_ray_nodes
+
+    if not ray_installed():
         yield None
         return
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": 80 << 20},
-    )
-    try:
-        cluster.add_node(num_cpus=2, object_store_memory=80 << 20)
-        cluster.wait_for_nodes()
-        yield str(cluster.address)
-    finally:
-        cluster.shutdown()
+    with two_ray_nodes() as address:
+        yield address
 
 
 def slurm_up() -> bool:

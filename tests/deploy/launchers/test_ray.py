@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,10 @@ def ray_installed() -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[str]:
-    """The address of a two-node Ray cluster (2 CPUs a node), up for this module."""
-    require_system("Ray", ray_installed(), "pip install -e '.[ray]'")
+@contextmanager
+def two_ray_nodes() -> Iterator[str]:
+    """A two-node Ray cluster on this machine (2 CPUs a node, no dashboard), its address; for
+    ``bench/launch.py`` too."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -65,6 +66,14 @@ def ray_cluster() -> Iterator[str]:
         yield str(cluster.address)
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """The address of ``two_ray_nodes``, up for this module."""
+    require_system("Ray", ray_installed(), "pip install -e '.[ray]'")
+    with two_ray_nodes() as address:
+        yield address
 
 
 def run(tmp_path: Path, name: str, clusters: dict[str, Any] | None, *sets: str) -> Any:
