@@ -94,6 +94,24 @@ def host_address() -> str:
     return address
 
 
+BARE = ["controller", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json", "--wait", "90"]
+
+
+def test_a_bind_off_this_host_without_keys_is_refused(tmp_path: Path) -> None:
+    host = host_address()
+    assert not host.startswith("127.")
+    refused = subprocess.run(
+        [*CLI, *BARE, "--bind", f"tcp://{host}:0", "--run-dir", str(tmp_path / "bare")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "needs CURVE keys" in refused.stderr
+
+
+# The CLI controller with keys and a group joining by hand with them run in the default tier in
+# tests/deploy/test_netns.py (two hosts); a valid key not listed, refused: tests/transport/test_curve.py
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_curve_keys_admit_the_listed_group_and_refuse_another(tmp_path: Path) -> None:
@@ -102,15 +120,7 @@ def test_curve_keys_admit_the_listed_group_and_refuse_another(tmp_path: Path) ->
     assert made.returncode == 0 and (keys / "allowed" / "main.key").exists()
     (keys / "allowed" / "intruder.key").unlink()  # made, but not accepted
     host = host_address()
-    assert not host.startswith("127.")
-    bare = ["controller", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json", "--wait", "90"]
-    refused = subprocess.run(
-        [*CLI, *bare, "--bind", f"tcp://{host}:0", "--run-dir", str(tmp_path / "bare")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert refused.returncode == 2 and "needs CURVE keys" in refused.stderr
+    bare = BARE
     argv = [*bare, "--bind", f"tcp://{host}:0", "--keys", str(keys), "--run-dir", str(run_dir)]
     with err.open("w") as stderr:
         ctl = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=stderr, text=True)
