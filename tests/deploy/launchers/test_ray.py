@@ -149,9 +149,13 @@ def test_a_group_over_two_ray_nodes_survives_its_actor_killed_and_equals_the_loc
     assert summary["steps"] == 8 and steps_logged(on_ray) == list(range(1, 9))
     events = [json.loads(x) for x in (on_ray / "metrics.jsonl").read_text().splitlines()]
     faults = [e for e in events if e.get("event") == "fault"]
-    assert faults and faults[0]["group"] == "main" and faults[0]["rank"] == 1, faults
-    assert "its Ray actor died" in faults[0]["cause"], faults[0]
-    assert "on Ray cluster 'pool'" in faults[0]["cause"]
+    # the first to see the death wins: Ray's word on the actor, or (under load) the mesh's own
+    # (rank 0 loses its link to rank 1 and ends); either ends the incarnation, once
+    assert faults and faults[0]["group"] == "main", faults
+    ray_saw = "on Ray cluster 'pool', node" in faults[0]["cause"]
+    assert ray_saw or "connection to the coordinator closed" in faults[0]["cause"], faults[0]
+    if ray_saw:
+        assert faults[0]["rank"] == 1 and "its Ray actor died" in faults[0]["cause"], faults[0]
     assert [e["group"] for e in events if e.get("event") == "rollback"] == ["main"]
     logs = on_ray / "logs"
     assert (logs / "main-0.log").exists() and (logs / "main-1.log").exists()
