@@ -82,8 +82,12 @@ ENABLE_ENV = "HYBRIDFLOW_FORK_RANKS"  # "0": every rank starts as its own interp
 TITLE_ROOM = 240  # argv bytes the server keeps for a rank's title (setproctitle writes there)
 
 
-#: read at import too, but applied again by every rank (``torch.set_num_threads``)
-APPLIED_BY_THE_RANK = ("OMP_NUM_THREADS",)
+#: matched above but not fixed at import: OMP_NUM_THREADS is applied again by every rank
+#: (``torch.set_num_threads``); TORCHINDUCTOR_CACHE_DIR is read when inductor first compiles, and
+#: torch sets it in ``os.environ`` itself on that first use, so a launcher that imported
+#: transformers after starting its server has it and the server does not (that difference alone
+#: made every run start a second server: ~4 s of a quick run)
+APPLIED_BY_THE_RANK = ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:

@@ -41,7 +41,7 @@ def facts(module: str, names: list[str]) -> dict[str, Any]:
 def test_a_forked_rank_starts_as_a_fresh_interpreter_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    names = ["HYBRIDFLOW_TEST_MARK", "HF_HUB_DISABLE_TELEMETRY"]
+    names = ["HYBRIDFLOW_TEST_MARK", "HF_HUB_DISABLE_TELEMETRY", "TORCHINDUCTOR_CACHE_DIR"]
     monkeypatch.setenv("HYBRIDFLOW_TEST_MARK", "first")
     first = facts("json", names)
     server = ForkServer.shared()
@@ -55,10 +55,13 @@ def test_a_forked_rank_starts_as_a_fresh_interpreter_would(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{tmp_path}")
     monkeypatch.setenv("HYBRIDFLOW_TEST_MARK", "second")
+    # what torch sets in the launcher once it imported transformers (read when inductor compiles)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     second = facts("written_later", names)
     assert second["ppid"] == server.pid  # the same server: nothing it imported changed
     assert second["cwd"] == str(tmp_path) == second["path0"] and second["imported"]
     assert second["env"]["HYBRIDFLOW_TEST_MARK"] == "second"
+    assert second["env"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     # a variable huggingface reads at import: that server's imports no longer hold
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     third = facts("json", names)
