@@ -197,6 +197,10 @@ def comes_back_in_its_job(tmp_path: Path, far: dict[str, Any], outputs: Path) ->
     assert settle(lambda: rank_processes(tmp_path)) == []
 
 
+# extended: tests/deploy/test_slurm_nodes.py's node-lost test (default tier) shows the same on a
+# group over two nodes: a kill -9 fails a step, the group comes back as a new step of its job,
+# the job completes with the failed step in its comment; this one adds the step names in squeue
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_slurm_group_comes_back_as_a_new_step_of_its_job(slurm: None, tmp_path: Path) -> None:

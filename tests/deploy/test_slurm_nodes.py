@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.launchers.sbatch import FAILED_STEPS
 from tests.conftest import require_system
 from tests.deploy.test_netns import netns_available, veth_bytes_of
 from tests.waiting import wait_for
@@ -304,3 +305,13 @@ def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
     assert [e["group"] for e in events if e.get("event") == "fault"][:1] == ["main"]
     outputs = sorted((run_dir / "pair").glob("slurm-*.out"))
     assert len(outputs) == 1, outputs  # one job: the group came back as a step of it
+    job = outputs[0].name.removeprefix("slurm-").removesuffix(".out")
+    node1, env, _ = two_nodes
+    state = subprocess.run(
+        [*node1, "scontrol", "show", "job", job, "-o"], capture_output=True, text=True, env=env
+    )
+    # the kill -9 failed a step without ending the job, which completed with the run and says
+    # which group's step failed (the script's comment on the job)
+    assert "hybridflow: a step failed (137)" in outputs[0].read_text()
+    assert "JobState=COMPLETED" in state.stdout, state.stdout + state.stderr
+    assert f"Comment={FAILED_STEPS}main=137" in state.stdout
