@@ -120,8 +120,8 @@ def test_an_env_group_killed_mid_rollout_is_restarted_and_its_trajectories_rerun
     the same seeds, and the run equals the undisturbed one. In this process, so the kill can be
     aimed inside the rollout."""
     sets = [
-        "stages.0.steps=20",
-        "stages.1.steps=4",
+        "stages.0.steps=10",
+        "stages.1.steps=2",  # the kill lands in the first; the second runs on the restarted group
         "trainer.agent.serving=lockstep",
         "trainer.val_data=null",
         "logging.tensorboard=false",
