@@ -46,6 +46,11 @@ def accuracy(texts: list[str]) -> float:
     ) / len(rows)
 
 
+# extended: tests/deploy/test_smollm2_tools_example.py runs SmolLM2 with LoRA end to end in the
+# default tier (its exports load both ways and compute alike), tests/roles/test_lora.py has the
+# actor-as-reference and export mechanics bitwise on the tiny model; this one adds GRPO's KL
+# against the adapters-off reference and the export's answers against the run's validation
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_quick_lora_run_trains_adapters_and_its_exports_answer(tmp_path: Path) -> None:
