@@ -12,8 +12,11 @@ here) and train LoRA adapters of rank 16, alpha 32 on every attention and MLP pr
 - the reward: the last number of the answer (``roles.rules:last_number_reward``);
 - the learning rate (constant, no warm-up), clip 0.2, token-mean loss, group-std advantages, grad
   clip 1.0, no KL term (TRL's ``beta=0``; hybridflow's ``kl.coef`` 0), pi_old the behaviour policy;
-- the same precision: bf16 autocast over fp32 master weights (TRL's ``bf16=True``, hybridflow's
-  ``dtype: auto`` on a CPU that multiplies bf16 natively; the JSON says which ran);
+- the same precision, by construction: ``--dtype`` (default ``auto``, resolved here once by the
+  rule hybridflow's ``dtype: auto`` uses: bf16 where the hardware multiplies it natively and
+  faster, AMX-BF16 on a CPU, else fp32) is given to both sides: hybridflow's actor ``dtype``,
+  TRL's ``bf16=True`` (bf16 autocast over fp32 master weights) or plain fp32; the JSON's
+  ``dtype`` names both;
 - the same cores: hybridflow run as ``--threads`` ranks of one thread each (data parallel) and as
   one rank of ``--threads`` intra-op threads, TRL as one process with each thread count of
   ``--trl-threads``; each side's faster run counts (all are in the JSON).
@@ -68,7 +71,7 @@ def experiment(model: Path, data: str, args: argparse.Namespace, wide: bool) -> 
             "actor": {
                 "model": "smollm2",
                 "lora": {"rank": RANK, "alpha": ALPHA},
-                "dtype": "auto",
+                "dtype": args.dtype,
                 "dp_mode": "replicate",
                 "micro_batch_size": -(-completions // ranks),
             },
@@ -108,8 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="TRL's intra-op thread counts to try (default: 1 and --threads)",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="both sides' precision (auto: what hybridflow's dtype: auto picks on this host)",
+    )
     ap.add_argument("--work", type=Path, help="keep runs here (default: a temporary folder)")
     args = ap.parse_args(argv)
+    args.dtype, args.dtype_reason = both_sides_dtype(args.dtype)
     args.steps = args.steps or (4 if args.quick else 10)
     args.prompts = args.prompts or (2 if args.quick else 4)
     with tempfile.TemporaryDirectory(prefix="real-vs-trl-") as tmp:
@@ -118,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         found = report(args, *measure(args, work))
     print(json.dumps(found, default=str))
     return 0
+
+
+def both_sides_dtype(requested: str) -> tuple[str, str]:
+    """The one dtype both sides run in, and why: ``auto`` resolved by hybridflow's own rule."""
+    from roles.runtime.device import HOST_DEVICE, choose_dtype
+
+    choice = choose_dtype(requested, HOST_DEVICE)  # type: ignore[arg-type]
+    return choice.dtype, choice.reason
 
 
 def measure(
@@ -151,11 +169,13 @@ def measure(
         )
         log(f"  {layouts[name]['step_s_median']:.2f} s/step, {layouts[name]['tok_s']:.1f} tok/s")
     real = max(layouts.values(), key=lambda r: r["tok_s"])
+    if real["dtype"] != args.dtype:  # both sides in one dtype, or no comparison
+        raise RuntimeError(f"hybridflow ran in {real['dtype']}, TRL is to run in {args.dtype}")
     real["layout"] = next(k for k, r in layouts.items() if r is real)
     real["by_layout"] = {k: round(r["tok_s"], 1) for k, r in layouts.items()}
     trl_runs = {}
     for threads in trl_threads:
-        log(f"TRL GRPOTrainer + PEFT LoRA {RANK}, bf16, {threads} thread(s) ...")
+        log(f"TRL GRPOTrainer + PEFT LoRA {RANK}, {args.dtype}, {threads} thread(s) ...")
         trl_runs[threads] = run_trl(
             str(model),
             rows,
@@ -166,7 +186,7 @@ def measure(
             max_new_tokens=args.max_new_tokens,
             lr=args.lr,
             threads=threads,
-            bf16=True,
+            bf16=args.dtype == "bf16",
             lora=LoraSettings(rank=RANK, alpha=ALPHA),
         )
         run = trl_runs[threads]
@@ -219,8 +239,11 @@ def report(
         },
         "real_limit_frac": limit["frac"],
         "limit": limit,
-        "dtype": {"hybridflow": real["dtype"], "trl": "bf16 autocast (Trainer bf16=True)"},
-        "dtype_reason": real["dtype_reason"],
+        "dtype": {
+            "hybridflow": real["dtype"],
+            "trl": "bf16 (Trainer bf16=True)" if args.dtype == "bf16" else "fp32",
+        },
+        "dtype_reason": args.dtype_reason,
         "split_s": real["split_s"],
         "tokens_per_step": {
             "hybridflow": round(real["tokens_per_step"], 1),
