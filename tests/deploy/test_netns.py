@@ -109,17 +109,24 @@ def veth_bytes_of(ns: str, dev: str) -> int:
     return int(stats["rx"]["bytes"]) + int(stats["tx"]["bytes"])
 
 
+#: the group's store port (torchrun's static rendezvous, on host B: nothing else listens there)
+STORE_PORT = 29411
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: Path) -> None:
+    """The controller on host A; the group started by hand with ``torchrun --nnodes 2``, one rank
+    on each host (rank 0, its coordinator, on B): the printed role command runs under torchrun
+    (less its --nproc), the ranks meet at B's store, their links and the controller's are CURVE
+    over TCP, and the gradients' all-reduce crosses between the hosts."""
     a, b = hosts
     keys = tmp_path / "keys"
     subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
     err = tmp_path / "controller.err"
     argv = ["controller", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json", "--wait", "90"]
     argv += ["--bind", f"tcp://{A}:0", "--keys", str(keys), "--run-dir", str(tmp_path / "run")]
-    env_a = {**os.environ, "HYBRIDFLOW_HOST_ID": "host-a"}
-    env_b = {**os.environ, "HYBRIDFLOW_HOST_ID": "host-b"}
+    env_of = {ns: {**os.environ, "HYBRIDFLOW_HOST_ID": f"host-{ns[2]}"} for ns in (a, b)}
     before = veth_bytes(a)
     with err.open("w") as stderr:
         ctl = subprocess.Popen(
@@ -127,25 +134,44 @@ def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: 
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=env_a,
+            env=env_of[a],
         )
+    nodes: list[subprocess.Popen[str]] = []
     try:
         found = wait_for_line(err, ANNOUNCED, ctl, 60, "the controller printing the role command")
         args = [*found.group(2).split(), "--run-dir", str(tmp_path / "role")]
-        assert args[2].startswith(f"tcp://{A}:")
-        role = subprocess.run(
-            ["ip", "netns", "exec", b, *CLI, "role", *args],
-            env={**env_b, "HYBRIDFLOW_TOKEN": found.group(1)},
-            timeout=240,
-        )
+        assert args[2].startswith(f"tcp://{A}:") and "--keys" in args
+        # less its --nproc: torchrun sizes the group (and its own parser would take the option
+        # for an abbreviation of --nproc-per-node)
+        at = args.index("--nproc")
+        args = args[:at] + args[at + 2 :]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        torchrun += ["--nproc-per-node", "1", "--master-addr", B, "--master-port", str(STORE_PORT)]
+        for node_rank, ns in enumerate((b, a)):
+            command = [*torchrun, "--node-rank", str(node_rank), "-m", "deploy.cli", "role", *args]
+            with (tmp_path / f"node{node_rank}.out").open("w") as out:
+                nodes.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", ns, *command],
+                        env={**env_of[ns], "HYBRIDFLOW_TOKEN": found.group(1)},
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    )
+                )
+        codes = [node.wait(timeout=240) for node in nodes]
         out, _ = ctl.communicate(timeout=60)
     finally:
-        if ctl.poll() is None:
-            ctl.kill()
-    assert role.returncode == 0 and ctl.returncode == 0, err.read_text()[-2000:]
+        for proc in (ctl, *nodes):
+            if proc.poll() is None:
+                proc.kill()
+    said = [(tmp_path / f"node{i}.out").read_text() for i in (0, 1)]
+    assert codes == [0, 0] and ctl.returncode == 0, err.read_text()[-2000:] + said[0][-2000:]
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 46
+    # rank 0 (on B) coordinates: it says the group of 2 ranks joined, and how it ended
+    assert "group main joined the controller" in said[0] and "on 2 ranks" in said[0], said[0]
     crossed = veth_bytes(a) - before
-    # 46 steps of batches, validations and weights' worth of replies: far more than handshakes
+    # 46 steps of batches, gradients, validations and weights' worth of replies
     print(f"bytes over the veth: {crossed}")
     assert crossed > 1_000_000, crossed
 
