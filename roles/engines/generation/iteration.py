@@ -70,12 +70,13 @@ class Job:
         return (s.temperature, s.top_k, s.top_p, s.greedy, self.version)
 
 
-class DecodeLoop:
-    """The running decode batch of one ``NativeEngine`` (see the module's docstring)."""
+class TurnLoop:
+    """The role's side of a loop that serves turns as they come, whatever the engine: requests
+    are ``submit``-ted, run in a thread of the loop's own, and ``take``-n per channel once done.
+    A subclass says what runs (``_live``, ``_running``, ``_admissible``, ``_iterate``, ``_empty``)
+    and what fits (``_check``)."""
 
-    def __init__(self, engine: NativeEngine, cache: SessionCache | None = None) -> None:
-        self.engine = engine
-        self.cache = cache
+    def __init__(self) -> None:
         self.lock = threading.Lock()  # the engine: the loop's steps vs. the role's other calls
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
@@ -87,7 +88,6 @@ class DecodeLoop:
         self._empty()
         self.steps = 0  # decode steps run (for tests and metrics)
         self.admissions = 0  # prefills that joined a running batch
-        self.compactions = 0
 
     # -- the role's side ---------------------------------------------------------------------
 
@@ -95,7 +95,7 @@ class DecodeLoop:
     def busy(self) -> int:
         """Requests submitted and not yet finished (running or waiting)."""
         with self._cond:
-            return len(self._pending) + sum(j is not None for j in self._jobs)
+            return len(self._pending) + self._running()
 
     def submit(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -103,10 +103,10 @@ class DecodeLoop:
                 raise GenerationError(f"request {job.id}: max_new must be >= 1, got {job.max_new}")
             if job.sampling.n != 1:
                 raise GenerationError(f"request {job.id}: one sample per request (n = 1)")
-            if len(job.prompt) + job.max_new > self.engine.context or not job.prompt:
+            if len(job.prompt) + job.max_new > self._context() or not job.prompt:
                 raise GenerationError(
                     f"request {job.id}: a prompt of {len(job.prompt)} tokens with max_new "
-                    f"{job.max_new} does not fit the model's context of {self.engine.context}"
+                    f"{job.max_new} does not fit the model's context of {self._context()}"
                 )
         with self._cond:
             for job in jobs:
@@ -145,20 +145,9 @@ class DecodeLoop:
             return found
 
     def release(self) -> None:
-        """Let the caches go (the next request allocates them again); only when nothing runs
+        """Let the loop's state go (the next request builds it again); only when nothing runs
         (a weight change: a caller holding ``lock`` and finding ``busy`` 0)."""
         self._empty()
-
-    def _empty(self) -> None:
-        """No running batch (the loop thread's state, or the lock holder's while it runs none)."""
-        self._jobs: list[Job | None] = []  # per slot
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._lengths = torch.zeros(0, dtype=torch.long)
-        self._steps = torch.zeros(0, dtype=torch.long)
-        self._last = torch.zeros(0, dtype=torch.long)  # each slot's last sampled token
-        self._uniforms = torch.zeros((0, 0))
-        self._logits: torch.Tensor | None = None
-        self._fused_version: int | None = None
 
     def close(self) -> None:
         with self._cond:
@@ -181,13 +170,74 @@ class DecodeLoop:
                 with self.lock, torch.no_grad():
                     finished = self._iterate(admitted)
             except BaseException as exc:  # every request in the batch fails with the loop
-                self._fail([*admitted, *(j for j in self._jobs if j is not None)], exc)
+                self._fail([*admitted, *self._running_jobs()], exc)
                 continue
             if finished:
                 with self._cond:
                     for job in finished:
                         self._done.setdefault(job.channel, []).append(job)
                     self._cond.notify_all()
+
+    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
+        self._empty()
+        with self._cond:
+            for job in jobs:
+                self._failed[job.channel] = exc
+            self._cond.notify_all()
+
+    # -- what a subclass says ------------------------------------------------------------------
+
+    def _context(self) -> int:
+        raise NotImplementedError
+
+    def _empty(self) -> None:
+        """No running batch (the loop thread's state, or the lock holder's while it runs none)."""
+        raise NotImplementedError
+
+    def _running_jobs(self) -> list[Job]:
+        raise NotImplementedError
+
+    def _running(self) -> int:
+        return len(self._running_jobs())
+
+    def _live(self) -> bool:
+        return self._running() > 0
+
+    def _admissible(self) -> list[Job]:
+        """The waiting requests that may join now (called holding ``_cond``): all of them."""
+        taken = list(self._pending)
+        self._pending.clear()
+        return taken
+
+    def _iterate(self, admitted: list[Job]) -> list[Job]:
+        """Admit ``admitted``, run one step; the requests that finished."""
+        raise NotImplementedError
+
+
+class DecodeLoop(TurnLoop):
+    """The running decode batch of one ``NativeEngine`` (see the module's docstring)."""
+
+    def __init__(self, engine: NativeEngine, cache: SessionCache | None = None) -> None:
+        self.engine = engine
+        self.cache = cache
+        super().__init__()
+        self.compactions = 0
+
+    def _context(self) -> int:
+        return self.engine.context
+
+    def _empty(self) -> None:
+        self._jobs: list[Job | None] = []  # per slot
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lengths = torch.zeros(0, dtype=torch.long)
+        self._steps = torch.zeros(0, dtype=torch.long)
+        self._last = torch.zeros(0, dtype=torch.long)  # each slot's last sampled token
+        self._uniforms = torch.zeros((0, 0))
+        self._logits: torch.Tensor | None = None
+        self._fused_version: int | None = None
+
+    def _running_jobs(self) -> list[Job]:
+        return [j for j in self._jobs if j is not None]
 
     def _live(self) -> bool:
         return any(j is not None for j in self._jobs)
@@ -203,13 +253,6 @@ class DecodeLoop:
         if taken:
             self._pending = deque(j for j in self._pending if j.kind != kind)
         return taken
-
-    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
-        self._empty()
-        with self._cond:
-            for job in jobs:
-                self._failed[job.channel] = exc
-            self._cond.notify_all()
 
     def _iterate(self, admitted: list[Job]) -> list[Job]:
         """One iteration: a token for every live row (the rows that finish leave), then one
