@@ -93,9 +93,10 @@ class AgentConfig(BaseModel):
     serving: Literal["iteration", "continuous", "lockstep"] = Field(
         "continuous",
         description="iteration: each turn joins the generator's running decode batch as soon as "
-        "it is asked for and returns as soon as it is done (a rollout group, native engine, "
-        "tp 1); continuous: the generator serves whatever turns are waiting whenever a call is "
-        "not in flight; lockstep: each call waits for every live trajectory (the naive baseline)",
+        "it is asked for and returns as soon as it is done (a rollout group, native or vllm "
+        "engine, tp 1); continuous: the generator serves whatever turns are waiting whenever a "
+        "call is not in flight; lockstep: each call waits for every live trajectory (the naive "
+        "baseline)",
     )
     sessions: bool = Field(
         True,
@@ -480,8 +481,8 @@ async def run_trajectories(
     )
     if server.iteration and not hasattr(setup.generator, "exchange"):
         raise AgentError(
-            f"agent serving 'iteration' needs a rollout group as the generator (native engine, "
-            f"tp 1); {setup.generator.role!r} serves whole calls: use serving 'continuous'"
+            f"agent serving 'iteration' needs a rollout group as the generator (native or "
+            f"vllm engine, tp 1); {setup.generator.role!r} serves whole calls: use serving 'continuous'"
         )
     desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
     began = time.perf_counter()

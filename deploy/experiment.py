@@ -603,10 +603,11 @@ def _check_agent(exp: Experiment) -> None:
         rollout = exp.roles.get("rollout")
         engine = rollout.settings().get("engine", "native") if rollout is not None else None
         tp = next((g.tp for g in placement(exp).values() if "rollout" in g.roles), 1)
-        if engine != "native" or tp != 1:
+        if engine not in ("native", "vllm") or tp != 1:
             raise ExperimentError(
-                "trainer.agent.serving: 'iteration' runs in a rollout group's native engine at "
-                f"tp 1 (here: {'no rollout role' if rollout is None else f'engine {engine}, tp {tp}'}"
+                "trainer.agent.serving: 'iteration' runs in a rollout group's native or vllm "
+                "engine at tp 1 (here: "
+                f"{'no rollout role' if rollout is None else f'engine {engine}, tp {tp}'}"
                 "); use serving 'continuous'"
             )
     for i, stage in enumerate(exp.stages):

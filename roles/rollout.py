@@ -28,11 +28,11 @@ from transformers import AutoModelForCausalLM
 
 from roles.base import Role, RoleContext
 from roles.engines.generation.interface import GenerationEngine, GenerationError, ServingEngine
-from roles.engines.generation.iteration import DecodeLoop, Job
+from roles.engines.generation.iteration import DecodeLoop, Job, TurnLoop
 from roles.engines.generation.native import NativeEngine
 from roles.engines.generation.serve import EngineName, make_engine, prompt_ids, serve
 from roles.engines.generation.sessions import DEFAULT_SESSION_CACHE_MB, SessionCache
-from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB
+from roles.engines.generation.vllm import DEFAULT_KV_CACHE_MB, VLLMEngine, VLLMTurnLoop
 from roles.modeling.lora import LoraSettings, attach, is_adapter
 from roles.modeling.models import load_causal_lm, load_config, load_tokenizer
 from roles.modeling.text import pad_rows
@@ -119,7 +119,7 @@ class Rollout(WeightSink, Role):
             self._build_module_engine()
         self.version = 0
         self.sessions = SessionCache(int(self.cfg.session_cache_mb * 2**20))
-        self.loop: DecodeLoop | None = None  # iteration-level serving, from the first exchange
+        self.loop: TurnLoop | None = None  # iteration-level serving, from the first exchange
 
     def _build_serving(self) -> None:
         config = load_config(self.cfg.model)
@@ -201,8 +201,8 @@ class Rollout(WeightSink, Role):
         wait_s: float = 0.0,
         min_version: int = 0,
     ) -> list[TurnResult]:
-        """Iteration-level serving (``roles/engines/generation/iteration.py``, native engine at
-        tp = 1): ``requests`` join the running decode batch; returns ``channel``'s turns that
+        """Iteration-level serving (``roles/engines/generation/iteration.py``; native or vLLM
+        engine at tp = 1): ``requests`` join the running decode batch; returns ``channel``'s turns that
         finished, waiting up to ``wait_s`` for the first while any are out."""
         if self.version < min_version:
             raise StaleWeightsError(
@@ -240,15 +240,18 @@ class Rollout(WeightSink, Role):
             for j in loop.take(channel, wait_s)
         ]
 
-    def _decode_loop(self) -> DecodeLoop:
+    def _decode_loop(self) -> TurnLoop:
         if self.loop is None:
-            if not isinstance(self.engine, NativeEngine) or self.ctx.layout.tp != 1:
+            if self.ctx.layout.tp != 1 or not isinstance(self.engine, NativeEngine | VLLMEngine):
                 raise GenerationError(
-                    f"iteration-level serving runs on engine 'native' at tp = 1 (this group: "
-                    f"engine {self.cfg.engine!r}, tp {self.ctx.layout.tp}); use agent serving "
-                    "'continuous'"
+                    f"iteration-level serving runs on engines 'native' and 'vllm' at tp = 1 "
+                    f"(this group: engine {self.cfg.engine!r}, tp {self.ctx.layout.tp}); use "
+                    "agent serving 'continuous'"
                 )
-            self.loop = DecodeLoop(self.engine, self.sessions)
+            if isinstance(self.engine, VLLMEngine):  # vLLM's scheduler admits each turn
+                self.loop = VLLMTurnLoop(self.engine)
+            else:
+                self.loop = DecodeLoop(self.engine, self.sessions)
         return self.loop
 
     def _engine(self) -> Any:

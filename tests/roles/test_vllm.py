@@ -137,6 +137,7 @@ def _one_rank(rank: int, world: int, path: str) -> dict[str, Any]:
         }
     }
     out["sampled"] = _sampled(vllm, model, tokenizer, prompts)
+    out["turn_loop"] = _turn_loop(vllm, prompts)
     out.update(_shaped(vllm, native, tokenizer, prompts))
     out.update(_reloaded(vllm, native, model, prompts, greedy, out["greedy"]["vllm"]))
     return out
@@ -163,6 +164,54 @@ def _sampled(vllm: Any, model: Any, tokenizer: Any, prompts: Any) -> dict[str, A
             "gap": _gap(model, tokenizer, first, temperature),
         }
     return sampled
+
+
+def _turn_loop(vllm: Any, prompts: Any) -> dict[str, Any]:
+    """Iteration-level serving on vLLM: turns submitted while others run, taken per channel,
+    against one generate call with the same request seeds; generate refused meanwhile."""
+    from roles.engines.generation.interface import GenerationError, SamplingConfig
+    from roles.engines.generation.iteration import Job
+    from roles.engines.generation.vllm import VLLMTurnLoop
+
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=4)
+    call = vllm.generate(prompts, sampling, request_seeds=list(range(200, 206)))
+    loop = VLLMTurnLoop(vllm)
+    jobs = [
+        Job(i, "ab"[i % 2], list(p), 10, 200 + i, sampling, version=0)
+        for i, p in enumerate(prompts)
+    ]
+    loop.submit(jobs[:3])
+    refused = ""
+    try:
+        vllm.generate(prompts[:1], sampling)
+    except GenerationError as exc:
+        refused = str(exc)
+    loop.submit(jobs[3:])  # joining the running batch
+    done: dict[str, list[Any]] = {"a": [], "b": []}
+    for _ in range(400):
+        for channel in done:
+            done[channel] += loop.take(channel, 0.5)
+        if sum(map(len, done.values())) == len(jobs):
+            break
+    steps, admissions, busy = loop.steps, loop.admissions, loop.busy
+    loop.close()
+    by_id = {j.id: j for found in done.values() for j in found}
+    return {
+        "channels": {c: sorted(j.id for j in found) for c, found in done.items()},
+        "tokens": [by_id[i].tokens if i in by_id else None for i in range(len(jobs))],
+        "call_tokens": _tokens(call),
+        "log_prob_gap": max(
+            abs(a - b)
+            for i, sample in enumerate(call)
+            if i in by_id
+            for a, b in zip(by_id[i].log_probs, sample.log_probs, strict=True)
+        ),
+        "refused": refused,
+        "steps": steps,
+        "admissions": admissions,
+        "busy_after": busy,
+        "turns_out_after": vllm.turns_out,
+    }
 
 
 def _shaped(vllm: Any, native: Any, tokenizer: Any, prompts: Any) -> dict[str, Any]:
@@ -338,6 +387,21 @@ def test_per_sample_seeds_reproduce_whatever_the_batch(one: dict[str, Any]) -> N
         assert sampled["tokens"] != sampled["other_seed"]
         assert len({tuple(t) for t in sampled["tokens"]}) > len(TEXTS)
         assert sampled["lengths_ok"]
+
+
+def test_turns_joining_vllm_s_running_batch_sample_as_one_call_does(one: dict[str, Any]) -> None:
+    """Iteration-level serving on vLLM (``VLLMTurnLoop``): each turn a request of vLLM's own
+    scheduler, admitted between its steps; the same tokens as one generate call with the same
+    request seeds, each channel gets its own, and a generate call is refused while turns are out
+    (vLLM would step them, and take their outputs)."""
+    loop = one["turn_loop"]
+    assert loop["channels"] == {"a": [0, 2, 4], "b": [1, 3, 5]}
+    assert loop["tokens"] == loop["call_tokens"]
+    assert loop["log_prob_gap"] < LOGPROB_BOUND_MAX
+    assert "turns out in its turn loop" in loop["refused"]
+    # a scheduler step gives each running turn one token (its prefill step the first)
+    assert loop["admissions"] == 6 and loop["steps"] >= max(map(len, loop["tokens"]))
+    assert loop["busy_after"] == 0 and loop["turns_out_after"] == 0
 
 
 def test_stop_tokens_and_max_new_tokens_are_honoured(one: dict[str, Any]) -> None:
@@ -621,6 +685,9 @@ MULTI_TURN = [
     "placement.main.nproc=1",
     "roles.rollout.dtype=fp32",
     "roles.actor.dtype=fp32",
+    # iteration-level: each turn a request of vLLM's scheduler as soon as it is asked for
+    # (continuous serving is the controller's, the same on every engine: tested on native)
+    "trainer.agent.serving=iteration",
 ]
 
 
@@ -629,7 +696,8 @@ def test_multi_turn_games_run_on_vllm_token_in_token_out_with_its_prefix_cache(
     needs_vllm: None, tmp_path: Path
 ) -> None:
     """The number-guessing game's quick run (SFT, then GRPO over multi-turn games: the env
-    answers every guess) with a vLLM rollout group: every turn goes in as the trajectory's token ids and
+    answers every guess) with a vLLM rollout group serving turns at iteration level (each joins
+    vLLM's running batch): every turn goes in as the trajectory's token ids and
     comes out as ids, its later turns are served from vLLM's prefix cache (the step's
     ``agent/prefix_reuse``), and in fp32 the log-probs vLLM reports are the trainer's, so no
     token was re-tokenised and every turn was sampled from the actor's current weights."""

@@ -74,7 +74,10 @@ class TurnLoop:
     """The role's side of a loop that serves turns as they come, whatever the engine: requests
     are ``submit``-ted, run in a thread of the loop's own, and ``take``-n per channel once done.
     A subclass says what runs (``_live``, ``_running``, ``_admissible``, ``_iterate``, ``_empty``)
-    and what fits (``_check``)."""
+    and what fits (``_context``). ``THREADED``: the steps run in a thread of the loop's own; else
+    in the caller's, inside ``take``."""
+
+    THREADED = True
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the engine: the loop's steps vs. the role's other calls
@@ -88,6 +91,9 @@ class TurnLoop:
         self._empty()
         self.steps = 0  # decode steps run (for tests and metrics)
         self.admissions = 0  # prefills that joined a running batch
+        # intra-op threads are per thread: the loop's own would start at OpenMP's default (every
+        # core), not the rank's setting (vLLM's CPU attention then fails its thread-count check)
+        self._threads = torch.get_num_threads()
 
     # -- the role's side ---------------------------------------------------------------------
 
@@ -112,7 +118,7 @@ class TurnLoop:
             for job in jobs:
                 self._out[job.channel] = self._out.get(job.channel, 0) + 1
             self._pending.extend(jobs)
-            if self._thread is None:
+            if self._thread is None and self.THREADED:
                 self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
@@ -157,26 +163,32 @@ class TurnLoop:
     # -- the loop thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         while True:
             with self._cond:
                 while not self._closing and not self._pending and not self._live():
                     self._cond.wait()
                 if self._closing:
                     return
-                admitted = self._admissible()
-            try:
-                # grad mode is per thread, and on in a new one: without this every step would
-                # record an autograd graph that the caches' in-place writes chain together
-                with self.lock, torch.no_grad():
-                    finished = self._iterate(admitted)
-            except BaseException as exc:  # every request in the batch fails with the loop
-                self._fail([*admitted, *self._running_jobs()], exc)
-                continue
-            if finished:
-                with self._cond:
-                    for job in finished:
-                        self._done.setdefault(job.channel, []).append(job)
-                    self._cond.notify_all()
+            self._step()
+
+    def _step(self) -> None:
+        """Admit what may join, run one step, publish the requests that finished."""
+        with self._cond:
+            admitted = self._admissible()
+        try:
+            # grad mode is per thread, and on in a new one: without this every step would
+            # record an autograd graph that the caches' in-place writes chain together
+            with self.lock, torch.no_grad():
+                finished = self._iterate(admitted)
+        except BaseException as exc:  # every request in the batch fails with the loop
+            self._fail([*admitted, *self._running_jobs()], exc)
+            return
+        if finished:
+            with self._cond:
+                for job in finished:
+                    self._done.setdefault(job.channel, []).append(job)
+                self._cond.notify_all()
 
     def _fail(self, jobs: list[Job], exc: BaseException) -> None:
         self._empty()

@@ -38,16 +38,19 @@ Greedy decoding on fp32 weights gives the native and HF engines' tokens (tests/r
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import glob
+import itertools
 import logging
 import math
 import os
 import random
 import secrets
 import tempfile
+import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +68,7 @@ from roles.engines.generation.interface import (
     check_prompts,
     resumed_seed,
 )
+from roles.engines.generation.iteration import Job, TurnLoop
 
 EXTRA = "pip install -e '.[vllm]'"
 #: the KV cache vLLM reserves when VLLM_CPU_KVCACHE_SPACE (GiB) does not say: enough for a few
@@ -198,7 +202,7 @@ class _Bridge:
 
     def finish(self, key: int, tokens: Sequence[int]) -> list[float]:
         """The sample's log-probs, one per token (the last step is read from ``tokens``)."""
-        tracked = self.done.get(key)
+        tracked = self.done.pop(key, None)
         if tracked is None:
             raise GenerationError(f"vLLM ran sample {key} without hybridflow's logits processor")
         self._read(tracked, tokens)
@@ -278,6 +282,7 @@ class VLLMEngine(ServingEngine):
         self._prompt = vllm.inputs.TokensPrompt
         self._released: list[tuple[torch.Tensor, int, bool]] = []
         self._weights_released = False
+        self.turns_out = 0  # requests of a VLLMTurnLoop inside vLLM's scheduler
 
     @property
     def _bridge(self) -> _Bridge:
@@ -295,6 +300,11 @@ class VLLMEngine(ServingEngine):
         resume: Sequence[Resume] | None = None,
     ) -> list[Sample]:
         check_prompts(prompts, sampling, self.context, resume)
+        if self.turns_out:  # llm.generate would step them too, and take their outputs
+            raise GenerationError(
+                f"vLLM has {self.turns_out} turns out in its turn loop; a generate call waits "
+                "for them (iteration-level serving and call-level generation do not mix)"
+            )
         if self._weights_released:
             raise GenerationError("the vLLM engine's weights were released; load_weights first")
         self.resume()
@@ -409,6 +419,101 @@ class VLLMEngine(ServingEngine):
             if cache:  # the whole storage: every layer's cache is a view into one of them
                 _bytes_of(storage).zero_()
         self._released = []
+
+
+class VLLMTurnLoop(TurnLoop):
+    """Iteration-level serving on vLLM (tp 1): each turn becomes a request of vLLM's own
+    scheduler as soon as it is submitted (``LLMEngine.add_request``), the loop thread runs one
+    ``LLMEngine.step`` at a time (a scheduler iteration: the running rows decode a token, the
+    admitted ones prefill, served from the prefix cache where their blocks are held), and a turn
+    is published the step it finishes. Each turn is sampled as ``generate`` samples the same
+    request (its seed ``resumed_seed(seed, request seed, 0)``, our stop tokens, the bridge's
+    log-probs), so the choice of serving changes timing, not tokens.
+
+    The steps run in the role's own thread, inside ``take`` (as long as it waits, at least one
+    step when anything is out): vLLM's CPU engine runs only in the thread that built it (from
+    another its attention kernels fail their thread-count check, or corrupt the heap), so turns
+    advance while an ``exchange`` call waits, not between calls."""
+
+    THREADED = False
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+        super().__init__()
+        self._keys = itertools.count(1 << 40)  # apart from a generate call's 0, 1, ...
+
+    def _context(self) -> int:
+        return self.engine.context
+
+    def _empty(self) -> None:
+        self._jobs: dict[str, tuple[Job, int]] = {}  # vLLM request id -> (turn, bridge key)
+
+    def _running_jobs(self) -> list[Job]:
+        return [job for job, _ in self._jobs.values()]
+
+    def submit(self, jobs: list[Job]) -> None:
+        super().submit(jobs)
+        self.engine.turns_out = self.busy  # a generate call is refused from now on
+
+    def take(self, channel: Hashable, wait_s: float) -> list[Job]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._cond:
+                work = bool(self._pending) or self._live()
+                ready = bool(self._done.get(channel)) or channel in self._failed
+            if ready or not work:
+                break
+            self._step()  # at least one while this channel's turns are out
+            if time.monotonic() >= deadline:
+                break
+        self.engine.turns_out = self.busy
+        return super().take(channel, 0.0)
+
+    def _iterate(self, admitted: list[Job]) -> list[Job]:
+        engine = self.engine
+        if engine._weights_released:
+            raise GenerationError("the vLLM engine's weights were released; load_weights first")
+        engine.resume()
+        bridge = engine._bridge
+        if not self._jobs:
+            bridge.reset(None)  # no hybridflow processor on agent turns
+        core = engine.llm.llm_engine
+        for job in admitted:
+            settings = job.sampling.model_copy(update={"max_new_tokens": job.max_new})
+            stops = list(settings.stop_token_ids or [engine.eos])
+            key = next(self._keys)
+            seed = resumed_seed(settings.seed, job.seed, 0)
+            name = f"turn-{key}"
+            prompt = engine._prompt(prompt_token_ids=list(job.prompt))
+            core.add_request(name, prompt, engine._params(settings, stops, seed, key))
+            self._jobs[name] = (job, key)
+            self.admissions += 1
+        engine.turns_out = len(self._jobs)
+        with _own_random_state():
+            outputs = core.step()
+        self.steps += 1
+        finished = []
+        for out in outputs:
+            if not out.finished or out.request_id not in self._jobs:
+                continue
+            job, key = self._jobs.pop(out.request_id)
+            done = Sample(request=0, prompt=job.prompt)
+            completion = out.outputs[0]
+            engine._fill(done, completion, bridge.finish(key, completion.token_ids))
+            job.tokens, job.log_probs, job.finish = done.tokens, done.log_probs, done.finish
+            job.reused = int(out.num_cached_tokens or 0)
+            finished.append(job)
+        engine.turns_out = len(self._jobs)
+        return finished
+
+    def _fail(self, jobs: list[Job], exc: BaseException) -> None:
+        """The turns out are aborted in vLLM too (a failed step leaves them scheduled)."""
+        names = list(self._jobs)
+        if names:
+            with contextlib.suppress(Exception):
+                self.engine.llm.llm_engine.abort_request(names)
+        self.engine.turns_out = 0
+        super()._fail(jobs, exc)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
