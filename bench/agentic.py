@@ -22,6 +22,9 @@ run sees the same latencies):
 * ``vllm``: (a) on a vLLM rollout group (token ids in and out, its automatic prefix cache in
   blocks of 32 tokens): ``vllm_traj_per_s`` and ``vllm_prefix_hit_rate``, the share of the turns'
   prompt positions its prefix cache served (not in ``--quick``);
+* ``vllm_iteration``: the same with ``serving: iteration``: each turn becomes a request of vLLM's
+  own scheduler when it is asked for and returns the step it finishes (``VLLMTurnLoop``):
+  ``vllm_iteration_traj_per_s``, ``vllm_iteration_prefix_hit_rate`` (not in ``--quick``);
 * ``iteration`` and ``iteration_no_latency``: (a) and (c) with ``serving: iteration``: each turn
   joins the native engine's running decode batch when it is asked for and returns when it is
   done (``roles/engines/generation/iteration.py``), instead of waiting for the call in flight.
@@ -125,14 +128,15 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         group("slow", "env", "roles.env:EnvRole", slow),
         group("fast", "fast_env", "roles.env:EnvRole", fast),
     ]
-    if "vllm" in args.modes:  # the same work on vLLM: token ids in and out, its prefix cache
+    on_vllm = [m for m in args.modes if m.startswith("vllm")]
+    if on_vllm:  # the same work on vLLM: token ids in and out, its prefix cache
         vllm = {"model": str(model), "dtype": "fp32", "engine": "vllm", "kv_cache_mb": 512}
         groups.append(group("vgen", "vllm", "roles.rollout:Rollout", {**vllm, **VLLM_BLOCKS}))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.turn_tokens, n=args.n, seed=1)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
     async with local_session(groups, Timeouts(call_s=600, connect_s=120)) as c:
         generators = {"native": RolloutClient(c, "rollout")}
-        if "vllm" in args.modes:
+        if on_vllm:
             generators["vllm"] = RolloutClient(c, "vllm")
         envs = {"slow": EnvClient(c, "env"), "fast": EnvClient(c, "fast_env")}
         specs = {k: await e.spec() for k, e in envs.items()}
@@ -144,13 +148,15 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                 serving = "continuous"
                 if mode.startswith("iteration") or mode == "lockstep":
                     serving = mode.split("_")[0]
+                elif mode == "vllm_iteration":
+                    serving = "iteration"
                 cfg = AgentConfig(
                     max_turns=args.steps,
                     max_total_tokens=4096,
                     serving=serving,
                     sessions=mode != "no_sessions",
                 )
-                generator = generators["vllm" if mode == "vllm" else "native"]
+                generator = generators["vllm" if mode.startswith("vllm") else "native"]
                 setup = AgentRollout(generator, envs[which], cfg, specs[which], None, session)
                 session += args.prompts * args.n
                 pushes: list[int] = []
@@ -248,15 +254,19 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         found = {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
         return found | stale
     a, plain, b, c, it, it_c = (median(m, "agent/traj_per_s") for m in MODES)
-    if "vllm" in args.modes:
-        vllm = {
-            "vllm_traj_per_s": round(median("vllm", "agent/traj_per_s"), 3),
-            "vllm_tok_per_s": round(tok_s("vllm"), 1),
-            "vllm_prefix_hit_rate": round(median("vllm", "agent/prefix_reuse"), 3),
-            "vllm_vs_native": round(median("vllm", "agent/traj_per_s") / a, 3),
-        }
-    else:
-        vllm = {}
+    vllm: dict[str, float] = {}
+    for m in ("vllm", "vllm_iteration"):
+        if m in args.modes:
+            vllm |= {
+                f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3),
+                f"{m}_tok_per_s": round(tok_s(m), 1),
+                f"{m}_prefix_hit_rate": round(median(m, "agent/prefix_reuse"), 3),
+                f"{m}_vs_native": round(median(m, "agent/traj_per_s") / a, 3),
+            }
+    if {"vllm", "vllm_iteration"} <= set(args.modes):
+        vllm["vllm_iteration_vs_continuous"] = round(
+            median("vllm_iteration", "agent/traj_per_s") / median("vllm", "agent/traj_per_s"), 3
+        )
 
     return {
         "traj_per_s": round(a, 3),
@@ -335,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         type=lambda x: x.split(","),
-        default=[*MODES, "vllm"],
-        help="a comma list of modes (default: all; --quick: all but vllm)",
+        default=[*MODES, "vllm", "vllm_iteration"],
+        help="a comma list of modes (default: all; --quick: all but the vllm ones)",
     )
     parser.add_argument(
         "--max-staleness",
@@ -353,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         args.modes = [*args.modes, "stale"]
     if args.quick:
         args.prompts, args.n, args.repeats, args.steps = 8, 2, 1, 4
-        args.modes = [m for m in args.modes if m != "vllm"]
+        args.modes = [m for m in args.modes if not m.startswith("vllm")]
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / args.model, args.model, seed=0)
         report = asyncio.run(measure(args, model))
