@@ -41,11 +41,13 @@ def wait_for_line(
     return wait_for(found, limit, what, proc=proc, detail=path.read_text)
 
 
+# extended: the default tier runs the printed command as it is on this host
+# (tests/deploy/test_role_command.py: the group joins, the run completes, the group ends) and
+# under torchrun over two hosts (tests/deploy/test_netns.py: the quick quickstart's 46 steps)
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "launcher", ["hybridflow", pytest.param("torchrun", marks=pytest.mark.extended)]
-)
+@pytest.mark.parametrize("launcher", ["hybridflow", "torchrun"])
 def test_controller_alone_and_a_group_started_by_hand(launcher: str, tmp_path: Path) -> None:
     """The group is started with the printed command (its ranks spawned by `hybridflow role`),
     or by torchrun, each of whose two processes becomes one rank."""
