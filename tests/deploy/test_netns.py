@@ -149,12 +149,12 @@ def test_a_run_across_two_hosts_goes_over_tcp(hosts: tuple[str, str], tmp_path: 
         torchrun += ["--nproc-per-node", "1", "--master-addr", B, "--master-port", str(STORE_PORT)]
         for node_rank, ns in enumerate((b, a)):
             command = [*torchrun, "--node-rank", str(node_rank), "-m", "deploy.cli", "role", *args]
-            with (tmp_path / f"node{node_rank}.out").open("w") as out:
+            with (tmp_path / f"node{node_rank}.out").open("w") as log:
                 nodes.append(
                     subprocess.Popen(
                         ["ip", "netns", "exec", ns, *command],
                         env={**env_of[ns], "HYBRIDFLOW_TOKEN": found.group(1)},
-                        stdout=out,
+                        stdout=log,
                         stderr=subprocess.STDOUT,
                         text=True,
                     )
