@@ -423,8 +423,8 @@ class VLLMEngine(ServingEngine):
 
 class VLLMTurnLoop(TurnLoop):
     """Iteration-level serving on vLLM (tp 1): each turn becomes a request of vLLM's own
-    scheduler as soon as it is submitted (``LLMEngine.add_request``), the loop thread runs one
-    ``LLMEngine.step`` at a time (a scheduler iteration: the running rows decode a token, the
+    scheduler at the next step after it is submitted (``LLMEngine.add_request``), one
+    ``LLMEngine.step`` runs at a time (a scheduler iteration: the running rows decode a token, the
     admitted ones prefill, served from the prefix cache where their blocks are held), and a turn
     is published the step it finishes. Each turn is sampled as ``generate`` samples the same
     request (its seed ``resumed_seed(seed, request seed, 0)``, our stop tokens, the bridge's
@@ -488,7 +488,6 @@ class VLLMTurnLoop(TurnLoop):
             core.add_request(name, prompt, engine._params(settings, stops, seed, key))
             self._jobs[name] = (job, key)
             self.admissions += 1
-        engine.turns_out = len(self._jobs)
         with _own_random_state():
             outputs = core.step()
         self.steps += 1
@@ -503,7 +502,6 @@ class VLLMTurnLoop(TurnLoop):
             job.tokens, job.log_probs, job.finish = done.tokens, done.log_probs, done.finish
             job.reused = int(out.num_cached_tokens or 0)
             finished.append(job)
-        engine.turns_out = len(self._jobs)
         return finished
 
     def _fail(self, jobs: list[Job], exc: BaseException) -> None:
