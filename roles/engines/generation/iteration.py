@@ -92,7 +92,7 @@ class TurnLoop:
         self.steps = 0  # decode steps run (for tests and metrics)
         self.admissions = 0  # prefills that joined a running batch
         # intra-op threads are per thread: the loop's own would start at OpenMP's default (every
-        # core), not the rank's setting (vLLM's CPU attention then fails its thread-count check)
+        # core), not the rank's setting (placement threads), and crowd the other ranks
         self._threads = torch.get_num_threads()
 
     # -- the role's side ---------------------------------------------------------------------
