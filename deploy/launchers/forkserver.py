@@ -424,6 +424,9 @@ class _Server:
         """In the child: leave the server behind and start as a fresh rank process would."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # as Python sets it up, whatever the server inherited: a SIGINT ignored by the process
+        # that started the server (an ignored signal survives exec) must not reach the ranks
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         self.selector.close()
         for fd in (self.wake_r, self.wake_w, self.parent_fd):
             os.close(fd)

@@ -90,17 +90,30 @@ asyncio.run(main())
 """
 
 
+def ignores_sigint(pid: int) -> bool:
+    """Whether SIGINT is ignored in process ``pid`` (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    raise AssertionError(f"no SigIgn line for {pid}")
+
+
 def test_kill_9_of_the_launcher_leaves_no_server_and_no_rank(tmp_path: Path) -> None:
+    """The launcher starts with SIGINT ignored, as a shell's background job does; the server
+    inherits that through exec, the ranks it forks do not (Ctrl-C's KeyboardInterrupt, as a
+    fresh interpreter)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(tmp_path)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert proc.stdout is not None
         pids = json.loads(proc.stdout.readline())
         assert len(pids) == 3 and all(alive(p) for p in pids)
+        assert ignores_sigint(pids[0]) and not any(ignores_sigint(p) for p in pids[1:])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         wait_for(lambda: not any(alive(p) for p in pids), 10, "the server and both ranks gone")
