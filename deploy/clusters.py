@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deploy.commands.keys import client_files, server_files
 from deploy.experiment import (
@@ -58,17 +58,50 @@ class LocalCluster(BaseModel):
     slots: int | None = Field(None, ge=1, description="ranks this host may run (default: any)")
 
 
+class RemoteHost(BaseModel):
+    """One host of a ``remote`` cluster of several."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    via: list[str] = Field(min_length=1, description="runs a shell command line on that host")
+    address: str = Field(
+        min_length=1,
+        description="the name or IP the cluster's other hosts reach it by (a group whose rank 0 "
+        "runs there meets its ranks there)",
+    )
+
+
 class RemoteCluster(BaseModel):
-    """Another host reached by a command (ssh): one ``hybridflow role`` per group there."""
+    """Other hosts reached by a command (ssh). One host (``via``): one ``hybridflow role`` per
+    group there. Several (``hosts``): each group on the next of them in turn, a group with
+    ``nodes: K`` over K of them, its ranks laid out host by host, one process each."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["remote"]
-    via: list[str] = Field(min_length=1, description="runs a shell command line there")
+    via: list[str] = Field(
+        default_factory=list, description="runs a shell command line on its one host"
+    )
+    hosts: list[RemoteHost] = Field(
+        default_factory=list, description="its hosts, when it has several (instead of via)"
+    )
     python: str | None = Field(None, description="python there (default: this one's path)")
     workdir: str | None = Field(None, description="checkout there (default: this one's path)")
     keys: str | None = Field(None, description="key directory there (default: this one's)")
-    slots: int | None = Field(None, ge=1, description="ranks that host may run (default: any)")
+    slots: int | None = Field(
+        None, ge=1, description="ranks each of its hosts may run (default: any)"
+    )
+
+    @model_validator(mode="after")
+    def _one_way_there(self) -> RemoteCluster:
+        if bool(self.via) == bool(self.hosts):
+            raise ValueError(
+                "set via (the command that reaches its one host) or hosts (several, each "
+                "with its via and address), not both"
+                if self.via
+                else "set via (the command that reaches its one host) or hosts (several)"
+            )
+        return self
 
 
 class SlurmCluster(BaseModel):
@@ -211,11 +244,13 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
     for name, cluster in spec.clusters.items():
         mine = {g: groups[g] for g, c in where.items() if c == name}
         spread = [g for g, config in mine.items() if config.nodes > 1]
-        if spread and not isinstance(cluster, SlurmCluster | RayCluster):
+        several = isinstance(cluster, RemoteCluster) and cluster.hosts
+        if spread and not (several or isinstance(cluster, SlurmCluster | RayCluster)):
             raise ExperimentError(
                 f"cluster {name!r} ({cluster.kind}): group {spread[0]!r} spans "
-                f"{mine[spread[0]].nodes} nodes, which only a slurm or ray cluster lays out; put it on "
-                f"one (groups.{spread[0]}) or set placement.{spread[0]}.nodes: 1"
+                f"{mine[spread[0]].nodes} nodes, which only a slurm or ray cluster or a remote "
+                f"one with hosts lays out; put it on one (groups.{spread[0]}) or set "
+                f"placement.{spread[0]}.nodes: 1"
             )
         if spread and spec.keys is None:
             raise ExperimentError(
@@ -227,6 +262,8 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
             _check_job_fits(name, cluster, mine, probe)
         elif isinstance(cluster, RayCluster) and mine and probe:
             _check_ray_fits(name, cluster, mine)
+        elif isinstance(cluster, RemoteCluster) and cluster.hosts and mine:
+            _check_hosts(name, cluster, mine)
         elif isinstance(cluster, LocalCluster | RemoteCluster) and cluster.slots:
             _check_slots(name, cluster.slots, mine)
     return where
@@ -280,6 +317,21 @@ def _check_ray_fits(name: str, cluster: RayCluster, mine: dict[str, GroupConfig]
         check_groups(name, cluster, dict(mine))
     except RuntimeError as exc:  # not installed, not answering, too small
         raise ExperimentError(str(exc)) from None
+
+
+def _check_hosts(name: str, cluster: RemoteCluster, mine: dict[str, GroupConfig]) -> None:
+    """A remote cluster of several hosts holds its groups: none spans more hosts than it has,
+    and no host runs more than ``slots`` ranks."""
+    hosts = len(cluster.hosts)
+    for group, config in mine.items():
+        if config.nodes > hosts:
+            raise ExperimentError(
+                f"cluster {name!r}: group {group!r} spans {config.nodes} nodes but the cluster "
+                f"has {hosts} host(s); add hosts (clusters.{name}.hosts) or lower "
+                f"placement.{group}.nodes"
+            )
+    if cluster.slots and (why := overfull(mine, hosts, cluster.slots, controller=False)):
+        raise ExperimentError(f"cluster {name!r}: {why} (clusters.{name}.slots, a host's)")
 
 
 def _check_slots(name: str, slots: int, mine: dict[str, GroupConfig]) -> None:

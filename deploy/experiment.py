@@ -152,7 +152,8 @@ class GroupConfig(BaseModel):
     nodes: int = Field(
         1,
         ge=1,
-        description="nodes the group's ranks span (SLURM and remote launchers), nproc / nodes "
+        description="nodes the group's ranks span (SLURM jobs, Ray clusters, remote clusters "
+        "with `hosts:`), nproc / nodes "
         "on each, node by node: tensor-parallel peers share a node, pipeline and data parallel "
         "go across; needs CURVE keys (the links between nodes are encrypted)",
     )

@@ -250,6 +250,9 @@ def test_a_slurm_group_whose_job_is_gone_comes_back_in_a_job_of_its_own(
     assert settle(lambda: rank_processes(tmp_path)) == []
 
 
+# extended: tests/deploy/test_netns.py's group over two ssh hosts (default tier) shows a rank
+# over ssh killed and started again through a second login, and nothing left after the run
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_group_over_ssh_comes_back_as_a_new_ssh_process(tmp_path: Path) -> None:

@@ -182,10 +182,37 @@ def test_a_group_over_ray_nodes_needs_keys_and_other_kinds_refuse_it() -> None:
     with pytest.raises(ExperimentError, match=r"group 'gen' spans nodes, so links .* need CURVE"):
         check_spec(ray_spec("auto"), exp, probe=False)
     local = spec(clusters={"home": {"kind": "local"}, "farm": {"kind": "remote", "via": ["sh"]}})
-    with pytest.raises(ExperimentError, match=r"which only a slurm or ray cluster lays out"):
+    with pytest.raises(ExperimentError, match=r"which only a slurm or ray cluster or a remote"):
         check_spec(local, exp, probe=False)
     with pytest.raises(ExperimentError, match=r"clusters\.pool\.ray\.gpus: unknown field"):
         load_spec_text("clusters: {pool: {kind: ray, gpus: 1}}\ngroups: {main: pool}\n")
+
+
+def test_a_remote_cluster_of_several_hosts_holds_a_group_over_them(tmp_path: Path) -> None:
+    """``hosts`` instead of ``via``: a group may span as many hosts as there are, no more, each
+    host within ``slots``; one of via and hosts, and each host its address."""
+    keys = tmp_path / "keys"
+    argv = [*CLI, "keys", str(keys), "--clients", "main,gen"]
+    subprocess.run(argv, check=True, capture_output=True)
+    host = lambda address: {"via": ["ssh", address], "address": address}  # noqa: E731
+    pair: dict[str, Any] = {"kind": "remote", "hosts": [host("10.0.0.7"), host("10.0.0.8")]}
+    two = spec(clusters={"home": {"kind": "local"}, "pair": pair}, keys=str(keys))
+    two.groups.update({"rollout": "pair"})
+    check_spec(two, experiment("placement.gen={roles: [rollout], nproc: 4, nodes: 2}"))
+    with pytest.raises(ExperimentError, match=r"group 'gen' spans 3 nodes but the cluster has 2 "):
+        check_spec(two, experiment("placement.gen={roles: [rollout], nproc: 3, nodes: 3}"))
+    pair["slots"] = 1  # each host holds 1 rank: 2 a host is too many
+    tight = spec(clusters={"home": {"kind": "local"}, "pair": pair}, keys=str(keys))
+    tight.groups.update({"rollout": "pair"})
+    with pytest.raises(ExperimentError, match=r"node 0 .* 2 tasks .*clusters\.pair\.slots"):
+        check_spec(tight, experiment("placement.gen={roles: [rollout], nproc: 4, nodes: 2}"))
+    with pytest.raises(ExperimentError, match=r"clusters\.far\.remote: set via .* or hosts"):
+        load_spec_text("clusters: {far: {kind: remote}}\ngroups: {main: far}\n")
+    both = "{kind: remote, via: [ssh, a], hosts: [{via: [ssh, b], address: b}]}"
+    with pytest.raises(ExperimentError, match=r"not both"):
+        load_spec_text(f"clusters: {{far: {both}}}\ngroups: {{main: far}}\n")
+    with pytest.raises(ExperimentError, match=r"hosts\.0\.address: Field required"):
+        load_spec_text("clusters: {far: {kind: remote, hosts: [{via: [ssh, a]}]}}\ngroups: {}\n")
 
 
 def load_spec_text(text: str) -> ClusterSpec:

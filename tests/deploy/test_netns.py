@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,24 @@ def three_hosts() -> Iterator[tuple[str, str, str]]:
             for pid in pids.stdout.split():
                 subprocess.run(["kill", "-9", pid], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def run_processes(ns: str, run_dir: Path) -> list[int]:
+    """The processes in network namespace ``ns`` whose command line names ``run_dir``."""
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    found = []
+    for pid in map(int, pids.split()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if str(run_dir).encode() in argv:
+            found.append(pid)
+    return found
+
+
+def nothing_left(ns: str, run_dir: Path) -> bool:
+    return not run_processes(ns, run_dir)
 
 
 def veth_bytes(ns: str) -> int:
@@ -247,3 +266,80 @@ def test_three_hosts_from_a_cluster_spec_with_strangers_refused(
         _, err = stranger.communicate(timeout=60)
         assert stranger.returncode == 1
         assert "no answer from the controller" in " ".join(err.split()), err[-1500:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_over_two_ssh_hosts_loses_one_and_comes_back(
+    hosts: tuple[str, str], tmp_path: Path
+) -> None:
+    """A ``remote`` cluster of two hosts, one reached by ``ip netns exec`` (A, where the
+    controller runs too) and one by ssh (B: a real sshd, its own hostname): the quickstart's
+    group of 2 ranks spans both, its ranks meeting at A. After step 3 the rank on B is killed:
+    the run rolls back to its checkpoint, the rank comes back over a second ssh login, and the
+    run completes, each step once, its gradients having crossed the link."""
+    from tests.deploy.test_slurm_nodes import kill_node, steps_logged
+    from tests.waiting import wait_for
+
+    a, b = hosts
+    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    at_a = ["ip", "netns", "exec", a, "env", "HYBRIDFLOW_HOST_ID=host-a"]
+    prefix = ["ip", "netns", "exec", b, "unshare", "--uts"]
+    with sshd(tmp_path / "ssh", B, prefix, "hfhostb") as login:
+        spec = {
+            "controller": {"bind": f"tcp://{A}:47011", "wait": 90},
+            "keys": str(keys),
+            "clusters": {
+                "pair": {
+                    "kind": "remote",
+                    "hosts": [
+                        {"via": [*at_a, "sh", "-c"], "address": A},
+                        {"via": login, "address": B},
+                    ],
+                }
+            },
+            "groups": {"main": "pair"},
+        }
+        (tmp_path / "clusters.yaml").write_text(yaml.safe_dump(spec))
+        sets = [
+            "placement.main={roles: [actor, reward], nproc: 2, nodes: 2, "
+            "restart: {max: 2, backoff_s: [0.0]}}",
+            "stages.0.steps=6",
+            "stages.1.steps=2",
+            "trainer.val_every=100",
+            "trainer.save_every=2",
+        ]
+        argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json"]
+        argv += ["--clusters", str(tmp_path / "clusters.yaml"), "--run-dir", str(run_dir)]
+        argv += [x for s in sets for x in ("--set", s)]
+        before = veth_bytes(a)
+        out = tmp_path / "run.out"
+        with (
+            out.open("w") as sink,
+            subprocess.Popen([*at_a, *CLI, *argv], stdout=sink, stderr=subprocess.STDOUT) as run,
+        ):
+            try:
+                wait_for(lambda: 3 in steps_logged(run_dir), 180, "step 3", proc=run)
+                killed = kill_node(b, run_dir)
+                run.wait(timeout=240)
+            finally:
+                run.kill()
+        logins = (tmp_path / "ssh" / "log").read_text().count("Accepted publickey")
+        # nothing of the run is left on either host (the ssh sessions ended with it)
+        for ns in (a, b):
+            wait_for(partial(nothing_left, ns, run_dir), 30, f"no process of the run in {ns}")
+    said = out.read_text()
+    assert run.returncode == 0, said[-5000:]
+    assert len(killed) == 1, killed  # the group's rank on B
+    assert steps_logged(run_dir) == list(range(1, 9))  # each step once
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["group"] for e in events if e.get("event") == "rollback"] == ["main"], said[-3000:]
+    fault = next(e for e in events if e.get("event") == "fault")
+    # rank 1, seen gone first by its coordinator (its link closed) or by the launcher (its ssh
+    # session ended, the host named), whichever says so first
+    assert (fault["group"], fault["rank"]) == ("main", 1), fault
+    assert logins == 2  # rank 1 started over ssh, and again after the kill
+    crossed = veth_bytes(a) - before
+    print(f"bytes over the veth: {crossed}")
+    assert crossed > 1_000_000, crossed  # 8 steps' all-reduces of the gradients, the batches
