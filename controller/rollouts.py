@@ -130,6 +130,7 @@ class RolloutPipeline:
         self.synced: int | None = None
         self.sync_bytes = 0  # what the last sync moved into the rollout group's rank 0
         self.sync_controller_bytes = 0  # what crossed the controller meanwhile (commands only)
+        self.sync_controller_weight_bytes = 0  # of that, tensor payloads (0 by design)
         self.ahead: dict[int, asyncio.Future[TensorBatch]] = {}  # step -> batch out or done
         self._spans: dict[int, tuple[float, float]] = {}  # step -> when its batch generated
         self._stage: StageRollouts | None = None
@@ -250,6 +251,7 @@ class RolloutPipeline:
                 pushed = await self.weights.push(rollout, version)
             self.sync_bytes = int(pushed.get("received", {}).get("bytes", 0))
             self.sync_controller_bytes = int(pushed.get("controller_bytes", 0))
+            self.sync_controller_weight_bytes = int(pushed.get("controller_weight_bytes", 0))
         except WeightSyncError:  # the rollout group died during the push, and was restarted?
             supervisor = rollout.controller.supervisor
             if supervisor is None or not await supervisor.recovered(self._rollout_group):

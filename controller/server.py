@@ -96,6 +96,9 @@ class Traffic:
 
     sent: int = 0
     received: int = 0
+    #: of those, tensor payloads: frames after a message's header, and shared-memory segments
+    #: (tensors under the codec's inline size travel inside the header and are not counted)
+    tensors: int = 0
 
 
 class _CountingArena(ShmArena):
@@ -107,6 +110,7 @@ class _CountingArena(ShmArena):
         desc = super().put(data, readers)
         if desc is not None:
             self.traffic.sent += int(desc["nbytes"])
+            self.traffic.tensors += int(desc["nbytes"])
         return desc
 
 
@@ -118,6 +122,7 @@ class _CountingReader(ShmReader):
     def get(self, desc: dict[str, Any], reader_index: int = 0) -> Any:
         data = super().get(desc, reader_index)
         self.traffic.received += int(data.numel())
+        self.traffic.tensors += int(data.numel())
         return data
 
 
@@ -232,6 +237,7 @@ class Controller:
         is full (``_send_to_peer`` drops it)."""
         encoded = encode(msg, self.arena if arena else None)
         self.traffic.sent += encoded.nbytes
+        self.traffic.tensors += encoded.nbytes - len(encoded.frames[0])
         group = self.by_identity.get(identity)
         if group is not None and group.backlog:
             group.backlog.append(encoded)
@@ -307,8 +313,10 @@ class Controller:
                 identity, *frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            size = sum(frame_buffer(f).nbytes for f in frames)
+            sizes = [frame_buffer(f).nbytes for f in frames]
+            size = sum(sizes)
             self.traffic.received += size
+            self.traffic.tensors += size - (sizes[0] if sizes else 0)
             if identity.bytes in self.by_identity or self._admit(watch, identity, size):
                 self._handle_one(sock, watch, identity, frames)
         assert self._loop is not None  # more may be queued, and the FD's edge is spent

@@ -51,10 +51,11 @@ class WeightSync:
         """``version`` of the source's weights into ``target`` (``strict=False``: the names both
         hold, e.g. a backbone into a critic). Returns the seconds it took, rank 0's reports
         (``WeightsSent``, ``WeightsReceived``) as maps (bytes, seconds, paths), and
-        ``controller_bytes``: what crossed the controller's sockets meanwhile (the commands)."""
+        ``controller_bytes``: what crossed the controller's sockets meanwhile (the commands),
+        ``controller_weight_bytes``: of that, tensor payloads (0: no weight went through it)."""
         start = time.perf_counter()
         traffic = self.source.controller.traffic
-        before = traffic.sent + traffic.received
+        before, tensors_before = traffic.sent + traffic.received, traffic.tensors
         settings = self.settings
         what = f"{self.source.role} -> {target.role} (weight version {version})"
         try:
@@ -76,6 +77,7 @@ class WeightSync:
             "sent": to_map(sent),
             "received": to_map(got),
             "controller_bytes": traffic.sent + traffic.received - before,
+            "controller_weight_bytes": traffic.tensors - tensors_before,
         }
 
     async def _both(

@@ -450,10 +450,13 @@ class Trainer:
                 if not cfg.max_staleness:
                     async with timer("sync"):
                         self.pipeline.sync_bytes = self.pipeline.sync_controller_bytes = 0
+                        self.pipeline.sync_controller_weight_bytes = 0
                         await self.pipeline.sync()
                     metrics["sync/bytes"] = self.pipeline.sync_bytes  # rank 0's, 0: no sync
                     # the weights go rank to rank: the controller carries the sync's commands
                     metrics["sync/controller_bytes"] = self.pipeline.sync_controller_bytes
+                    weights = self.pipeline.sync_controller_weight_bytes  # of it, tensors
+                    metrics["sync/controller_weight_bytes"] = weights
                 record = self._rl_record(stage, k, rollout, metrics, start)
                 if k % self.cfg.log_samples.every == 0:
                     await self._rollout_samples(stage.name, rollout.batch)

@@ -514,7 +514,11 @@ async def _train(
         # what crossed the controller's sockets (calls, batches, results; never weights, which
         # go rank to rank): a summary can show that no weight went through it
         traffic = controller.traffic
-        result["controller_bytes"] = {"sent": traffic.sent, "received": traffic.received}
+        result["controller_bytes"] = {
+            "sent": traffic.sent,
+            "received": traffic.received,
+            "tensors": traffic.tensors,  # of both: tensor payloads (batches, results)
+        }
     wall = time.perf_counter() - start
     return {"name": run.exp.name, **result, "startup_s": round(ready, 2), "wall_s": round(wall, 2)}
 

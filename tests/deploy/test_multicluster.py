@@ -63,6 +63,7 @@ def assert_fresh_weights(done: subprocess.CompletedProcess[str], run_dir: Path) 
     # while the controller carried only the sync's commands (names, shapes, addresses)
     assert all(r["train/sync/bytes"] > 1_000_000 for r in rl), [r["train/sync/bytes"] for r in rl]
     assert all(0 < r["train/sync/controller_bytes"] < 64 << 10 for r in rl), rl
+    assert all(r["train/sync/controller_weight_bytes"] == 0 for r in rl), rl  # no tensor at all
 
 
 def our_jobs() -> list[str]:

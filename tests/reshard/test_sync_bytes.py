@@ -35,14 +35,17 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             weights = perturbed(await actor.state_dict(), 1)
             await actor.load_state(weights)
             out["model_bytes"] = sum(t.numel() * t.element_size() for t in weights.values())
-            before = c.traffic.sent + c.traffic.received
-            await WeightSync(actor, WeightSyncSettings()).push(rollout, 1)
+            before, tensors = c.traffic.sent + c.traffic.received, c.traffic.tensors
+            pushed = await WeightSync(actor, WeightSyncSettings()).push(rollout, 1)
             out["sync_bytes"] = c.traffic.sent + c.traffic.received - before
+            out["sync_tensor_bytes"] = c.traffic.tensors - tensors
+            out["pushed"] = pushed
             out["digests"] = await rollout.digests()
             out["expected"] = expected_digests(weights, 2, 1)
-            before = c.traffic.sent + c.traffic.received
+            before, tensors = c.traffic.sent + c.traffic.received, c.traffic.tensors
             await rollout.load_weights(await actor.state_dict(), 2)
             out["old_path_bytes"] = c.traffic.sent + c.traffic.received - before
+            out["old_path_tensor_bytes"] = c.traffic.tensors - tensors
         return out
 
     found: dict[str, Any] = run(main)
@@ -59,6 +62,10 @@ def test_a_sync_of_a_70_mb_model_moves_under_1_mb_through_the_controller(
     )
     assert measured["model_bytes"] >= 50 * MB
     assert measured["sync_bytes"] < 1 * MB, measured["sync_bytes"]
+    # of those, no tensor payload at all; the sync reports both as it measured them
+    assert measured["sync_tensor_bytes"] == 0
+    assert measured["pushed"]["controller_bytes"] == measured["sync_bytes"]
+    assert measured["pushed"]["controller_weight_bytes"] == 0
     assert measured["digests"] == measured["expected"]
 
 
@@ -66,3 +73,6 @@ def test_the_counters_see_weights_that_do_pass_through_the_controller(
     measured: dict[str, Any],
 ) -> None:
     assert measured["old_path_bytes"] >= 2 * measured["model_bytes"]  # in from the actor, out
+    # the tensor counter sees them as tensors: all but the headers (names, shapes, dtypes)
+    tensors = measured["old_path_tensor_bytes"]
+    assert 2 * measured["model_bytes"] <= tensors <= measured["old_path_bytes"]
