@@ -18,8 +18,13 @@ bytes over the run's steps) beside ``gradient_bytes`` (the fp32 gradient one all
 a ring over n ranks moves 2(n-1)/n of it through each rank), ``job_s`` of each run, and
 ``node_loss_recovered`` / ``node_loss_recover_s``: a third run (the controller on the first node
 through a cluster spec, the group in a job over both) whose second node's ranks are all killed
-after step 3 completes with each step once, the group back in the same job. Nothing
-here is a GPU or two machines: the link is a veth, with no bandwidth of its own to speak of.
+after step 3 completes with each step once, the group back in the same job; and from a fourth,
+with a rollout group of its own on the second node, each weight sync rank to rank over the
+link: ``sync_bytes`` (what the rollout rank received) beside ``sync_bytes_planned`` (the
+model's bytes, what the reshard plan sends a tp-1 rank), ``controller_bytes_per_sync`` (its
+commands) and ``controller_weight_bytes`` (tensor payloads through the controller over every
+sync: 0). Nothing here is a GPU or two machines: the link is a veth, with no bandwidth of its
+own to speak of.
 """
 
 from __future__ import annotations
@@ -37,8 +42,14 @@ from typing import Any
 import yaml
 from safetensors.torch import load_file
 
+from tests.deploy.test_multicluster import WITH_ROLLOUT
 from tests.deploy.test_netns import veth_bytes_of
-from tests.deploy.test_slurm_nodes import daemons_available, lose_a_node, slurm_nodes
+from tests.deploy.test_slurm_nodes import (
+    daemons_available,
+    lose_a_node,
+    node_address,
+    slurm_nodes,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -57,6 +68,35 @@ def submit(
     if done.returncode != 0:
         raise SystemExit(f"the job failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
     return time.perf_counter() - start
+
+
+def sync_over_the_link(node1: list[str], env: dict[str, str], node2: str, work: Path) -> Path:
+    """The quickstart with a rollout group of its own on the second node (a ``remote`` cluster
+    reached by ``nsenter``), the actor's group on the first beside the controller: each RL
+    step's weights go from the actor's rank 0 to the rollout rank over a CURVE link between the
+    nodes. Returns the run directory."""
+    run_dir = work / "sync"
+    subprocess.run([*CLI, "keys", str(work / "keys"), "--clients", "main,gen"], check=True)
+    there = ["nsenter", f"--net=/run/netns/{node2}", "env", "HYBRIDFLOW_HOST_ID=hfnode2"]
+    spec = {
+        "controller": {"bind": f"tcp://{node_address(1)}:0", "wait": 120},
+        "keys": str(work / "keys"),
+        "clusters": {
+            "home": {"kind": "local"},
+            "far": {"kind": "remote", "via": [*there, "sh", "-c"]},
+        },
+        "groups": {"main": "home", "gen": "far"},
+    }
+    (work / "sync.yaml").write_text(yaml.safe_dump(spec))
+    argv = ["run", str(ROOT / "examples" / "quickstart.yaml"), "--quick", "--json"]
+    argv += ["--clusters", str(work / "sync.yaml"), "--run-dir", str(run_dir)]
+    for override in [*WITH_ROLLOUT, "stages.0.steps=4", "stages.1.steps=4"]:
+        argv += ["--set", override]
+    here = [*node1, "env", "HYBRIDFLOW_HOST_ID=hfnode1"]
+    done = subprocess.run([*here, *CLI, *argv], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the sync run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return run_dir
 
 
 def sft_step_s(run_dir: Path) -> float:
@@ -87,6 +127,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         one_s = submit(node1, env, work / "one", planned, [*sets, f"placement.{name}.nodes=1"])
         (work / "lost").mkdir()
         code, _, killed, lost_dir = lose_a_node(node1, env, node2, work / "lost")
+        synced = sync_over_the_link(node1, env, node2, work)
+    rows = [json.loads(x) for x in (synced / "metrics.jsonl").read_text().splitlines()]
+    syncs = [r for r in rows if r.get("train/sync/bytes")]
+    model = load_file(synced / "export" / "actor" / "model.safetensors")
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
     events = [json.loads(x) for x in (lost_dir / "metrics.jsonl").read_text().splitlines()]
     rollbacks = [e for e in events if e.get("event") == "rollback"]
     steps = [e["step"] for e in events if "stage_step" in e]
@@ -110,6 +155,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the second node's ranks killed at once after step 3 (a cluster spec's SLURM job)
         "node_loss_recovered": code == 0 and len(killed) == 2 and steps == list(range(1, 9)),
         "node_loss_recover_s": rollbacks[0]["recover_s"] if rollbacks else None,
+        # a rollout group on the second node: the weights of each sync rank to rank
+        "syncs": len(syncs),
+        "sync_bytes": syncs[0]["train/sync/bytes"] if syncs else None,
+        "sync_bytes_planned": model_bytes,  # a tp-1 rollout rank receives every parameter
+        "controller_bytes_per_sync": max(r["train/sync/controller_bytes"] for r in syncs),
+        "controller_weight_bytes": sum(r["train/sync/controller_weight_bytes"] for r in syncs),
         "run_dirs": str(work),
     }
     print(json.dumps(result))

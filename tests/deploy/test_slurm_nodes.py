@@ -1,8 +1,8 @@
-"""SLURM on two nodes: a private SLURM cluster (its own slurmctld and two slurmd) whose nodes are
-network namespaces with their own addresses and, through a UTS namespace each, their own
-hostnames; munge is shared through the filesystem as on a real cluster. ``hybridflow slurm
---nodes 2 --keys`` runs the quick quickstart with the controller on the first node and the
-group's two ranks on the second, over CURVE; the link between the nodes carries the run."""
+"""SLURM over several nodes: a private SLURM cluster (its own slurmctld, a slurmd a node) whose
+nodes are network namespaces with their own addresses and, through a UTS namespace each, their
+own hostnames, joined by a bridge; munge is shared through the filesystem as on a real cluster.
+``hybridflow slurm --nodes N --keys`` runs the quick quickstart with the controller on the first
+node and groups over the others, over CURVE; the links between the nodes carry the run."""
 
 from __future__ import annotations
 
@@ -22,13 +22,11 @@ import pytest
 import yaml
 
 from deploy.launchers.sbatch import FAILED_STEPS
-from tests.conftest import require_system
 from tests.deploy.test_netns import netns_available, veth_bytes_of
 from tests.waiting import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CLI = [sys.executable, "-m", "deploy.cli"]
-NODES = {"hfnode1": "10.231.30.1", "hfnode2": "10.231.30.2"}
 
 CONF = """\
 ClusterName=hfnodes
@@ -59,44 +57,50 @@ def daemons_available() -> bool:
     return have and munge and netns_available()
 
 
-@pytest.fixture
-def two_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
-    """(a command prefix that runs on node 1, the environment naming this cluster's config,
-    node 2's network namespace)."""
-    require_system(
-        "a two-node SLURM cluster in network namespaces",
-        daemons_available(),
-        "run as root with slurm-wlm, munge running (.ci/slurm-up) and iproute2",
-    )
-    with slurm_nodes() as cluster:
-        yield cluster
+def node_ns(n: int) -> str:
+    """The network namespace of node ``n`` (1-based) of this process's test cluster."""
+    return f"hf{n}n{os.getpid()}"
+
+
+def node_address(n: int) -> str:
+    """The address of node ``n`` (1-based) of the test cluster."""
+    return f"10.231.30.{n}"
 
 
 @contextmanager
-def slurm_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
-    """The two-node cluster (``two_nodes``), for a benchmark too (``bench/multinode.py``)."""
+def slurm_nodes(count: int = 2) -> Iterator[tuple[list[str], dict[str, str], str]]:
+    """The cluster of ``count`` nodes (``two_nodes``; a benchmark's too, ``bench/multinode.py``):
+    each node a network namespace whose link ``v<ns>`` goes to a bridge in a switch namespace,
+    so every pair of nodes talks through its own two links. Yields (a command prefix that runs
+    on node 1, the environment naming this cluster's config, node 2's network namespace)."""
     d = Path(tempfile.mkdtemp(prefix="hfs-"))  # short: slurmd's socket paths are limited
-    ns = {name: f"hf{name[-1]}n{os.getpid()}" for name in NODES}
+    names = [f"hfnode{n}" for n in range(1, count + 1)]
+    ns = {name: node_ns(n) for n, name in enumerate(names, 1)}
+    switch = f"hfsw{os.getpid()}"
     daemons: list[subprocess.Popen[bytes]] = []
     try:
-        for name in NODES:
-            subprocess.run(["ip", "netns", "add", ns[name]], check=True)
-            subprocess.run(["ip", "-n", ns[name], "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "add", switch], check=True)
+        subprocess.run(["ip", "-n", switch, "link", "add", "br0", "type", "bridge"], check=True)
+        subprocess.run(["ip", "-n", switch, "link", "set", "br0", "up"], check=True)
+        for n, name in enumerate(names, 1):
+            node = ns[name]
+            subprocess.run(["ip", "netns", "add", node], check=True)
+            subprocess.run(["ip", "-n", node, "link", "set", "lo", "up"], check=True)
+            peer = ["type", "veth", "peer", f"s{node}", "netns", switch]
+            subprocess.run(["ip", "link", "add", f"v{node}", "netns", node, *peer], check=True)
+            subprocess.run(["ip", "-n", switch, "link", "set", f"s{node}", "master", "br0"])
+            subprocess.run(["ip", "-n", switch, "link", "set", f"s{node}", "up"], check=True)
+            addr = f"{node_address(n)}/24"
+            subprocess.run(["ip", "-n", node, "addr", "add", addr, "dev", f"v{node}"], check=True)
+            subprocess.run(["ip", "-n", node, "link", "set", f"v{node}", "up"], check=True)
             (d / f"spool-{name}").mkdir()
-        n1, n2 = ns["hfnode1"], ns["hfnode2"]
-        pair = ["type", "veth", "peer", f"v{n2}", "netns", n2]
-        subprocess.run(["ip", "link", "add", f"v{n1}", "netns", n1, *pair], check=True)
-        for name, addr in NODES.items():
-            dev = f"v{ns[name]}"
-            subprocess.run(["ip", "-n", ns[name], "addr", "add", f"{addr}/24", "dev", dev])
-            subprocess.run(["ip", "-n", ns[name], "link", "set", dev, "up"], check=True)
         (d / "state").mkdir()
         nodes = "\n".join(
-            f"NodeName={n} NodeAddr={a} CPUs=4 RealMemory=8000 State=UNKNOWN"
-            for n, a in NODES.items()
+            f"NodeName={name} NodeAddr={node_address(n)} CPUs=4 RealMemory=8000 State=UNKNOWN"
+            for n, name in enumerate(names, 1)
         )
         conf = d / "slurm.conf"
-        conf.write_text(CONF.format(d=d, head=NODES["hfnode1"], nodes=nodes))
+        conf.write_text(CONF.format(d=d, head=node_address(1), nodes=nodes))
 
         def on(name: str) -> list[str]:
             # network namespace only: the node keeps /sys/fs/cgroup, which slurmd needs
@@ -112,7 +116,7 @@ def slurm_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
             )
 
         start("hfnode1", "slurmctld")
-        for name in NODES:
+        for name in names:
             start(name, "slurmd")
         env = {**os.environ, "SLURM_CONF": str(conf)}
         deadline = time.monotonic() + 30
@@ -123,7 +127,7 @@ def slurm_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
                 text=True,
                 env=env,
             )
-            if done.stdout.split() == ["idle", "2"]:
+            if done.stdout.split() == ["idle", str(count)]:
                 break
             assert time.monotonic() < deadline, (done.stdout, done.stderr, list(d.iterdir()))
             time.sleep(0.3)
@@ -137,7 +141,7 @@ def slurm_nodes() -> Iterator[tuple[list[str], dict[str, str], str]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for name in ns.values():
+        for name in [*ns.values(), switch]:
             pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
             for pid in pids.stdout.split():
                 subprocess.run(["kill", "-9", pid], capture_output=True)
@@ -171,9 +175,11 @@ def test_a_run_over_two_slurm_nodes(
     assert crossed > 1_000_000, crossed
 
 
-def slurm_run(node1: list[str], env: dict[str, str], run_dir: Path, exp: Path, *sets: str) -> str:
-    """``hybridflow slurm EXP --quick --nodes 2 --submit``, shortened; its output."""
-    argv = ["slurm", str(exp), "--quick", "--nodes", "2"]
+def slurm_run(
+    node1: list[str], env: dict[str, str], run_dir: Path, exp: Path, *sets: str, nodes: int = 2
+) -> str:
+    """``hybridflow slurm EXP --quick --nodes N --submit``, shortened; its output."""
+    argv = ["slurm", str(exp), "--quick", "--nodes", str(nodes)]
     argv += ["--keys", str(run_dir.parent / "keys"), "--run-dir", str(run_dir), "--submit"]
     for override in ["stages.0.steps=6", "stages.1.steps=2", "trainer.val_every=100", *sets]:
         argv += ["--set", override]
@@ -256,7 +262,7 @@ def lose_a_node(
     keys, run_dir = work / "keys", work / "run"
     subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
     spec = {
-        "controller": {"bind": f"tcp://{NODES['hfnode1']}:0", "wait": 120},
+        "controller": {"bind": f"tcp://{node_address(1)}:0", "wait": 120},
         "keys": str(keys),
         "clusters": {"pair": {"kind": "slurm", "nodes": 2, "tasks_per_node": 2}},
         "groups": {"main": "pair"},
@@ -315,3 +321,31 @@ def test_a_node_lost_midway_rolls_back_and_the_group_returns_in_its_job(
     assert "hybridflow: a step failed (137)" in outputs[0].read_text()
     assert "JobState=COMPLETED" in state.stdout, state.stdout + state.stderr
     assert f"Comment={FAILED_STEPS}main=137" in state.stdout
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_plan_for_four_nodes_of_two_runs_as_written(
+    four_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
+) -> None:
+    """``hybridflow plan --gpus 8 --gpus-per-node 2 --write`` lays the quickstart's group over
+    four nodes; ``hybridflow slurm --nodes 4`` runs the file as written: one step of 8 tasks,
+    2 a node, and the ring all-reduce of its gradients goes through every node's link."""
+    node1, env, _ = four_nodes
+    planned = tmp_path / "planned.yaml"
+    argv = ["plan", str(EXAMPLES / "quickstart.yaml"), "--gpus", "8", "--gpus-per-node", "2"]
+    subprocess.run([*CLI, *argv, "--write", str(planned)], check=True, capture_output=True)
+    ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
+    assert (group["nproc"], group["nodes"]) == (8, 4), group
+    keys = tmp_path / "keys"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", name], check=True, capture_output=True)
+    links = [(node_ns(n), f"v{node_ns(n)}") for n in range(1, 5)]
+    before = [veth_bytes_of(*link) for link in links]
+    slurm_run(node1, env, tmp_path / "run", planned, nodes=4)
+    crossed = [veth_bytes_of(*link) - b for link, b in zip(links, before, strict=True)]
+    steps = (tmp_path / "run" / "job.sbatch").read_text().split(f"# group {name}")[1]
+    assert "--nodes=4 --ntasks=8 --ntasks-per-node=2 --distribution=block" in steps
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 8
+    print(f"bytes through each node's link: {crossed}")
+    assert all(c > 1_000_000 for c in crossed), crossed  # every node took part in the ring
