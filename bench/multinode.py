@@ -90,7 +90,12 @@ def sync_over_the_link(node1: list[str], env: dict[str, str], node2: str, work: 
     (work / "sync.yaml").write_text(yaml.safe_dump(spec))
     argv = ["run", str(ROOT / "examples" / "quickstart.yaml"), "--quick", "--json"]
     argv += ["--clusters", str(work / "sync.yaml"), "--run-dir", str(run_dir)]
-    for override in [*WITH_ROLLOUT, "stages.0.steps=4", "stages.1.steps=4"]:
+    for override in [
+        *WITH_ROLLOUT,
+        "stages.0.steps=6",
+        "stages.0.optim.warmup_steps=1",
+        "stages.1.steps=4",
+    ]:
         argv += ["--set", override]
     here = [*node1, "env", "HYBRIDFLOW_HOST_ID=hfnode1"]
     done = subprocess.run([*here, *CLI, *argv], capture_output=True, text=True, env=env)
