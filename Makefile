@@ -35,12 +35,19 @@ lint: $(BIN)/hybridflow
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two pytest-xdist workers: the suite's waits (process starts, SLURM, tool latencies) leave a
+# third of two cores idle when run one test at a time. Tests of the shared system components
+# (SLURM, network namespaces, sshd, Ray) run one at a time on one worker (tests/conftest.py
+# SERIAL). TEST_WORKERS=0 runs everything in this process, one test at a time.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: lint
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q $(XDIST) --durations=30
 
 # the suite plus its extended tier (slow tests another one partly covers); run before resolving
 test-all: lint
-	$(BIN)/python -m pytest -q --extended
+	$(BIN)/python -m pytest -q $(XDIST) --extended
 
 bench: $(BIN)/hybridflow
 	# the peers (TRL, Ray); torch stays the pinned CPU wheel

@@ -91,13 +91,38 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.fail(f"{GPU_ENV}=1 but torch.cuda.is_available() is False: no GPU here")
 
 
+#: tests that share one of the machine's system components: its SLURM cluster (jobs, squeue),
+#: network namespaces and their bridges, an sshd on a fixed port, a Ray cluster. ``make test``
+#: runs the suite on two pytest-xdist workers; these run one at a time, all on one of them
+#: (``--dist loadgroup``), while the other takes the rest.
+SERIAL = (
+    "tests/api/test_remote.py",
+    "tests/deploy/launchers/",
+    "tests/deploy/test_cluster_restart.py",
+    "tests/deploy/test_clusters.py",
+    "tests/deploy/test_controller_cli.py",
+    "tests/deploy/test_megatron_run.py",
+    "tests/deploy/test_multicluster.py",
+    "tests/deploy/test_netns.py",
+    "tests/deploy/test_nodes.py",
+    "tests/deploy/test_pipeline_placement.py",
+    "tests/deploy/test_plan_written.py",
+    "tests/deploy/test_slurm.py",
+    "tests/deploy/test_slurm_nodes.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests are skipped without CUDA (``skip_gpu_tests``). The ``extended`` tier (slow
-    tests another test already covers in part) is deselected by default and reported as such, so
-    ``make test`` stays near 15-25 minutes on 2 cores."""
+    """``gpu`` tests are skipped without CUDA (``skip_gpu_tests``). Tests of ``SERIAL`` modules
+    are one xdist group. The ``extended`` tier (slow tests another test already covers in part)
+    is deselected by default and reported as such, so ``make test`` stays under 20 minutes on 2
+    cores of the fast host kind."""
     config.stash[_GPU_KEY] = skip_gpu_tests(
         items, cuda_devices() > 0, os.environ.get(GPU_ENV) == "1"
     )
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.xdist_group("system"))
     if config.getoption("--extended") or os.environ.get(EXTENDED_ENV) == "1":
         return
     if config.getoption("markexpr"):  # an explicit -m decides for itself

@@ -94,7 +94,7 @@ def test_launchers_that_cannot_lay_a_group_over_nodes_refuse_it(tmp_path: Path) 
         "groups": {"main": "home", "gen": "farm"},
     }
     with pytest.raises(
-        ExperimentError, match="only a slurm or ray cluster lays out; put it on one"
+        ExperimentError, match="only a slurm or ray cluster or a remote one with hosts lays out"
     ):
         check_spec(ClusterSpec.model_validate(spec), exp, probe=False)
     spec["groups"] = {"main": "farm", "gen": "home"}
