@@ -17,6 +17,8 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -280,19 +282,34 @@ def group_step(
 STEP_FIRST_NODE = "@step"
 
 
-def step_first_node_addr(env: Mapping[str, str]) -> str:
+def step_first_node_addr(env: Mapping[str, str], patience_s: float = 60.0) -> str:
     """The address of the first node of this SLURM step as SLURM knows it (``NodeAddr``: the
-    hostname on most clusters, an address where names do not resolve)."""
+    hostname on most clusters, an address where names do not resolve). Every rank of a step
+    asks at once; a slurmctld slow to answer is asked again for ``patience_s`` seconds (a name
+    taken in its place would not resolve where names do not)."""
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise SystemExit(f"hybridflow role: --master-addr {STEP_FIRST_NODE} outside a SLURM step")
-    hosts = run_there([], ["scontrol", "show", "hostnames", nodelist], timeout=30)
-    if hosts.returncode != 0 or not hosts.stdout.split():
-        raise SystemExit(slurm_problem("hybridflow role: scontrol show hostnames", hosts.stderr))
+    deadline = time.monotonic() + patience_s
+    hosts = _asked(["scontrol", "show", "hostnames", nodelist], deadline)
     first = hosts.stdout.split()[0]
-    node = run_there([], ["scontrol", "show", "node", first, "-o"], timeout=30)
+    node = _asked(["scontrol", "show", "node", first, "-o"], deadline)
     fields = dict(f.split("=", 1) for f in node.stdout.split() if "=" in f)
     return fields.get("NodeAddr") or first
+
+
+def _asked(argv: list[str], deadline: float) -> subprocess.CompletedProcess[str]:
+    """``argv`` (a SLURM client command) until it answers with output, or SystemExit naming
+    what failed once ``deadline`` (monotonic) has passed."""
+    while True:
+        done = run_there([], argv, timeout=30)
+        if done.returncode == 0 and done.stdout.split():
+            return done
+        if time.monotonic() > deadline:
+            raise SystemExit(slurm_problem(f"hybridflow role: {' '.join(argv[:3])}", done.stderr))
+        print(f"hybridflow role: {' '.join(argv[:3])} failed, asking again: "
+              f"{done.stderr.strip()[-200:]}", file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(0.5)
 
 
 def run_there(via: list[str], argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -5,13 +5,16 @@ launcher on a real SLURM cluster: ``tests/deploy/test_multicluster.py``,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from controller.placement import GroupSpec, RoleSpec
 from deploy.clusters import SlurmCluster
-from deploy.launchers.sbatch import wait_steps
+from deploy.launchers.sbatch import step_first_node_addr, wait_steps
 from deploy.launchers.slurm import SlurmLauncher
 from transport.settings import Timeouts
 
@@ -66,3 +69,30 @@ def test_a_cluster_with_its_own_workdir_writes_under_it(tmp_path: Path) -> None:
     assert "#SBATCH --chdir=/scratch/me/hf" in script
     assert "#SBATCH --output=runs/run-1/site2/slurm-%j.out" in script
     assert "--run-dir runs/run-1/site2" in script and str(tmp_path) not in script
+
+
+def test_the_step_s_first_node_is_asked_again_while_slurmctld_does_not_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of a step asks slurmctld for the first node's address at once; one that is
+    slow to answer is asked again, never replaced by the node's name (which need not
+    resolve), and one that never answers is named."""
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {calls}\n"
+        f'if [ "$(wc -l < {calls})" -le 2 ]; then echo "Socket timed out" >&2; exit 1; fi\n'
+        'if [ "$2" = hostnames ]; then echo n1; echo n2; exit 0; fi\n'
+        'echo "NodeName=n1 Arch=x86_64 NodeAddr=10.9.9.1 NodeHostName=n1 State=IDLE"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    env = {"SLURM_STEP_NODELIST": "n[1-2]"}
+    assert step_first_node_addr(env) == "10.9.9.1"
+    assert len(calls.read_text().split()) == 4  # two failures, then hostnames and the node
+    calls.write_text("")
+    fake.write_text('#!/bin/sh\necho "Unable to contact slurm controller" >&2\nexit 1\n')
+    with pytest.raises(SystemExit, match="slurmctld does not answer"):
+        step_first_node_addr(env, patience_s=0.6)
