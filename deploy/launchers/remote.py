@@ -97,22 +97,20 @@ class RemoteLauncher:
         argv = ["env", *env, python, "-m", "deploy.cli", *cli, "--token", "-"]
         return f"cd {shlex.quote(workdir)} && exec {shlex.join(argv)}"
 
-    def _role(self, group: GroupSpec) -> list[str]:
+    def _role(self, group: GroupSpec, address: str) -> list[str]:
         there = dir_there(self.cluster, self.run_dir, self.name)
-        return role_argv(group, self.address, there, self.keys)
+        return role_argv(group, address, there, self.keys)
 
     def command_line(self, group: GroupSpec, address: str) -> str:
         """The shell line that runs the whole group as one ``hybridflow role`` on a host."""
-        there = dir_there(self.cluster, self.run_dir, self.name)
-        cli = role_argv(group, address, there, self.keys)
-        return self._line([*self._env(), f"{RankVar.THREADS}=1"], cli)
+        return self._line([*self._env(), f"{RankVar.THREADS}=1"], self._role(group, address))
 
     def rank_line(self, group: GroupSpec, rank: int, master: str, port: int) -> str:
         """The shell line that runs rank ``rank`` of a group over several hosts, torchrun's
         way: the group meets at ``master:port`` (rank 0's host)."""
         share = group.nproc // group.nodes
         place = [f"RANK={rank}", f"WORLD_SIZE={group.nproc}", f"LOCAL_RANK={rank % share}"]
-        cli = [*self._role(group), "--launcher", "env"]
+        cli = [*self._role(group, self.address), "--launcher", "env"]
         cli += ["--master-addr", master, "--master-port", str(port)]
         return self._line([*self._env(), f"{RankVar.THREADS}={group.threads}", *place], cli)
 
