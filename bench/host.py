@@ -10,7 +10,9 @@ kind seen, warning when the projection leaves too little of CI's limit:
 
 The projection: part of the suite's time scales with the matmul rate (model compute), the rest
 does not (process starts, imports, sockets, sleeps of the code under test). Fitted to the two
-hosts above (38 min at 173 GFLOP/s, 67.8 at 68) the scaling share is about one half.
+hosts above (38 min at 173 GFLOP/s, 67.8 at 68) the scaling share is about one half. It was
+fitted on serial runs; ``make test`` now runs two workers, which fill the waits with other
+tests' compute, so a larger share of its time may scale than this fit says.
 """
 
 from __future__ import annotations

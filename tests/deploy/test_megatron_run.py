@@ -34,19 +34,7 @@ CLI = [sys.executable, "-m", "deploy.cli"]
 def test_megatron_example_quick_runs_to_a_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert job(quick_argv("megatron_grpo.yaml", run_dir)) == 0
-    result = summary(run_dir)
-    for key in ("val_acc_init", "val_acc_before", "val_acc_after"):
-        assert 0.0 <= result[key] <= 1.0
-    assert result["steps"] == 12  # 10 SFT + 2 GRPO steps
-    rows = records(run_dir)
-    sft = [r for r in rows if r["stage"] == "sft" and "train/loss" in r]
-    assert len(sft) == 10 and sft[-1]["train/loss"] < sft[0]["train/loss"]
-    rl = [r for r in rows if r["stage"] == "grpo" and "train/actor/loss" in r]
-    assert [r["stage_step"] for r in rl] == [1, 2]
-    assert all(r["time/reshard_s"] > 0 for r in rl)  # generated at pp 1 through reshard
-    assert all(abs(r["train/kl"]) < 0.5 for r in rl)  # the reference starts at the SFT actor
-    assert all(r["train/response/tokens"] > 0 for r in rl)
-    check_export_in_plain_transformers(run_dir / "export" / "actor", result["val_acc_after"])
+    check_quick_run(run_dir)
 
 
 @pytest.mark.extended
@@ -70,6 +58,13 @@ def test_megatron_example_quick_runs_over_two_nodes_to_a_summary(
     steps = (run_dir / "job.sbatch").read_text().split("# group main")[1]
     assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --distribution=block" in steps
     assert "--tp 2 --pp 2" in steps
+    print(f"bytes between the nodes: {crossed}")
+    assert crossed > 1_000_000, crossed  # activations, gradients, the pp-1 reshard's layers
+    check_quick_run(run_dir)
+
+
+def check_quick_run(run_dir: Path) -> None:
+    """The quick run's summary and records, and its export in plain transformers."""
     result = summary(run_dir)
     for key in ("val_acc_init", "val_acc_before", "val_acc_after"):
         assert 0.0 <= result[key] <= 1.0
@@ -82,6 +77,4 @@ def test_megatron_example_quick_runs_over_two_nodes_to_a_summary(
     assert all(r["time/reshard_s"] > 0 for r in rl)  # generated at pp 1 through reshard
     assert all(abs(r["train/kl"]) < 0.5 for r in rl)  # the reference starts at the SFT actor
     assert all(r["train/response/tokens"] > 0 for r in rl)
-    print(f"bytes between the nodes: {crossed}")
-    assert crossed > 1_000_000, crossed  # activations, gradients, the pp-1 reshard's layers
     check_export_in_plain_transformers(run_dir / "export" / "actor", result["val_acc_after"])
