@@ -331,21 +331,35 @@ def slurm_problem(who: str, stderr: str) -> str:
     return f"{who}: {text}"
 
 
-def slurm_cpus_per_node(who: str, via: list[str], partition: str | None) -> int:
+BUSY = "timed out"  # what SLURM's clients say when slurmctld is up but slow to answer
+
+
+def slurm_cpus_per_node(
+    who: str, via: list[str], partition: str | None, patience_s: float = 60.0
+) -> int:
     """The smallest CPU count of the partition's nodes; a clear error (starting with ``who``)
-    when SLURM's commands are missing or munge/slurmctld do not answer."""
+    when SLURM's commands are missing or munge/slurmctld do not answer. A slurmctld that is up
+    but busy (its answer timed out) is asked again for ``patience_s``, saying so on stderr."""
     if not via and shutil.which("sinfo") is None:
         raise ExperimentError(
             f"{who}: SLURM's commands (sinfo, sbatch) are not on PATH; install the "
             "SLURM client (Debian: slurm-client) or set via: to reach a login node"
         )
     argv = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
-    try:
-        done = run_there(via, argv, timeout=30)
-    except subprocess.TimeoutExpired:
-        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            done = run_there(via, argv, timeout=30)
+        except subprocess.TimeoutExpired:
+            raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
+        said = done.stderr + done.stdout
+        if done.returncode == 0 or BUSY not in said.lower() or time.monotonic() > deadline:
+            break
+        print(f"{who}: sinfo: slurmctld is busy, asking again: {said.strip()[-200:]}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(0.5)
     if done.returncode != 0:
-        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
+        raise ExperimentError(slurm_problem(who, said))
     counts = [int(c.rstrip("+")) for c in done.stdout.split() if c.rstrip("+").isdigit()]
     if not counts:
         where = f"partition {partition!r}" if partition else "the default partition"

@@ -287,7 +287,13 @@ def lose_a_node(
         ) as proc,
     ):
         try:
-            wait_for(lambda: 3 in steps_logged(run_dir), 240, "step 3", proc=proc)
+            wait_for(
+                lambda: 3 in steps_logged(run_dir),
+                240,
+                "step 3",
+                proc=proc,
+                detail=lambda: out.read_text()[-5000:],
+            )
             killed = kill_node(node2, run_dir)
             proc.wait(timeout=300)
         finally:

@@ -14,7 +14,8 @@ import pytest
 
 from controller.placement import GroupSpec, RoleSpec
 from deploy.clusters import SlurmCluster
-from deploy.launchers.sbatch import step_first_node_addr, wait_steps
+from deploy.experiment import ExperimentError
+from deploy.launchers.sbatch import slurm_cpus_per_node, step_first_node_addr, wait_steps
 from deploy.launchers.slurm import SlurmLauncher
 from transport.settings import Timeouts
 
@@ -96,3 +97,36 @@ def test_the_step_s_first_node_is_asked_again_while_slurmctld_does_not_answer(
     fake.write_text('#!/bin/sh\necho "Unable to contact slurm controller" >&2\nexit 1\n')
     with pytest.raises(SystemExit, match="slurmctld does not answer"):
         step_first_node_addr(env, patience_s=0.6)
+
+
+def test_a_busy_slurmctld_is_asked_again_for_the_node_size_and_a_down_one_is_named_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The probe before a run starts (``sinfo``): an answer that timed out (slurmctld up and
+    busy) is asked again, saying so; a slurmctld that cannot be reached fails at once."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "sinfo"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {calls}\n"
+        f'if [ "$(wc -l < {calls})" -le 2 ]; then\n'
+        '  echo "sinfo: error: Socket timed out on send/recv operation" >&2; exit 1\nfi\n'
+        "echo 4; echo 2\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert slurm_cpus_per_node("cluster 'c'", [], None) == 2
+    assert len(calls.read_text().split()) == 3
+    assert capfd.readouterr().err.count("slurmctld is busy, asking again") == 2
+    fake.write_text(
+        f"#!/bin/sh\necho x >> {calls}\necho 'Unable to contact slurm controller' >&2\nexit 1\n"
+    )
+    calls.write_text("")
+    with pytest.raises(ExperimentError, match="cluster 'c': slurmctld does not answer"):
+        slurm_cpus_per_node("cluster 'c'", [], None)
+    assert len(calls.read_text().split()) == 1
+    fake.write_text("#!/bin/sh\necho 'Socket timed out on send/recv operation' >&2\nexit 1\n")
+    start = time.monotonic()
+    with pytest.raises(ExperimentError, match="Socket timed out"):
+        slurm_cpus_per_node("cluster 'c'", [], None, patience_s=0.6)
+    assert time.monotonic() - start < 5
