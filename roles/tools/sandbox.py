@@ -354,6 +354,8 @@ class _Call:
                 signal.pidfd_send_signal(self.init, signal.SIGKILL)
             except ProcessLookupError:  # it has exited: its namespace is empty already
                 pass
+            else:  # the kernel lets init exit only once it has reaped the rest of its namespace
+                _wait_exit(self.init, KILL_WAIT_S)
         _kill_group(self.proc, reap)
 
     def end(self) -> None:
@@ -380,6 +382,15 @@ def _pidfd_of_child(pid: int, parent: int) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _wait_exit(pidfd: int, timeout_s: float) -> None:
+    """Until the process of ``pidfd`` has exited (its pidfd reads ready), at most ``timeout_s``;
+    a process a SIGKILL did not end by then is logged (a kernel stuck in uninterruptible I/O)."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(pidfd, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            log.warning("a sandbox call's init outlived its SIGKILL by %g s", timeout_s)
 
 
 def _exit_watch(proc: subprocess.Popen[bytes]) -> int | None:
