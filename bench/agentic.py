@@ -26,7 +26,7 @@ run sees the same latencies):
   every example: the actor trains and generates on the same ranks, its sessions kept between
   turns as the rollout group keeps them): ``colocated_traj_per_s``,
   ``colocated_prefix_hit_rate`` (the share of the turns' prompt positions a kept session
-  served), ``colocated_vs_native`` (not in ``--quick``). Iteration-level serving is refused
+  served), ``colocated_vs_native``. Iteration-level serving is refused
   there (docs/agentic.md says why), so continuous serving is the row;
 * ``vllm_iteration``: the same with ``serving: iteration``: each turn becomes a request of vLLM's
   own scheduler when it is asked for and returns the step it finishes (``VLLMTurnLoop``):
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         type=lambda x: x.split(","),
         default=[*MODES, "vllm", "vllm_iteration", "colocated"],
-        help="a comma list of modes (default: all; --quick: all but vllm and colocated)",
+        help="a comma list of modes (default: all; --quick: all but the vllm ones)",
     )
     parser.add_argument(
         "--max-staleness",
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         args.modes = [*args.modes, "stale"]
     if args.quick:
         args.prompts, args.n, args.repeats, args.steps = 8, 2, 1, 4
-        args.modes = [m for m in args.modes if not m.startswith(("vllm", "colocated"))]
+        args.modes = [m for m in args.modes if not m.startswith("vllm")]
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / args.model, args.model, seed=0)
         report = asyncio.run(measure(args, model))

@@ -1,4 +1,4 @@
-"""bench/agentic.py in its CI size (with weight pushes during a batch): the JSON line has the keys docs/agentic.md quotes, and the
+"""bench/agentic.py in its CI size (with weight pushes during a batch, and the colocated actor): the JSON line has the keys docs/agentic.md quotes, and the
 simulated tool has the latency it claims. Speeds are not compared here (the machine is shared);
 the idle shares are, since lock step sleeps through every turn's slowest tool whatever the load."""
 
@@ -47,3 +47,5 @@ def test_quick_run_prints_every_key_and_lock_step_waits_longest(
     assert found["stale_pushes"] >= 1
     assert found["stale_reprefill_share"] > found["reprefill_share"]
     assert isinstance(found["stale_vs_continuous"], float)
+    # the colocated actor generates the same work with its own engine, its sessions kept too
+    assert found["colocated_traj_per_s"] > 0 and found["colocated_prefix_hit_rate"] > 0.5
