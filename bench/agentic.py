@@ -48,6 +48,9 @@ run: ``latency_floor_s`` is that trajectory's summed tool latency (median over r
 slowest trajectory also needs all of its turns' decode steps one after another; with 8 tool
 calls per trajectory the floor (about 3 s here) is close to what the whole batch takes without
 tool latency, so ``frac_of_no_latency`` near 1 would need that trajectory to decode nearly alone.
+Since no batch ends before that floor, ``frac_of_no_latency_bound`` (the no-latency batch's time
+over the floor) is the most any serving can reach in the run, and ``session_speedup_bound`` (the
+no-sessions batch's time over the floor) the most sessions can gain: a faster engine lowers both.
 
 Where the targets hold depends on how much generation there is per tool call: with much more
 (``--model small --steps 4 --turn-tokens 24``: 20 s of generation against 4 s of waiting in lock
@@ -283,6 +286,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         found = {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
         return found | others | stale
     a, plain, b, c, it, it_c = (median(m, "agent/traj_per_s") for m in MODES)
+    n, floor = args.prompts * args.n, median("continuous", "agent/tool_latency_max_total_s")
 
     return {
         "traj_per_s": round(a, 3),
@@ -302,8 +306,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         "prefix_reuse": round(median("continuous", "agent/prefix_reuse"), 3),
         # the bound the tools set: the batch's slowest trajectory's summed tool latencies,
         # against the batch's wall time (1.0: the run took no longer than its tools)
-        "latency_floor_s": round(median("continuous", "agent/tool_latency_max_total_s"), 3),
+        "latency_floor_s": round(floor, 3),
         "frac_of_floor": round(median("continuous", "floor_share"), 3),
+        # what no serving can beat: a batch ends after its slowest trajectory's tools, so
+        # frac_of_no_latency <= the no-latency batch's time over that floor (a faster engine
+        # lowers it), and session_speedup <= the no-sessions batch's time over the floor
+        "frac_of_no_latency_bound": round(min(1.0, (n / c) / floor), 3),
+        "session_speedup_bound": round((n / plain) / floor, 3),
         "iteration_frac_of_floor": round(median("iteration", "floor_share"), 3),
         "iteration_traj_per_s": round(it, 3),
         "iteration_no_latency_traj_per_s": round(it_c, 3),
