@@ -125,7 +125,9 @@ def prompts(count: int) -> TensorBatch:
     return batch
 
 
-async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+def placement(args: argparse.Namespace, model: Path) -> list[GroupSpec]:
+    """The generators the modes need (a rollout group; vLLM's; the actor) and the two env
+    groups (tools with their latency, and tools that answer at once)."""
     env = {
         "tokenizer": str(model),
         "workers": args.prompts * args.n,
@@ -138,19 +140,23 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         group("slow", "env", "roles.env:EnvRole", slow),
         group("fast", "fast_env", "roles.env:EnvRole", fast),
     ]
-    on_vllm = [m for m in args.modes if m.startswith("vllm")]
-    if on_vllm:  # the same work on vLLM: token ids in and out, its prefix cache
+    if any(m.startswith("vllm") for m in args.modes):  # token ids in and out, its prefix cache
         vllm = {"model": str(model), "dtype": "fp32", "engine": "vllm", "kv_cache_mb": 512}
         groups.append(group("vgen", "vllm", "roles.rollout:Rollout", {**vllm, **VLLM_BLOCKS}))
     if "colocated" in args.modes:  # the actor generates: its training engine's weights, in place
         actor = {"model": str(model), "dtype": "fp32"}
         groups.append(group("train", "actor", "roles.actor:Actor", actor))
+    return groups
+
+
+async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    groups = placement(args, model)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.turn_tokens, n=args.n, seed=1)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
     async with local_session(groups, Timeouts(call_s=600, connect_s=120)) as c:
         native = RolloutClient(c, "rollout")
         generators: dict[str, Generator] = {"native": native}
-        if on_vllm:
+        if any(m.startswith("vllm") for m in args.modes):
             generators["vllm"] = RolloutClient(c, "vllm")
         if "colocated" in args.modes:
             generators["colocated"] = ActorClient(c, "actor")
@@ -267,21 +273,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         return round(again / max(ran, 1.0), 3)
 
     stale = _stale(runs, args, median, reprefill) if "stale" in args.modes else {}
-    others: dict[str, float] = {}  # the other generators' rows
-    native = median("continuous", "agent/traj_per_s") if "continuous" in runs else None
-    for m in ("vllm", "vllm_iteration", "colocated"):
-        if m in args.modes:
-            others |= {
-                f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3),
-                f"{m}_tok_per_s": round(tok_s(m), 1),
-                f"{m}_prefix_hit_rate": round(median(m, "agent/prefix_reuse"), 3),
-            }
-            if native:
-                others[f"{m}_vs_native"] = round(median(m, "agent/traj_per_s") / native, 3)
-    if {"vllm", "vllm_iteration"} <= set(args.modes):
-        others["vllm_iteration_vs_continuous"] = round(
-            median("vllm_iteration", "agent/traj_per_s") / median("vllm", "agent/traj_per_s"), 3
-        )
+    others = _other_generators(runs, args, median, tok_s)
     if not set(MODES) <= set(args.modes):  # a subset: each mode's throughput only
         found = {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
         return found | others | stale
@@ -336,6 +328,31 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         **others,
         **stale,
     }
+
+
+def _other_generators(
+    runs: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    median: Callable[[str, str], float],
+    tok_s: Callable[[str], float],
+) -> dict[str, float]:
+    """The rows of vLLM and the colocated actor, each against the rollout group's."""
+    found: dict[str, float] = {}
+    native = median("continuous", "agent/traj_per_s") if "continuous" in runs else None
+    for m in ("vllm", "vllm_iteration", "colocated"):
+        if m in args.modes:
+            found |= {
+                f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3),
+                f"{m}_tok_per_s": round(tok_s(m), 1),
+                f"{m}_prefix_hit_rate": round(median(m, "agent/prefix_reuse"), 3),
+            }
+            if native:
+                found[f"{m}_vs_native"] = round(median(m, "agent/traj_per_s") / native, 3)
+    if {"vllm", "vllm_iteration"} <= set(args.modes):
+        found["vllm_iteration_vs_continuous"] = round(
+            median("vllm_iteration", "agent/traj_per_s") / median("vllm", "agent/traj_per_s"), 3
+        )
+    return found
 
 
 def _stale(
