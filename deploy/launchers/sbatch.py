@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -301,14 +301,28 @@ def step_first_node_addr(env: Mapping[str, str], patience_s: float = 60.0) -> st
 def _asked(argv: list[str], deadline: float) -> subprocess.CompletedProcess[str]:
     """``argv`` (a SLURM client command) until it answers with output, or SystemExit naming
     what failed once ``deadline`` (monotonic) has passed."""
+    who = f"hybridflow role: {' '.join(argv[:3])}"
+    done = asked_again([], argv, deadline, who, lambda d: d.returncode != 0 or not d.stdout.split())
+    if done.returncode != 0 or not done.stdout.split():
+        raise SystemExit(slurm_problem(who, done.stderr))
+    return done
+
+
+def asked_again(
+    via: list[str],
+    argv: list[str],
+    deadline: float,
+    who: str,
+    again: Callable[[subprocess.CompletedProcess[str]], bool],
+) -> subprocess.CompletedProcess[str]:
+    """``argv``'s answer once ``again`` (it) is false or ``deadline`` (monotonic) has passed,
+    asking again every half second and saying so on stderr (``who``: what asks)."""
     while True:
-        done = run_there([], argv, timeout=30)
-        if done.returncode == 0 and done.stdout.split():
+        done = run_there(via, argv, timeout=30)
+        if not again(done) or time.monotonic() > deadline:
             return done
-        if time.monotonic() > deadline:
-            raise SystemExit(slurm_problem(f"hybridflow role: {' '.join(argv[:3])}", done.stderr))
-        print(f"hybridflow role: {' '.join(argv[:3])} failed, asking again: "
-              f"{done.stderr.strip()[-200:]}", file=sys.stderr, flush=True)  # fmt: skip
+        said = (done.stderr + done.stdout).strip()[-200:]
+        print(f"{who}: {argv[0]} failed, asking again: {said}", file=sys.stderr, flush=True)
         time.sleep(0.5)
 
 
@@ -334,6 +348,10 @@ def slurm_problem(who: str, stderr: str) -> str:
 BUSY = "timed out"  # what SLURM's clients say when slurmctld is up but slow to answer
 
 
+def _busy(done: subprocess.CompletedProcess[str]) -> bool:
+    return done.returncode != 0 and BUSY in (done.stderr + done.stdout).lower()
+
+
 def slurm_cpus_per_node(
     who: str, via: list[str], partition: str | None, patience_s: float = 60.0
 ) -> int:
@@ -346,20 +364,12 @@ def slurm_cpus_per_node(
             "SLURM client (Debian: slurm-client) or set via: to reach a login node"
         )
     argv = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
-    deadline = time.monotonic() + patience_s
-    while True:
-        try:
-            done = run_there(via, argv, timeout=30)
-        except subprocess.TimeoutExpired:
-            raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
-        said = done.stderr + done.stdout
-        if done.returncode == 0 or BUSY not in said.lower() or time.monotonic() > deadline:
-            break
-        print(f"{who}: sinfo: slurmctld is busy, asking again: {said.strip()[-200:]}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        time.sleep(0.5)
+    try:
+        done = asked_again(via, argv, time.monotonic() + patience_s, who, _busy)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
     if done.returncode != 0:
-        raise ExperimentError(slurm_problem(who, said))
+        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
     counts = [int(c.rstrip("+")) for c in done.stdout.split() if c.rstrip("+").isdigit()]
     if not counts:
         where = f"partition {partition!r}" if partition else "the default partition"
