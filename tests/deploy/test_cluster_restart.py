@@ -298,8 +298,9 @@ def test_the_job_outlives_a_failed_step_of_a_group_that_comes_back(tmp_path: Pat
     group that does not come back still ends it with its status."""
     calls, said = tmp_path / "calls", tmp_path / "said"
     fakes = {
-        "squeue": f'echo x >> {calls}\necho "$SLURM_JOB_ID.batch"\n'
-        f'[ -e {tmp_path / "step"} ] && echo "$SLURM_JOB_ID.1"\nexit 0',
+        # each call writes what it saw, after it looked: ``step`` (a group's step runs) or ``none``
+        "squeue": f'echo "$SLURM_JOB_ID.batch"\nif [ -e {tmp_path / "step"} ]; then\n'
+        f'echo "$SLURM_JOB_ID.1"; echo step >> {calls}\nelse echo none >> {calls}; fi\nexit 0',
         "scontrol": f'echo "$@" >> {said}',
     }
     for name, body in fakes.items():
@@ -314,12 +315,13 @@ def test_the_job_outlives_a_failed_step_of_a_group_that_comes_back(tmp_path: Pat
     gone = "pids=() again=(); (exit 9) & pids+=($!); again[$!]=score; (exit 0) & pids+=($!)"
     (tmp_path / "step").touch()  # its replacement runs
     job = script(gone)
-    wait_for(lambda: calls.exists(), 10, "the script asking squeue", proc=job)
+    wait_for(lambda: calls.exists(), 10, "the script seeing the step in squeue", proc=job)
     assert job.poll() is None  # the failed step did not end it
     assert said.read_text() == f"update JobId=7 Comment={FAILED_STEPS}score=9\n"
     (tmp_path / "step").unlink()  # the replacement is over
     assert job.wait(timeout=10) == 0
-    assert calls.read_text().count("x") >= 2  # it looked again before it ended
+    seen = calls.read_text().split()
+    assert seen[0] == "step" and seen[-1] == "none"  # it looked again before it ended
 
     (tmp_path / "step").touch()
     calls.unlink()
