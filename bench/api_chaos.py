@@ -6,7 +6,9 @@ The mesh places the actor on 2 ranks (a restart policy: its death rolls the trai
 to the in-memory snapshot of the last optimizer step and replays the ``forward_backward`` calls
 since), a rollout group and a reward group of one rank each (restarted alone; the call in flight
 is sent again). ``KILLS`` hits one rank of each group kind, one of them between the two
-``forward_backward`` calls of a step, so the replay is exercised.
+``forward_backward`` calls of a step, so the replay is exercised; the actor's rank 0 is also
+killed before an ``optim_step`` (the recovered step counts one policy version) and while the
+snapshot after one is taken (the step runs again on the replayed gradients).
 
     python -m bench.api_chaos --steps 3      # the JSON's last line: api_chaos_equal, kills
 """
@@ -21,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -37,8 +40,17 @@ GROUPS = [
     f"placement.score={{roles: [reward], nproc: 1, {RESTART}}}",
     "logging.tensorboard=false",
 ]
-#: (step, the call it comes before, group, rank): one kill per group kind
-KILLS = [(0, "score", "score", 0), (1, "second backward", "main", 0), (2, "sample", "gen", 0)]
+#: a kill while the snapshot after a step's ``optim_step`` is taken, not before a call
+SNAPSHOT = "optim_step's snapshot"
+#: (step, the call it comes before, group, rank): one kill per group kind, and two more of the
+#: actor's: before a step, and while the snapshot after a step is taken
+KILLS = [
+    (0, "score", "score", 0),
+    (0, SNAPSHOT, "main", 0),
+    (1, "second backward", "main", 0),
+    (2, "sample", "gen", 0),
+    (2, "optim_step", "main", 0),
+]
 
 Kill = Callable[[int, str], None]
 
@@ -75,15 +87,30 @@ async def grpo_loop(m: hf.Mesh, steps: int, before: Kill, out: Path) -> list[flo
 
 class Chaos:
     """Kills the rank ``KILLS`` names before the call it names, found in the mesh's
-    ``processes.json``, and waits until the process is gone."""
+    ``processes.json``, and waits until the process is gone; a ``SNAPSHOT`` kill lands the
+    moment the snapshot call after the step's ``optim_step`` has left for the ranks."""
 
-    def __init__(self, run_dir: Path, kills: list[tuple[int, str, str, int]]) -> None:
-        self.run_dir = run_dir
+    def __init__(self, m: hf.Mesh, kills: list[tuple[int, str, str, int]]) -> None:
+        self.run_dir = m.run_dir
         self.kills = list(kills)
         self.done: list[dict[str, object]] = []
+        self.now = (-1, "")
+        send = m.controller._send
+
+        def spy(*args: Any) -> None:
+            send(*args)
+            if self.now[1] == "optim_step" and args[2].body.get("method") == "snapshot":
+                self._kill(self.now[0], SNAPSHOT)
+
+        m.controller._send = spy  # type: ignore[method-assign,assignment]
 
     def __call__(self, step: int, call: str) -> None:
+        self.now = (step, call)
+        self._kill(step, call)
+
+    def _kill(self, step: int, call: str) -> None:
         for when in [k for k in self.kills if k[:2] == (step, call)]:
+            self.kills.remove(when)
             _, _, group, rank = when
             pid = self._pid(group, rank)
             os.kill(pid, signal.SIGKILL)
@@ -113,11 +140,12 @@ class Chaos:
 async def one_loop(work: Path, steps: int, kills: list[tuple[int, str, str, int]]) -> dict:
     run_dir = work / ("chaos" if kills else "calm")
     async with hf.mesh(QUICKSTART, *GROUPS, run_dir=run_dir) as m:
-        chaos = Chaos(run_dir, kills)
+        chaos = Chaos(m, kills)
         began = time.perf_counter()
         rewards = await grpo_loop(m, steps, chaos, run_dir / "export")
         seconds = time.perf_counter() - began
         rollbacks = m.recovery.rollbacks if m.recovery is not None else 0
+        version = m.version
     (weights,) = (run_dir / "export").glob("*.safetensors")
     return {
         "rewards": rewards,
@@ -125,6 +153,7 @@ async def one_loop(work: Path, steps: int, kills: list[tuple[int, str, str, int]
         "loop_s": seconds,
         "kills": chaos.done,
         "rollbacks": rollbacks,
+        "version": version,
     }
 
 
@@ -137,7 +166,8 @@ async def compare(work: Path, steps: int) -> dict:
     chaos = await one_loop(work, steps, [k for k in KILLS if k[0] < steps])
     return {
         "api_chaos_equal": equal(calm["weights"], chaos["weights"])
-        and calm["rewards"] == chaos["rewards"],
+        and calm["rewards"] == chaos["rewards"]
+        and calm["version"] == chaos["version"] == steps,
         "api_chaos_kills": len(chaos["kills"]),
         "api_chaos_rollbacks": chaos["rollbacks"],
         "api_calm_loop_s": round(calm["loop_s"], 2),

@@ -295,6 +295,9 @@ class Mesh:
         await self._settle()
         if self._steps is None:
             self._steps = (await self._safely(self.actor.progress))["step"]
+        # a rollback while it runs forgets the count (``_steps``), and brings the engine back to
+        # the snapshot of this count before the call runs again
+        before = self._steps
 
         async def call() -> dict[str, float]:
             found = await step()
@@ -306,7 +309,7 @@ class Mesh:
         except (asyncio.CancelledError, CallTimeoutError):
             self._interrupted = "step"
             raise
-        self._steps += 1
+        self._steps = before + 1
         self.pipeline.trained()
         return found
 
@@ -518,16 +521,17 @@ class Mesh:
         """The training roles' state changed as a whole (an optimizer step, a fresh optimizer,
         a loaded state): snapshot it (to shared memory, two slots per rank, so a death while
         copying leaves the previous one whole). ``discarded``: the actor's accumulated gradients
-        went with the change (not so when another role got a fresh optimizer)."""
+        went with the change (not so when another role got a fresh optimizer): forgotten once
+        the snapshot is whole, since a death while it is taken restores the previous one, and
+        the calls that made them are replayed on it before the change runs again."""
+        rec = self.recovery
+        if rec is not None:
+            label = rec.label + 1
+            for role, client in self.roles.engines().items():
+                await client.snapshot(str((rec.folder / role).resolve()), label)
+            rec.label = label
         if discarded:
             self.accumulated.clear()
-        rec = self.recovery
-        if rec is None:
-            return
-        label = rec.label + 1
-        for role, client in self.roles.engines().items():
-            await client.snapshot(str((rec.folder / role).resolve()), label)
-        rec.label = label
 
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "response_mask")
