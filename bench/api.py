@@ -9,7 +9,8 @@ The last line is a JSON object: ``api_step_s`` and ``run_step_s`` (median GRPO s
 ``api_step_ratio`` (target <= 1.05), ``api_acc`` and ``run_acc`` (held-out greedy accuracy after
 GRPO; target within 0.05), and from ``bench/api_chaos.py`` (a loop of the same primitives, with
 gradient accumulation, on a placement with one group per kind, run undisturbed and with a rank of
-each group killed): ``api_chaos_equal`` (the final weights and every step's reward bitwise equal),
+each group killed): ``api_chaos_equal`` (the final weights, every step's reward and the policy
+version equal),
 ``api_chaos_kills``, ``api_chaos_rollbacks``; ``mesh_start_s``: the seconds ``hf.mesh`` takes to
 start the quickstart's groups (models made, ranks started and registered), the best of two.
 """
