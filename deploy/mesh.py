@@ -222,7 +222,8 @@ class Mesh:
         """Per-token log-probs ``[B, T]`` of ``batch``'s tokens (a batch, or ``Datum`` rows)
         under a model role (``actor``, ``reference``, ``teacher``; a LoRA actor's ``reference``
         is itself, adapters off), aligned with ``input_ids``, at ``temperature`` (default: the
-        temperature a ``sample``d batch was drawn at, else 1), as the sampler computed them."""
+        temperature a ``sample``d batch was drawn at, else 1; 0, greedy, reads them at 1), as
+        the sampler computed them."""
         client = {"actor": self.actor, "reference": self.reference, "teacher": self.teacher}.get(
             role
         )
@@ -286,7 +287,8 @@ class Mesh:
 
     async def optim_step(self) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by ``forward_backward``
-        (clipped, scheduled); counts one policy version. ``grad_norm`` and ``lr``."""
+        (clipped, scheduled); counts one policy version. ``grad_norm``, ``lr`` and ``skipped``
+        (1: the norm was not finite, and the step left the weights as they were)."""
         return await self._step(self.actor.optim_step)
 
     async def _step(self, step: Callable[[], Awaitable[dict[str, float]]]) -> dict[str, float]:

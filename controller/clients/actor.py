@@ -131,7 +131,8 @@ class ActorClient(ReferenceClient):
         )
 
     async def optim_step(self, *, timeout: float | None = None) -> dict[str, float]:
-        """One optimizer step on the gradients accumulated so far: ``grad_norm``, ``lr``."""
+        """One optimizer step on the gradients accumulated so far: ``grad_norm``, ``lr``,
+        ``skipped`` (1: the norm was not finite, and the step left the weights as they were)."""
         return await self._call(Transfer.ONE_TO_ALL, "optim_step", timeout=timeout)
 
     async def sft_step(

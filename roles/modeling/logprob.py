@@ -6,7 +6,8 @@ from the first step. The definition, used everywhere in hybridflow:
 * a sequence is one row of ``input_ids`` ``[B, T]`` with ``attention_mask`` (1 = real token, pad
   anywhere, left or right); positions count real tokens only (``position_ids``);
 * the log-probability of token ``t`` is read from the logits at ``t - 1`` divided by the sampling
-  temperature, under the full softmax — no top-k/top-p filtering, computed in float32;
+  temperature, under the full softmax — no top-k/top-p filtering, computed in float32; a
+  temperature of 0 (greedy decoding) reads them at 1, as every generation engine reports them;
 * results are aligned with ``input_ids``: column ``t`` belongs to token ``t``; column 0 and padding
   hold 0. A ``response_mask`` ``[B, T]`` says which columns were generated (and count in losses).
 
@@ -15,6 +16,8 @@ token ``t`` is emitted.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,7 +34,7 @@ def token_log_probs(
     of each token under the temperature-scaled distribution (column 0 is 0). ``K`` is ``T``, or
     less when the pass computed logits only at the last ``K`` positions (``logits_kept``): the
     columns it cannot read then hold 0."""
-    scaled = logits[:, :-1].float() / temperature
+    scaled = logits[:, :-1].float() / softmax_temperature(temperature)
     start = input_ids.shape[1] - logits.shape[1]
     picked = scaled.gather(-1, input_ids[:, start + 1 :, None]).squeeze(-1)
     return aligned(picked - torch.logsumexp(scaled, dim=-1), start + 1)
@@ -40,10 +43,19 @@ def token_log_probs(
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, width: int = 0) -> torch.Tensor:
     """Entropy of the temperature-scaled next-token distribution, aligned like the log-probs
     (``width``: the row's length ``T`` when the logits cover only its last positions)."""
-    scaled = logits[:, :-1].float() / temperature
+    scaled = logits[:, :-1].float() / softmax_temperature(temperature)
     log_p = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
     start = max(width - logits.shape[1], 0)
     return aligned(-(log_p.exp() * log_p).sum(-1), start + 1)
+
+
+def softmax_temperature(temperature: float) -> float:
+    """What the logits are divided by for a sampling ``temperature``: itself, or 1 for 0
+    (greedy decoding samples no distribution; its log-probs are reported at 1). ValueError for
+    a negative or non-finite one."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature {temperature} is not a temperature; give one >= 0")
+    return temperature or 1.0
 
 
 def aligned(from_second: torch.Tensor, first: int = 1) -> torch.Tensor:

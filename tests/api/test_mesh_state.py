@@ -1,8 +1,9 @@
 """What the mesh's training primitives must keep true on a real mesh (the quickstart's tiny actor
 with the reward on one rank, a rollout group of one rank): sampled log-probs are the trainer's at
-the sampling temperature, a cancelled call is settled before the next one (a step that ran is
-counted and pushed; gradients it added are taken back), and ``load_state`` leaves neither
-another branch's weights on the rollout group nor gradients of the replaced weights."""
+the sampling temperature (at 1 for a greedy sample), a cancelled call is settled before the next
+one (a step that ran is counted and pushed; gradients it added are taken back), and
+``load_state`` leaves neither another branch's weights on the rollout group nor gradients of the
+replaced weights."""
 
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         batch.tensors["old_log_probs"] = batch.tensors["log_probs"]
         batch.tensors["advantages"] = batch.tensors["response_mask"].float()
         out["first"] = await m.forward_backward(batch, hf.PolicyLossConfig())
+        # greedy (T = 0): the generator reports log-probs at T = 1, and so must the trainer
+        greedy = await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4, temperature=0))
+        out["gap_greedy"] = sampled_against_trainer(greedy, await m.log_probs(greedy))
 
         # a forward_backward cancelled after it left: its gradients are taken back
         await cancelled(m, m.forward_backward(ROWS_A, "cross_entropy"), "forward_backward_nll")
@@ -136,6 +140,7 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     out = asyncio.run(scenario(tmp_path))
     # the trainer's log-probs at the sampling temperature are the sampler's (fp32)
     assert out["gap_at_t"] < 1e-3, out
+    assert out["gap_greedy"] < 1e-3, out  # a NaN compares False
     assert out["first_prompt"] == PROMPTS[0]
     assert [out[f"rows_{n}"] for n in (1, 2, 4)] == [(1, 1, 1), (2, 2, 2), (4, 4, 4)]
     assert out["one_row_tokens"] == 2  # the row's own 2 response tokens; the idle copy none

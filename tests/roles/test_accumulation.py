@@ -1,10 +1,14 @@
 """Gradients accumulated over calls (``forward_backward``) and one optimizer step on them
 (``optim_step``), on 2 FSDP ranks: one call then a step is ``update_policy`` bitwise, two calls on
 the same batch give twice its gradient, and a step with nothing accumulated is refused; with
-``reduction="sum"`` two calls on halves give one call's gradient on the whole."""
+``reduction="sum"`` two calls on halves give one call's gradient on the whole. On one rank in
+this process: a step on a non-finite gradient norm is skipped (reported, the weights and the
+optimizer's state left as they were)."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,11 +16,17 @@ import torch
 
 from controller.clients import ActorClient
 from deploy.session import local_session
+from roles.base import RoleContext
+from roles.engines.training.config import EngineConfig, OptimConfig
+from roles.engines.training.fsdp import FSDPEngine
+from roles.modeling.logprob import token_log_probs
 from roles.modeling.models import init_model
+from roles.runtime.device import HOST_DEVICE
 from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.roles.test_training import token_batch
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
+from transport.protocol import Layout
 
 LOSS = {"clip_ratio_low": 0.2, "dual_clip": None}
 
@@ -90,3 +100,54 @@ def test_summed_calls_on_halves_give_the_gradient_of_one_call_on_the_whole(
     whole, halves = found["sum_whole"]["grad_norm"], found["sum_halves"]["grad_norm"]
     assert halves == pytest.approx(whole, rel=1e-5)
     assert whole > found["once"]["grad_norm"]  # a sum over 8 rows' tokens, not their mean
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0)
+
+
+def one_rank(model: Path) -> FSDPEngine:
+    """The actor's engine on one rank in this process (micro-batches of 2 rows)."""
+    cfg = EngineConfig(model=str(model), dtype="fp32", micro_batch_size=2, optim=OptimConfig())
+    return FSDPEngine(cfg, RoleContext("actor", "g", 0, 1, Layout(), None, HOST_DEVICE))
+
+
+def nll(
+    logits: torch.Tensor, micro: TensorBatch, tokens: float, _: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The token-mean next-token loss of the response tokens."""
+    logp = token_log_probs(logits, micro.tensor("input_ids")) * micro.tensor("response_mask")
+    return -logp.sum() / tokens, {}
+
+
+def weights(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def test_a_step_on_a_non_finite_gradient_is_skipped_and_reported(tiny: Path) -> None:
+    """A NaN gradient (a loss on NaN log-probs) must not reach the weights: clipping cannot
+    scale it, so the step is skipped, counted as a step and reported; the optimizer's moments
+    and the schedule do not move, so the next step is the one an engine that never saw the NaN
+    takes."""
+    torch.manual_seed(0)
+    engine, clean = one_rank(tiny), one_rank(tiny)
+    batch = token_batch(4, seed=1)
+
+    def poisoned(*args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = nll(*args)
+        return loss * float("nan"), metrics
+
+    before = weights(engine)
+    engine.forward_backward(batch, poisoned)
+    found = engine.optim_step()
+    assert found["skipped"] == 1.0 and math.isnan(found["grad_norm"]), found
+    assert all(torch.equal(before[k], v) for k, v in weights(engine).items())
+    assert (engine.step, engine.accumulated) == (1, 0)  # counted; its gradients are gone
+    engine.forward_backward(batch, nll)
+    clean.forward_backward(batch, nll)
+    stepped, expected = engine.optim_step(), clean.optim_step()
+    assert stepped == expected and stepped["skipped"] == 0.0
+    after = weights(engine)
+    assert all(torch.equal(after[k], v) for k, v in weights(clean).items())
+    assert any(not torch.equal(before[k], v) for k, v in after.items())

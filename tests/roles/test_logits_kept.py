@@ -33,6 +33,17 @@ def test_the_suffix_reads_what_the_full_logits_read_and_zero_before() -> None:
     )
 
 
+def test_a_greedy_temperature_reads_temperature_one_and_a_negative_one_is_refused() -> None:
+    """Temperature 0 is greedy decoding, whose log-probs every generator reports at 1 (they were
+    divided by 0: NaN, and a training step on them made the weights NaN)."""
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [2.0, 0.0, 1.0], [0.0, 0.0, 0.0]]])
+    ids = torch.tensor([[0, 2, 1]])
+    for read in (lambda t: token_log_probs(logits, ids, t), lambda t: token_entropy(logits, t)):
+        assert torch.equal(read(0.0), read(1.0))
+        with pytest.raises(ValueError, match=r"temperature -0\.5"):
+            read(-0.5)
+
+
 def test_how_many_positions_are_kept() -> None:
     mask = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]])
     assert logits_kept(mask) == 4  # from position 2, before the first response token at 3

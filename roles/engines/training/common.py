@@ -8,6 +8,7 @@
   native generation engine at tp > 1);
 - sums over the data-parallel ranks: ``global_counts`` (the token and sequence counts losses are
   normalised by) and ``sum_over_dp`` (metrics);
+- ``skipped_step``: the warning of an optimizer step skipped on a non-finite gradient norm;
 - folders written aside and renamed into place, so a crash leaves the previous one intact:
   ``checkpoint_aside`` (a collective ``save``), ``open_checkpoint`` (``load``'s checks) and
   ``write_hf_folder`` (``export``'s Hugging Face folder, on rank 0).
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -37,6 +39,8 @@ from roles.modeling.models import (
     load_causal_lm,
     load_tokenizer,
 )
+
+log = logging.getLogger("hybridflow.engine")
 
 #: what a checkpoint records of the engine that wrote it; ``load`` refuses any other
 DESCRIPTION_FILE = "engine.json"
@@ -150,6 +154,18 @@ def sum_over_dp(
 
 
 # -- folders written aside ----------------------------------------------------------------------
+
+
+def skipped_step(step: int, grad_norm: float) -> None:
+    """Say (once, on rank 0) that optimizer step ``step`` was skipped: its gradient norm is
+    ``grad_norm``, not finite (every rank has the same all-reduced norm and skips alike)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.warning(
+            "optimizer step %d skipped: the gradient norm is %s (a NaN or inf in the loss or its "
+            "inputs); the weights are as they were",
+            step,
+            grad_norm,
+        )
 
 
 def rank_file(folder: Path, rank: int) -> Path:

@@ -39,6 +39,7 @@ from roles.engines.training.common import (
     load_module,
     open_checkpoint,
     rank_file,
+    skipped_step,
     split_dim,
     sum_over_dp,
     tensor_parallel,
@@ -334,14 +335,21 @@ class FSDPEngine(TrainingEngine):
         if self.dp > 1 and self.cfg.dp_mode != "fsdp":
             self._all_reduce_gradients()
         grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        # a non-finite norm (every rank sees the same one) cannot be clipped: stepping on it
+        # would make the weights NaN, so the step is skipped (weights, moments and schedule as
+        # they were) and reported, as Megatron and DeepSpeed skip an overflowed step
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            skipped_step(self.step, grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
         # the gradients are spent: freed now, not at the next step, so generation in between
         # (the colocated actor) has their memory
         self.discard_gradients()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
         self.step += 1
-        return {"grad_norm": grad_norm, "lr": float(lr)}
+        return {"grad_norm": grad_norm, "lr": float(lr), "skipped": float(skipped)}
 
     def discard_gradients(self) -> None:
         if self.optimizer is not None:

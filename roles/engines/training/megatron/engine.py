@@ -48,6 +48,7 @@ from roles.engines.training.common import (
     load_module,
     open_checkpoint,
     rank_file,
+    skipped_step,
     sum_over_dp,
     write_hf_folder,
 )
@@ -326,12 +327,19 @@ class MegatronEngine(TrainingEngine):
         with self._megatron():
             self.optimizer.prepare_grads()
             grad_norm = self._clip_gradients()
-            self.optimizer.step_with_ready_grads()
+            # a non-finite norm (the same on every rank) cannot be clipped: skip the step, the
+            # weights, moments and schedule as they were (as fsdp.py does)
+            skipped = not math.isfinite(grad_norm)
+            if not skipped:
+                self.optimizer.step_with_ready_grads()
+        if skipped:
+            skipped_step(self.step, grad_norm)
+        else:
+            self.schedule_step += 1
         self.step += 1
-        self.schedule_step += 1
         shared = self._metrics_from_last_stage(totals)
         result = self.sum_over_dp(shared)
-        result.update(grad_norm=grad_norm, lr=lr, tokens=tokens, seqs=seqs)
+        result.update(grad_norm=grad_norm, lr=lr, tokens=tokens, seqs=seqs, skipped=float(skipped))
         return result
 
     def _set_lr(self) -> float:
