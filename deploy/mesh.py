@@ -279,8 +279,8 @@ class Mesh:
         await self._settle()
         try:
             found = await self._safely(lambda: self._forward_backward(call))
-        except (asyncio.CancelledError, CallTimeoutError):
-            self._interrupted = "gradients"
+        except BaseException:  # cancelled or timed out (it may have run), or failed on the
+            self._interrupted = "gradients"  # ranks, which then dropped every pending gradient
             raise
         self.accumulated.append(call)  # replayed after a rollback or a cancel
         return found
@@ -320,7 +320,9 @@ class Mesh:
         out: the ranks ran it all the same unless it never left (calls run in order, so
         ``progress`` answers after it). A step that ran is counted (policy version, snapshot)
         with a warning; gradients a cancelled ``forward_backward`` added are taken back (dropped,
-        and the calls before it replayed), so running it again counts them once."""
+        and the calls before it replayed), so running it again counts them once. A
+        ``forward_backward`` that failed on the ranks left none there, its own or earlier
+        calls': those are replayed."""
         kind, self._interrupted = self._interrupted, None
         if kind is None:
             return

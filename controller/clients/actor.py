@@ -104,7 +104,8 @@ class ActorClient(ReferenceClient):
     ) -> dict[str, float]:
         """The policy loss's forward and backward on ``batch``; the gradients add up until
         ``optim_step`` (``reduction``: each call normalised by its own batch, or summed). The
-        loss's metrics."""
+        loss's metrics. A call that fails drops every pending gradient, its own part and those
+        of the calls before it (the error says how many): run those again."""
         return await self._call(
             Transfer.DP_REDUCED,
             "forward_backward",

@@ -1,7 +1,7 @@
 """What the mesh's training primitives must keep true on a real mesh (the quickstart's tiny actor
 with the reward on one rank, a rollout group of one rank): sampled log-probs are the trainer's at
-the sampling temperature (at 1 for a greedy sample), a cancelled call is settled before the next
-one (a step that ran is counted and pushed; gradients it added are taken back), and
+the sampling temperature (at 1 for a greedy sample), a cancelled or failed call is settled before
+the next one (a step that ran is counted and pushed; gradients it added are taken back), and
 ``load_state`` leaves neither another branch's weights on the rollout group nor gradients of the
 replaced weights."""
 
@@ -83,6 +83,14 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         greedy = await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4, temperature=0))
         out["gap_greedy"] = sampled_against_trainer(greedy, await m.log_probs(greedy))
 
+        # a forward_backward that fails on the ranks (a token the model has no embedding for)
+        # drops every pending gradient there: the calls before it are replayed
+        bad = [hf.Datum([1, 10**6], [42]), hf.Datum([1, 10**6], [43])]
+        with pytest.raises(hf.RemoteError, match="index out of range"):
+            await m.forward_backward(bad, "cross_entropy")
+        await m.sync_weights()  # any call settles it first
+        out["after_failure"] = (await m.actor.progress())["accumulated"]
+
         # a forward_backward cancelled after it left: its gradients are taken back
         await cancelled(m, m.forward_backward(ROWS_A, "cross_entropy"), "forward_backward_nll")
         out["ran_anyway"] = (await m.actor.progress())["accumulated"]
@@ -145,6 +153,8 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     assert [out[f"rows_{n}"] for n in (1, 2, 4)] == [(1, 1, 1), (2, 2, 2), (4, 4, 4)]
     assert out["one_row_tokens"] == 2  # the row's own 2 response tokens; the idle copy none
     assert abs(out["first"]["ppo_kl"]) < 1e-4 and out["first"]["pg_clipfrac"] == 0.0, out
+    # a failed forward_backward dropped the pending gradients: the call before it replayed
+    assert out["after_failure"] == 1, out
     # the cancelled forward_backward ran on the ranks; settled, its gradients are gone
     assert out["ran_anyway"] == 2 and out["after_cancel"] == 1, out
     # the cancelled optim_step ran: the mesh counts it and the rollout group serves it

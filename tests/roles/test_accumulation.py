@@ -72,6 +72,20 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for half in third.chunk(2):
                 await b.forward_backward(half, LOSS, reduction="sum")
             out["sum_halves"] = await b.optim_step()
+            # a call that fails on its second micro-batch on each rank (a token the model has
+            # no embedding for) leaves none of its first micro-batch's gradients behind
+            await a.load_state(await b.state_dict())
+            fourth = policy_batch(4)
+            await a.forward_backward(fourth, LOSS)
+            out["clean"] = await a.optim_step()
+            broken = policy_batch(5)
+            broken.tensors["input_ids"][[3, 7], 1] = 10**6  # rows 2-3 and 6-7: second micro-batches
+            try:
+                await b.forward_backward(broken, LOSS)
+            except RemoteError as exc:
+                out["broken"] = str(exc)
+            await b.forward_backward(fourth, LOSS)
+            out["after_broken"] = await b.optim_step()
         return out
 
     result: dict[str, Any] = run(main)
@@ -100,6 +114,13 @@ def test_summed_calls_on_halves_give_the_gradient_of_one_call_on_the_whole(
     whole, halves = found["sum_whole"]["grad_norm"], found["sum_halves"]["grad_norm"]
     assert halves == pytest.approx(whole, rel=1e-5)
     assert whole > found["once"]["grad_norm"]  # a sum over 8 rows' tokens, not their mean
+
+
+def test_a_failed_call_leaves_no_gradients_behind(found: dict[str, Any]) -> None:
+    """Its first micro-batch's gradients were left with no call counted, and the next step took
+    them with its own (a larger norm)."""
+    assert "index out of range" in found["broken"]
+    assert found["after_broken"]["grad_norm"] == found["clean"]["grad_norm"]
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +172,33 @@ def test_a_step_on_a_non_finite_gradient_is_skipped_and_reported(tiny: Path) -> 
     after = weights(engine)
     assert all(torch.equal(after[k], v) for k, v in weights(clean).items())
     assert any(not torch.equal(before[k], v) for k, v in after.items())
+
+
+def test_a_call_that_fails_midway_drops_its_gradients_and_says_so(tiny: Path) -> None:
+    """A ``forward_backward`` or ``train_step`` that raises on its second micro-batch: the first
+    one's gradients must not reach the next step (they did, uncounted). Gradients of earlier
+    calls cannot be told apart from them: they are dropped too, and the error says so."""
+    torch.manual_seed(0)
+    engine, clean = one_rank(tiny), one_rank(tiny)
+    batch = token_batch(4, seed=1)
+    calls = 0
+
+    def fails_second(*args: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        nonlocal calls
+        calls += 1
+        if calls % 2 == 0:
+            raise RuntimeError("the second micro-batch's loss failed")
+        return nll(*args)
+
+    with pytest.raises(RuntimeError, match="second micro-batch"):
+        engine.train_step(batch, fails_second)
+    assert engine.accumulated == 0
+    assert all(p.grad is None for p in engine.module.parameters())
+    engine.forward_backward(batch, nll)
+    with pytest.raises(RuntimeError, match="second micro-batch") as failed:
+        engine.forward_backward(batch, fails_second)
+    assert "1 forward_backward call(s) before it were dropped too" in str(failed.value.__notes__)
+    assert engine.accumulated == 0
+    assert all(p.grad is None for p in engine.module.parameters())
+    stepped = engine.train_step(batch, nll)
+    assert stepped == clean.train_step(batch, nll)

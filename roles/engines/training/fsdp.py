@@ -320,8 +320,21 @@ class FSDPEngine(TrainingEngine):
         totals: dict[str, torch.Tensor] = {}
         sharded = self.dp > 1 and self.cfg.dp_mode == "fsdp"
         dropout = self.cfg.lora is not None and self.cfg.lora.dropout > 0
-        with adapter_dropout(self.module) if dropout else nullcontext():
-            self._accumulate(micro_batches, loss_fn, tokens, seqs, totals, sharded)
+        try:
+            with adapter_dropout(self.module) if dropout else nullcontext():
+                self._accumulate(micro_batches, loss_fn, tokens, seqs, totals, sharded)
+        except BaseException as exc:
+            # the micro-batches before the failing one added their gradients, which nothing
+            # tells from earlier calls': all are dropped, or the next step would take them
+            if self.accumulated:
+                exc.add_note(
+                    f"the gradients of {self.accumulated} forward_backward call(s) before it "
+                    "were dropped too (they cannot be told from its own); run them again"
+                )
+            self.discard_gradients()
+            if sharded:
+                self._drop_unsynced_gradients()
+            raise
         self.accumulated += 1
         result = self.sum_over_dp(totals)
         result.update(tokens=tokens, seqs=seqs)
@@ -355,6 +368,24 @@ class FSDPEngine(TrainingEngine):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
+
+    def _drop_unsynced_gradients(self) -> None:
+        """FSDP holds the gradients of the micro-batches run without gradient sync on its
+        unsharded parameters until the last one's backward reduce-scatters them, out of
+        ``zero_grad``'s reach: a call that failed before that leaves them for the next one's
+        reduce-scatter. FSDP2 has no public call that drops them; this reads its state."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.module.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            module.set_requires_gradient_sync(True, recurse=False)
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
 
     def _accumulate(
         self,
