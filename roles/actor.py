@@ -34,6 +34,7 @@ from transport.columns import (
     ADVANTAGES,
     ATTENTION_MASK,
     ENTROPY,
+    IDLE,
     INPUT_IDS,
     LOG_PROBS,
     MESSAGES,
@@ -330,8 +331,16 @@ class Actor(Reference):
         prompts, responses = batch.non_tensor(PROMPT), batch.non_tensor(RESPONSE)
         conversations = batch.non_tensors.get(MESSAGES)
         limit = int(self.engine.model_config.max_position_embeddings)
+        idle = batch.tensors.get(IDLE)  # copies that keep a dp rank busy: they train on nothing
         return encode_rows(
-            self.tokenizer, prompts, responses, limit, response_only, pack, conversations
+            self.tokenizer,
+            prompts,
+            responses,
+            limit,
+            response_only,
+            pack,
+            conversations,
+            None if idle is None else idle.bool().tolist(),
         )
 
     @endpoint(DP_REDUCED)

@@ -29,6 +29,7 @@ from roles.modeling.text import encode_rows, last_token_index
 from roles.rule_reward import RewardError, RuleReward, load_function, metadata, text_rows
 from roles.runtime.endpoint import DP_REDUCED, DP_SPLIT, endpoint
 from transport.batch import TensorBatch
+from transport.columns import IDLE
 
 
 class ModelReward(EngineRole):
@@ -58,15 +59,19 @@ class ModelReward(EngineRole):
         return TensorBatch.from_dict({"scores": self.engine.infer(self._tokens(batch), last_score)})
 
     def _pairs(self, batch: TensorBatch) -> TensorBatch:
-        """Text pairs (``prompt``, ``chosen``, ``rejected``) → token rows chosen0, rejected0, ..."""
+        """Text pairs (``prompt``, ``chosen``, ``rejected``) → token rows chosen0, rejected0, ...;
+        ``pair`` is 1 on each counted pair's chosen row (a pair ``idle`` marks counts none)."""
         prompts = batch.non_tensor("prompt")
         chosen, rejected = batch.non_tensor("chosen"), batch.non_tensor("rejected")
         twice = [p for p in prompts for _ in range(2)]
         answers = [r for pair in zip(chosen, rejected, strict=True) for r in pair]
         limit = int(self.engine.model_config.max_position_embeddings)
         rows = encode_rows(self.tokenizer, twice, answers, limit)[0]
-        is_chosen = (torch.arange(len(rows)) % 2 == 0).long()[:, None]
-        return rows.union(TensorBatch.from_dict({"pair": is_chosen}))
+        is_chosen = (torch.arange(len(rows)) % 2 == 0).long()
+        idle = batch.tensors.get(IDLE)
+        if idle is not None:
+            is_chosen = is_chosen * (1 - idle.long().repeat_interleave(2))
+        return rows.union(TensorBatch.from_dict({"pair": is_chosen[:, None]}))
 
     @endpoint(DP_REDUCED)
     def train_pairs(self, batch: TensorBatch) -> dict[str, float]:
@@ -78,10 +83,10 @@ class ModelReward(EngineRole):
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             both = last_score(scores, micro).view(-1, 2)
             per_pair = bradley_terry_loss(both[:, 0], both[:, 1])[:, None]
-            ones = torch.ones_like(per_pair)
+            counted = micro.tensor("pair").view(-1, 2)[:, :1]  # 0: an idle copy
             accuracy = (both[:, 0] > both[:, 1]).float()[:, None]
-            return aggregate(per_pair, ones, "token-mean", pairs, pairs), {
-                "accuracy": aggregate(accuracy, ones, "token-mean", pairs, pairs)
+            return aggregate(per_pair, counted, "token-mean", pairs, pairs), {
+                "accuracy": aggregate(accuracy, counted, "token-mean", pairs, pairs)
             }
 
         return self.engine.train_step(self._pairs(batch), loss_fn, count_key="pair")

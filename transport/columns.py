@@ -44,6 +44,9 @@ SEED = "seed"  # a request's own seed: it samples the same on whichever dp rank 
 CONTINUATION = "continuation"  # [sample, offset]: continue a sample of an earlier call
 FINISH = "finish"  # why a sample ended: stop or length
 REQUEST = "request"  # index of the prompt a sample answers, within its call
+#: [B] 1 on a text row the client repeated so every dp rank of a training call has one: it must
+#: count in no loss and no count (text rows have no response_mask to zero)
+IDLE = "idle"
 
 # -- meta keys -----------------------------------------------------------------------------------
 WEIGHT_VERSION = "weight_version"  # the policy version whose weights generated a batch

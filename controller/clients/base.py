@@ -29,7 +29,7 @@ import torch
 
 from controller.server import Controller
 from transport.batch import TensorBatch
-from transport.columns import REQUEST, RESPONSE_MASK
+from transport.columns import IDLE, REQUEST, RESPONSE_MASK
 from transport.protocol import Transfer
 from transport.sampling import SamplingConfig
 
@@ -37,16 +37,18 @@ from transport.sampling import SamplingConfig
 SPLIT = (Transfer.DP_SPLIT, Transfer.DP_REDUCED)
 
 
-def idle_rows(batch: TensorBatch, count: int, reduced: bool) -> TensorBatch | None:
+def idle_rows(batch: TensorBatch, count: int, reduced: bool) -> TensorBatch:
     """``batch`` with its rows repeated up to ``count`` rows, one per dp rank. For a training
-    call (``reduced``) the extra rows' ``response_mask`` is 0, so they add nothing to a loss or
-    its token counts; None when the batch has no such mask (its rows would all count)."""
+    call (``reduced``) the extra rows add nothing to a loss or its counts: their
+    ``response_mask`` is 0, or, for text rows (which the ranks tokenize: SFT rows, preference
+    pairs), the ``idle`` column marks them (1) for the role to leave out."""
     padded = batch.index(torch.arange(count) % len(batch))
     if not reduced:
         return padded
     mask = padded.tensors.get(RESPONSE_MASK)
     if mask is None:
-        return None
+        padded.tensors[IDLE] = (torch.arange(count) >= len(batch)).long()
+        return padded
     mask = mask.clone()
     mask[len(batch) :] = 0
     padded.tensors[RESPONSE_MASK] = mask
@@ -82,10 +84,7 @@ class RoleClient:
         if batch is None or not 0 < len(batch) < shards:
             return await self.controller.call(self.role, method, list(args), kwargs, timeout)
         # fewer rows than dp ranks: every rank gets one, the extra ones idle
-        reduced = protocol == Transfer.DP_REDUCED
-        padded = idle_rows(batch, shards, reduced)
-        if padded is None:  # a training batch whose pad rows would count: as it is
-            return await self.controller.call(self.role, method, list(args), kwargs, timeout)
+        padded = idle_rows(batch, shards, protocol == Transfer.DP_REDUCED)
         found = await self.controller.call(self.role, method, [padded, *args[1:]], kwargs, timeout)
         if isinstance(found, TensorBatch) and len(found) == shards:
             return found[: len(batch)]

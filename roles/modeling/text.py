@@ -60,12 +60,15 @@ def encode_rows(
     response_only: bool = True,
     pack: bool = False,
     conversations: Sequence[Messages | None] | None = None,
+    idle: Sequence[bool] | None = None,
 ) -> tuple[TensorBatch, int]:
     """Tokenize (prompt, response) pairs — or, for a row whose ``conversations`` entry is not
     None, its messages (``encode_conversation``); returns the batch and the number of rows
-    truncated. ``response_only=False`` trains on every token after ``<bos>`` either way."""
+    truncated. ``response_only=False`` trains on every token after ``<bos>`` either way. A row
+    ``idle`` marks (a copy that only keeps a dp rank busy) trains on none and is not counted."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     talks = conversations if conversations is not None else [None] * len(prompts)
+    idle = idle if idle is not None else [False] * len(prompts)
     rows, masks, cut = [], [], 0
     for i, (prompt, response, messages) in enumerate(zip(prompts, responses, talks, strict=True)):
         if messages is not None:
@@ -76,8 +79,10 @@ def encode_rows(
             ids, target = head + tail, [0] * len(head) + [1] * len(tail)
         if not response_only:
             target = [0] + [1] * (len(ids) - 1)
+        if idle[i]:
+            target = [0] * len(ids)
         if len(ids) > max_len:
-            ids, target, cut = ids[:max_len], target[:max_len], cut + 1
+            ids, target, cut = ids[:max_len], target[:max_len], cut + (not idle[i])
         rows.append(ids)
         masks.append(target)
     if pack:

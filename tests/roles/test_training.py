@@ -3,7 +3,8 @@
 One session runs three groups side by side — 1 rank, dp = 2, tp = 2 — each hosting an actor and a
 critic (colocated), and every engine method is called on all three with the same global batch.
 The batch has 6 rows and micro-batches of 2, so dp = 2 runs uneven micro-batches (2 + 1 rows);
-a 5-row batch makes the dp ranks run different numbers of micro-batches.
+a 5-row batch makes the dp ranks run different numbers of micro-batches, and the text endpoints
+on one row give a dp rank none.
 """
 
 from __future__ import annotations
@@ -139,15 +140,31 @@ async def exercise(c: Any, name: str, batch: TensorBatch, ckpt: Path) -> dict[st
     return out
 
 
+async def one_text_row(c: Any, name: str) -> dict[str, Any]:
+    """The text endpoints on one row (one pair): fewer rows than dp ranks, so the client gives
+    the idle rank a copy that counts in no loss and no count (without one that rank raised and
+    the other waited in a collective until the group's timeout, every later call failing)."""
+    rows = TensorBatch.from_dict(non_tensors={k: [ROWS[0][k]] for k in ROWS[0]})
+    actor, rm = ProbedActorClient(c, f"actor_{name}"), RewardModelClient(c, f"rm_{name}")
+    return {
+        "sft_one": await actor.sft_step(rows),
+        "sft_eval_one": await actor.sft_eval(rows),
+        "rm_one": await rm.train_pairs(rows),
+    }
+
+
 def scenario(
     model: Path, dtype: str, tmp: Path, layouts: dict[str, Any] = LAYOUTS
 ) -> dict[str, dict[str, Any]]:
     batch = token_batch(6, seed=1)
 
     async def main() -> dict[str, dict[str, Any]]:
+        async def both(c: Any, name: str) -> dict[str, Any]:
+            return {**await exercise(c, name, batch, tmp / name), **await one_text_row(c, name)}
+
         async with local_session(placement(model, dtype, layouts), TEST_TIMEOUTS) as c:
             names = list(layouts)
-            results = await asyncio.gather(*(exercise(c, n, batch, tmp / n) for n in names))
+            results = await asyncio.gather(*(both(c, n) for n in names))
             return dict(zip(names, results, strict=True))
 
     found: dict[str, dict[str, Any]] = run(main)
@@ -175,7 +192,8 @@ def test_fp32_engine_methods_match_one_rank(fp32: dict[str, dict[str, Any]], nam
     tensors = ("log_probs", "entropy", "values", "after", "values_after", "after_again")
     for key in (*tensors, "rm_chosen", "rm_rejected"):
         close(other[key], one[key], 1e-5, key)
-    for metrics in ("policy", "critic", "uneven", "policy_again", "sft", "sft_eval", "rm_train"):
+    steps = ("policy", "critic", "uneven", "policy_again", "sft", "sft_eval", "rm_train")
+    for metrics in (*steps, "sft_one", "sft_eval_one", "rm_one"):
         for key, value in without_peak(one[metrics]).items():
             assert other[metrics][key] == pytest.approx(value, abs=1e-5), (metrics, key)
     if "one_row" in other:  # one row on 2 dp ranks: its log-probs as in the whole batch
