@@ -13,15 +13,19 @@ import ctypes
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from roles.tools.failures import ToolTimeout
+from roles.tools.failures import SandboxKilled, ToolTimeout
 from roles.tools.sandbox import Sandbox, SandboxSettings
 from tests.conftest import require_system
 
@@ -54,8 +58,12 @@ def test_every_layer_is_in_force_here(box: Sandbox) -> None:
     assert found["weak"] == []
     assert found["namespaces"].startswith("pid, ipc, mount")
     assert found["network"] == "namespace" and found["files"].startswith("landlock ABI")
+    assert found["identity"].startswith("a uid and gid of each call's own")
+    # this machine has cgroup v1 memory and pids controllers root may write
+    assert found["memory"] == "a cgroup per call: 128 MiB and 64 processes in all"
     # the probe's report is read whole, whatever the calls' output limit
-    assert Sandbox(SandboxSettings(output_chars=20)).isolation() == found
+    again = Sandbox(SandboxSettings(memory_mb=128, output_chars=20)).isolation()
+    assert again == found
 
 
 def test_the_code_cannot_limit_renice_pin_or_kill_a_process_outside(
@@ -416,20 +424,329 @@ print(json.dumps(report))
 """
 
 
+#: runs its arguments as root of a new user namespace that maps every id to itself (``unshare
+#: -Ur`` maps only root, and the sandbox's calls need uids of their own)
+IN_USER_NAMESPACE = """
+import ctypes, os, sys
+ready, go = os.pipe(), os.pipe()
+child = os.fork()
+if child == 0:
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+        sys.exit(f"unshare: errno {ctypes.get_errno()}")
+    os.write(ready[1], b"x")
+    os.read(go[0], 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+os.read(ready[0], 1)
+for name in ("uid_map", "gid_map"):
+    with open(f"/proc/{child}/{name}", "w") as f:
+        f.write("0 0 4294967295")
+os.write(go[1], b"x")
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
+
+
 def test_a_call_that_cannot_get_its_namespaces_refuses_to_run() -> None:
     """Isolation was checked once, by the probe: a call whose namespaces the kernel refused (a
     namespace limit reached after the probe) ran in the host's network and reached 127.0.0.1.
-    Here the limit is lowered inside a user namespace of the test's own (``unshare -Ur``), so the
-    host's limits stay as they were."""
+    Here the limit is lowered inside a user namespace of the test's own, so the host's limits
+    stay as they were."""
     out = subprocess.run(
-        ["unshare", "-Ur", sys.executable, "-c", CALL_WITHOUT_NAMESPACES],
+        [sys.executable, "-c", IN_USER_NAMESPACE, sys.executable, "-c", CALL_WITHOUT_NAMESPACES],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=Path(__file__).resolve().parents[2],
     )
-    require_system("user namespaces (unshare -Ur)", out.returncode == 0, out.stderr[-500:])
+    require_system("user namespaces", out.returncode == 0, out.stderr[-500:])
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["weak"] == [], found
     assert found["reached"] is False, found
     assert "namespaces" in found.get("refused", ""), found
+
+
+# -- the code owns nothing on the host (an attack on the sandbox as root) ------------------------
+
+
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A folder of root's any process may walk into (as /usr, /dev, /sys are), with a root-owned
+    file in it: what the code may name, and must not change."""
+    found = Path(tempfile.mkdtemp(prefix="hybridflow-host-"))
+    found.chmod(0o755)
+    (found / "python").write_bytes(b"#!/bin/sh\n")
+    (found / "python").chmod(0o755)
+    yield found
+    shutil.rmtree(found, ignore_errors=True)
+
+
+def metadata_of(path: Path) -> tuple[int, int, int, int, list[str]]:
+    """Mode, owner, group, modification time (files only: a folder's changes with its calls)
+    and extended attributes."""
+    st = path.stat()
+    mtime = 0 if path.is_dir() else st.st_mtime_ns
+    return st.st_mode, st.st_uid, st.st_gid, mtime, os.listxattr(path)
+
+
+def test_the_code_changes_no_metadata_of_a_host_file(box: Sandbox, host_dir: Path) -> None:
+    """The code ran as the caller's uid mapped to itself: as root it owned every root file, and
+    Landlock has no rights for metadata. ``chmod`` set the setuid bit on a root-owned copy of an
+    interpreter, ``chmod 000`` on the sandbox's own root failed every later call, ``utime`` and
+    ``user.*`` xattrs (an answer stored for a later episode) succeeded. Now it runs as a uid of
+    its own and the metadata calls are refused: every attempt fails, nothing changed."""
+    victim = host_dir / "python"
+    before, root_before = metadata_of(victim), metadata_of(box.root)
+    code = "\n".join(
+        [
+            "import os",
+            "for name, act in [",
+            f"    ('setuid', lambda: os.chmod({str(victim)!r}, 0o4755)),",
+            f"    ('chown', lambda: os.chown({str(victim)!r}, os.getuid(), os.getgid())),",
+            f"    ('utime', lambda: os.utime({str(victim)!r}, (0, 0))),",
+            f"    ('xattr', lambda: os.setxattr({str(victim)!r}, 'user.answer', b'42')),",
+            f"    ('root', lambda: os.chmod({str(box.root)!r}, 0)),",
+            "    ('own', lambda: os.chmod('.', 0)),",
+            "]:",
+            "    try:",
+            "        act(); print(name, 'done')",
+            "    except OSError as exc:",
+            "        print(name, type(exc).__name__)",
+            "print('uid', os.getuid(), os.getgid(), os.getgroups())",
+        ]
+    )
+    out = box.run(code)
+    assert "done" not in out, out
+    assert metadata_of(victim) == before and metadata_of(box.root) == root_before
+    uid, gid, groups = out.splitlines()[-1].split(" ", 3)[1:]
+    assert int(uid) not in (0, os.getuid()) and int(gid) not in (0, os.getgid()), out
+    assert groups == "[]", out  # none of root's supplementary groups either
+    assert box.run("print('next')") == "next"  # the root folder still serves calls
+
+
+def test_sysv_semaphores_and_message_queues_are_capped(box: Sandbox) -> None:
+    """Only shared memory was capped in the call's IPC namespace: its semaphores and message
+    queues (about 65 GB allowed) took 2 GiB of unreclaimable kernel memory under a 64 MiB limit."""
+    code = "\n".join(
+        [
+            "import ctypes",
+            "libc = ctypes.CDLL(None, use_errno=True)",
+            "sems = sum(libc.semget(0, 32, 0o1600) >= 0 for _ in range(200))",
+            "queues = [q for q in (libc.msgget(0, 0o1600) for _ in range(200)) if q >= 0]",
+            "message = ctypes.create_string_buffer(b'\\x01' + bytes(8 + 4096))",
+            "sent = 0",
+            "while sent < 2**22 and libc.msgsnd(queues[0], message, 4096, 0o4000) == 0:",
+            "    sent += 4096",  # IPC_NOWAIT: until the queue is full
+            "print('semaphores', sems * 32, 'queues', len(queues), 'bytes', sent)",
+        ]
+    )
+    out = box.run(code).split()
+    semaphores, queues, sent = int(out[1]), int(out[3]), int(out[5])
+    assert 0 < semaphores <= 256 and 0 < queues <= 16 and 0 < sent <= 65536, out
+
+
+SYS_MEMFD_SECRET, SYS_INOTIFY_INIT1, SYS_FANOTIFY_INIT, SYS_IO_SETUP = 447, 294, 300, 206
+
+
+def test_memory_no_limit_counts_and_host_quotas_are_refused(box: Sandbox) -> None:
+    """``memfd_secret`` held 1 GiB of unevictable memory with a 19 MB address space; inotify
+    watched a sibling call's files and, with fanotify and ``io_setup``, took root's host-wide
+    quotas (128 inotify instances, 128 fanotify groups, the system's aio contexts)."""
+    x86_64_only()
+    code = "\n".join(
+        [
+            SYSCALL_HELPER,
+            f"print('memfd_secret', *sys_({SYS_MEMFD_SECRET}, 0))",
+            f"print('inotify', *sys_({SYS_INOTIFY_INIT1}, 0))",
+            f"print('fanotify', *sys_({SYS_FANOTIFY_INIT}, 0, 0))",
+            "context = ctypes.c_ulong(0)",
+            f"print('io_setup', *sys_({SYS_IO_SETUP}, 8, ctypes.addressof(context)))",
+        ]
+    )
+    out = box.run(code)
+    for name in ("memfd_secret", "inotify", "fanotify", "io_setup"):
+        assert f"{name} -1 1" in out, out  # EPERM
+
+
+def test_a_host_datagram_socket_is_not_reached(box: Sandbox, host_dir: Path) -> None:
+    """``socketpair`` was not filtered (only ``socket``), and a datagram socket from it can
+    ``sendto`` any named unix socket (journald, syslog, systemd's notify socket: Landlock ABI 7
+    does not scope them); the listener saw uid 0. A stream pair (asyncio's own) still works."""
+    path = str(host_dir / "journal.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(path)
+    os.chmod(path, 0o666)  # as journald's socket is
+    listener.settimeout(0)
+    code = "\n".join(
+        [
+            "import asyncio, ctypes, socket",
+            "try:",
+            "    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)",
+            f"    print('sent', a.sendto(b'from the sandbox', {path!r}))",
+            "except OSError as exc:",
+            "    print('dgram', type(exc).__name__)",
+            "libc = ctypes.CDLL(None, use_errno=True)",
+            "fds = (ctypes.c_int * 2)()",
+            "ctypes.set_errno(0)",
+            "print('raw', libc.socketpair(1, 2, 0, fds), ctypes.get_errno())",
+            "if fds[0] > 0:  # through libc, past the audit hook's courtesy message",
+            f"    addr = ctypes.create_string_buffer(b'\\x01\\x00' + {path.encode()!r}, 110)",
+            "    print('raw sent', libc.sendto(fds[0], b'raw', 3, 0, addr, 110))",
+            "asyncio.run(asyncio.sleep(0))",  # its self-pipe is a stream socketpair
+            "print('stream', len(socket.socketpair()))",
+        ]
+    )
+    out = box.run(code)
+    assert "dgram PermissionError" in out and "raw -1 1" in out and "stream 2" in out, out
+    with pytest.raises(BlockingIOError):
+        listener.recv(100)
+    listener.close()
+
+
+def test_the_call_shares_one_memory_and_process_limit(box: Sandbox) -> None:
+    """The limits were per process: ``fork`` gave 6 children 1.8 GiB under a 512 MiB limit, and
+    root's process limit does not hold, so one call started 7,872 threads. The call's processes
+    now share one memory limit and one process limit (a cgroup where the host lets one be made,
+    and a process limit of the call's own uid)."""
+    threads = "\n".join(
+        [
+            "import threading",
+            "threading.stack_size(64 * 1024)",  # address space is not what stops them
+            "stop, started = threading.Event(), 0",
+            "try:",
+            "    while started < 500:",
+            "        threading.Thread(target=stop.wait).start()",
+            "        started += 1",
+            "except RuntimeError:",
+            "    pass",
+            "stop.set()",
+            "print('threads', started)",
+        ]
+    )
+    out = box.run(threads)
+    assert 0 < int(out.split()[1]) < 64, out
+    hold = "\n".join(
+        [
+            "import os",
+            "children, (release, keep) = [], os.pipe()",
+            "for _ in range(3):",
+            "    ready, done = os.pipe()",
+            "    pid = os.fork()",
+            "    if pid == 0:",
+            "        os.close(keep)",
+            f"        block = b'x' * {90 * MB}",  # written: resident, not only reserved
+            "        os.write(done, b'x')",
+            "        os.read(release, 1)",  # held until the parent has exited
+            "        os._exit(0)",
+            "    os.close(done)",
+            "    os.read(ready, 1)",  # b'' when the child died first
+            "    children.append(pid)",
+            "alive = [pid for pid in children if os.waitpid(pid, os.WNOHANG) == (0, 0)]",
+            "print('holding', len(alive), flush=True)",
+        ]
+    )
+    try:
+        out = box.run(hold)
+    except SandboxKilled as exc:  # the kernel's OOM killer chose the namespace's init
+        assert "out of memory" in str(exc), exc
+    else:
+        assert out.startswith("holding ") and int(out.split()[1]) < 3, out
+
+
+def test_a_sibling_call_is_out_of_reach(box: Sandbox) -> None:
+    """Calls ran as one uid: ``chmod 0`` on each new call folder made its siblings fail (under
+    GRPO that raises the attacker's own advantage). Each call now has a uid and a folder of its
+    own, which another call can neither list, enter nor change."""
+    result: dict[str, str] = {}
+    sibling = threading.Thread(
+        target=lambda: result.update(
+            out=box.run(
+                "import os, time\nopen('mine', 'w').write('kept')\n"
+                "deadline = time.monotonic() + 20\n"
+                "while not os.path.exists('go') and time.monotonic() < deadline:\n"
+                "    time.sleep(0.01)\n"
+                "print(open('mine').read(), sorted(os.listdir('.')))"
+            )
+        )
+    )
+    sibling.start()
+    folder = wait_for_call_folder(box.root, "mine")
+    code = "\n".join(
+        [
+            "import os",
+            "for name, act in [",
+            f"    ('list root', lambda: os.listdir({str(box.root)!r})),",
+            f"    ('list', lambda: os.listdir({str(folder)!r})),",
+            f"    ('read', lambda: open({str(folder / 'mine')!r}).read()),",
+            f"    ('chmod', lambda: os.chmod({str(folder)!r}, 0)),",
+            f"    ('write', lambda: open({str(folder / 'planted')!r}, 'w').write('x')),",
+            "]:",
+            "    try:",
+            "        act(); print(name, 'done')",
+            "    except OSError as exc:",
+            "        print(name, type(exc).__name__)",
+        ]
+    )
+    out = box.run(code)
+    (folder / "go").touch()
+    sibling.join(timeout=30)
+    assert "done" not in out, out
+    assert result.get("out") == "kept ['go', 'main.py', 'mine']", result
+
+
+def wait_for_call_folder(root: Path, marker: str, timeout_s: float = 20.0) -> Path:
+    """The running call's folder, once its code has written ``marker`` there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in root.rglob(marker):
+            return entry.parent
+        time.sleep(0.01)
+    raise AssertionError(f"no call wrote {marker} in {root} within {timeout_s:g} s")
+
+
+def test_a_deep_tree_is_removed_after_the_call(box: Sandbox) -> None:
+    """3,000 nested folders made ``shutil.rmtree`` raise ``RecursionError`` (which
+    ``ignore_errors`` does not catch): the call failed and its folder stayed on disk."""
+    code = "\n".join(
+        [
+            "import os",
+            "for _ in range(3000):",
+            "    os.mkdir('d')",
+            "    os.chdir('d')",
+            "print('deep')",
+        ]
+    )
+    before = set(box.root.iterdir())
+    assert box.run(code) == "deep"
+    assert set(box.root.iterdir()) == before
+
+
+RANK = """
+import sys
+from roles.tools.sandbox import Sandbox, SandboxSettings
+box = Sandbox(SandboxSettings(timeout_s=600.0, root=sys.argv[1]))
+box.run("import time\\nopen('started', 'w').close()\\nwhile True:\\n    time.sleep(1)")
+"""
+
+
+def test_a_call_ends_when_its_rank_dies(tmp_path: Path) -> None:
+    """The outer child had no death signal tied to the rank and the wall-clock limit is the
+    rank's: a call sleeping in a loop (no CPU used) was alive 8 s after the rank was killed."""
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, str(root)], cwd=Path(__file__).resolve().parents[2]
+    )
+    try:
+        wait_for_call_folder(root, "started", timeout_s=60)
+        assert sandbox_processes(root) != []
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while sandbox_processes(root) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        left = sandbox_processes(root)
+        for pid in left:
+            os.kill(pid, 9)
+        assert left == []
+    finally:
+        rank.kill()
+        rank.wait()
