@@ -97,15 +97,31 @@ class EnvConfig(BaseModel):
     max_observation_chars: int = Field(
         4000, ge=100, description="longer results are cut to this, saying so in the text"
     )
-    sandbox_memory_mb: int = Field(512, ge=32, description="python tool: address-space limit")
+    sandbox_memory_mb: int = Field(
+        512,
+        ge=32,
+        description="python tool: memory limit, of each process's address space and, where a "
+        "cgroup can be made, of all of a call's processes together",
+    )
     sandbox_network: bool = Field(False, description="python tool: allow network access")
     sandbox_allow_weak: bool = Field(
         False,
-        description="python tool: run even where the kernel cannot isolate it (no user "
-        "namespaces, Landlock or seccomp); unprotected there, so off unless you accept that",
+        description="python tool: run even where the kernel cannot isolate it (no namespaces, "
+        "Landlock or seccomp, or no uid of its own when not root); unprotected there, so off "
+        "unless you accept that",
     )
     sandbox_timeout_s: float | None = Field(
         None, gt=0, description="python tool: wall-clock limit (default 0.9 x call_timeout_s)"
+    )
+    sandbox_processes: int = Field(
+        64, ge=4, description="python tool: processes and threads of one call, in all"
+    )
+    sandbox_uid_base: int = Field(
+        2_000_000_000,
+        ge=65536,
+        le=2**32 - 2 - (1 << 30),
+        description="python tool: the first of the uids calls run as (as root); a range no "
+        "account on the host uses, mapped in the role's user namespace",
     )
     search_documents: str | None = Field(
         None, description="search tool: a folder of .txt files or a JSONL file"
@@ -259,6 +275,8 @@ class EnvRole(Role):
                 timeout_s=timeout,
                 network=cfg.sandbox_network,
                 allow_weak=cfg.sandbox_allow_weak,
+                processes=cfg.sandbox_processes,
+                uid_base=cfg.sandbox_uid_base,
                 # room for the sandbox's own note on what it cut, within the observation's limit
                 output_chars=cfg.max_observation_chars - NOTE_ROOM,
             )

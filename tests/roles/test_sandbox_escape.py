@@ -750,3 +750,37 @@ def test_a_call_ends_when_its_rank_dies(tmp_path: Path) -> None:
     finally:
         rank.kill()
         rank.wait()
+
+
+WITHOUT_A_UID = """
+import json
+from roles.tools.sandbox import Sandbox, SandboxSettings
+from roles.tools.failures import SandboxUnavailable
+report = {}
+for weak in (False, True):
+    box = Sandbox(SandboxSettings(timeout_s=5.0, allow_weak=weak))
+    report["weak"] = box.isolation()["weak"]
+    try:
+        report[str(weak)] = box.run("import os\\nprint(os.getuid())")
+    except SandboxUnavailable as exc:
+        report[str(weak)] = str(exc)
+print(json.dumps(report))
+"""
+
+
+def test_without_a_uid_of_its_own_the_tool_refuses_to_run() -> None:
+    """Root of a user namespace that maps root alone (as in a rootless container) has no other
+    uid to give the code: the identity is the one layer missing, and the tool refuses to run
+    unless the weak mode is chosen by name (then the code runs as that root)."""
+    out = subprocess.run(
+        ["unshare", "-Ur", sys.executable, "-c", WITHOUT_A_UID],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    require_system("user namespaces (unshare -Ur)", out.returncode == 0, out.stderr[-500:])
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["weak"] == ["identity"], found
+    assert "missing: identity" in found["False"] and "sandbox_allow_weak" in found["False"]
+    assert found["True"] == "0", found
