@@ -5,6 +5,9 @@
     rows = [hf.Datum(prompt=[1, 5, 7], response=[9, 2], advantages=0.5, old_log_probs=[-1.2, -0.3])]
     await m.forward_backward(rows, hf.PolicyLossConfig(kind="importance_sampling"))
     await m.forward_backward([hf.Datum(prompt=p, response=r) for p, r in demos], "cross_entropy")
+
+Rows made from a sampled batch (``datums``) keep the temperature it was drawn at, so the losses'
+log-probs are taken at the temperature of the sampler's ``old_log_probs``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transport.columns import (
     OLD_LOG_PROBS,
     PAD_VALUES,
     RESPONSE_MASK,
+    TEMPERATURE,
     WEIGHTS,
 )
 
@@ -36,13 +40,15 @@ class Datum:
     (the tokens a loss is on), and the loss's inputs per response token: ``advantages`` (one
     number for every token, or one per token), ``old_log_probs`` (the sampler's, e.g. a sampled
     batch's ``log_probs``, or recomputed; one per token) and cross-entropy's ``weights`` (one
-    number or one per token; default 1)."""
+    number or one per token; default 1). ``temperature``: the one the row was sampled at, which
+    its log-probs are taken at (``datums`` copies a sampled batch's; None: 1, or the call's)."""
 
     prompt: Sequence[int]
     response: Sequence[int]
     advantages: float | Sequence[float] | None = None
     old_log_probs: Sequence[float] | None = None
     weights: float | Sequence[float] | None = None
+    temperature: float | None = None
 
 
 def datums(
@@ -54,8 +60,9 @@ def datums(
     """A batch in the training layout (what ``sample`` returns) as ``Datum`` rows: each row's
     prompt and response tokens (padding dropped) and the loss inputs given, each one number
     per row (``[B]``) or one per position (``[B, T]``, aligned with ``input_ids``: the
-    response's are taken). ValueError naming the row whose response has gaps (a multi-turn
-    row's observation tokens: train on the batch itself) or an input of the wrong shape."""
+    response's are taken), and the temperature the batch was sampled at. ValueError naming the
+    row whose response has gaps (a multi-turn row's observation tokens: train on the batch
+    itself) or an input of the wrong shape."""
     ids, attention = batch.tensor(INPUT_IDS), batch.tensor(ATTENTION_MASK).bool()
     response = batch.tensor(RESPONSE_MASK).bool()
     given = {"advantages": advantages, "old_log_probs": old_log_probs, "weights": weights}
@@ -65,6 +72,8 @@ def datums(
                 f"{name} has shape {tuple(value.shape)}; give one number per row "
                 f"({len(ids)},) or one per position {tuple(ids.shape)}"
             )
+    drawn = batch.meta.get(TEMPERATURE)
+    temperature = None if drawn is None else float(drawn)
     found = []
     for i in range(len(ids)):
         where = response[i].nonzero().flatten()
@@ -83,16 +92,17 @@ def datums(
         if "old_log_probs" in inputs and isinstance(inputs["old_log_probs"], float):
             raise ValueError("old_log_probs: give one per position [B, T]")
         prompt = ids[i, :start][attention[i, :start]].tolist()
-        found.append(Datum(prompt, ids[i, start:end].tolist(), **inputs))
+        found.append(Datum(prompt, ids[i, start:end].tolist(), **inputs, temperature=temperature))
     return found
 
 
 def batch_of(data: Sequence[Datum], pad_id: int = 0) -> TensorBatch:
     """``data`` in the training layout: ``input_ids`` (prompt then response, right-padded with
     ``pad_id``), ``attention_mask``, ``response_mask`` (1 on response tokens) and each loss input
-    the rows carry at its response positions (0 elsewhere). ValueError naming the row and field
-    when a row is empty, a per-token list does not match its response, or only some rows carry
-    an input, or a prompt is empty."""
+    the rows carry at its response positions (0 elsewhere); the rows' sampling temperature in
+    ``meta["temperature"]``. ValueError naming the row and field when a row is empty, a
+    per-token list does not match its response, only some rows carry an input, a prompt is
+    empty, or two rows were sampled at different temperatures."""
     if not data:
         raise ValueError("no rows: give at least one Datum")
     for i, row in enumerate(data):
@@ -120,7 +130,27 @@ def batch_of(data: Sequence[Datum], pad_id: int = 0) -> TensorBatch:
             raise ValueError(f"row {missing}: {name} is missing; give it on every row or none")
         if all(given):
             tensors[column] = _per_token(data, name, width)
-    return TensorBatch(tensors, {}, {PAD_VALUES: {INPUT_IDS: pad_id}})
+    meta: dict[str, Any] = {PAD_VALUES: {INPUT_IDS: pad_id}}
+    temperature = sampled_at(data)
+    if temperature is not None:
+        meta[TEMPERATURE] = temperature
+    return TensorBatch(tensors, {}, meta)
+
+
+def sampled_at(data: Sequence[Datum]) -> float | None:
+    """The temperature ``data`` was sampled at (None: no row says); ValueError naming a row
+    whose temperature is not the others' (one call computes its log-probs at one)."""
+    first = next((i for i, r in enumerate(data) if r.temperature is not None), None)
+    if first is None:
+        return None
+    found = data[first].temperature
+    for i, row in enumerate(data):
+        if row.temperature is not None and row.temperature != found:
+            raise ValueError(
+                f"row {i}: temperature {row.temperature} is not row {first}'s {found}; rows "
+                "sampled at different temperatures go in separate calls"
+            )
+    return found
 
 
 def _per_token(data: Sequence[Datum], name: str, width: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ from controller.clients import (
     RolloutClient,
 )
 from controller.data import PROMPT_COLUMNS, SFT_COLUMNS, read_rows
-from controller.datum import Datum, batch_of
+from controller.datum import Datum, batch_of, sampled_at
 from controller.metrics import JsonlSink, TensorBoardSink
 from controller.placement import GroupSpec
 from controller.rollouts import RolloutPipeline, request_seed
@@ -73,6 +73,7 @@ from deploy.launchers.forkserver import prestart
 from deploy.launchers.local import SHM_ROOT, SocketFolder, sweep_socket_folders
 from deploy.session import cluster_session, local_session
 from transport.batch import TensorBatch
+from transport.columns import TEMPERATURE
 from transport.errors import CallTimeoutError
 from transport.sampling import SamplingConfig
 from transport.settings import Timeouts
@@ -539,8 +540,6 @@ class Mesh:
 
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "response_mask")
-#: the temperature a sampled batch was drawn at (its ``meta``)
-TEMPERATURE = "temperature"
 
 
 def request_seeds(seed: int, count: int) -> list[int]:
@@ -552,12 +551,13 @@ def request_seeds(seed: int, count: int) -> list[int]:
 
 def temperature_of(rows: Rows, given: float | None) -> float:
     """The temperature log-probs of ``rows`` are computed at: ``given``, else the one a
-    ``sample``d batch records (``meta["temperature"]``), else 1."""
+    ``sample``d batch records (``meta["temperature"]``) or its ``Datum`` rows carry, else 1."""
     if given is not None:
         return given
     if isinstance(rows, TensorBatch):
         return float(rows.meta.get(TEMPERATURE, 1.0))
-    return 1.0
+    found = sampled_at(rows)
+    return 1.0 if found is None else found
 
 
 def as_batch(rows: Rows) -> TensorBatch:

@@ -50,4 +50,5 @@ IDLE = "idle"
 
 # -- meta keys -----------------------------------------------------------------------------------
 WEIGHT_VERSION = "weight_version"  # the policy version whose weights generated a batch
+TEMPERATURE = "temperature"  # the temperature a sampled batch was drawn at (its log-probs')
 PAD_VALUES = "pad_values"  # column → the value its padding holds (input_ids: the pad token)

@@ -85,3 +85,24 @@ def test_a_sampled_batch_becomes_rows_and_back() -> None:
         hf.datums(batch)
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
         hf.datums(batch, advantages=torch.zeros(3))
+
+
+def test_rows_of_a_sampled_batch_keep_its_temperature() -> None:
+    """The sampler's log-probs are at the sampling temperature: rows made from its batch train
+    at it (they trained at 1 against log-probs taken at 0.7); rows of two temperatures are
+    refused, and a temperature given to the call is what counts."""
+    from deploy.mesh import temperature_of
+
+    ids = torch.tensor([[1, 5, 7], [1, 6, 8]])
+    batch = hf.TensorBatch(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {}, {"temperature": 0.7}
+    )
+    batch.tensors["response_mask"] = torch.tensor([[0, 0, 1], [0, 1, 1]])
+    rows = hf.datums(batch, old_log_probs=torch.zeros(2, 3) - 1.0)
+    assert [r.temperature for r in rows] == [0.7, 0.7]
+    assert hf.batch_of(rows).meta["temperature"] == 0.7
+    assert temperature_of(rows, None) == 0.7 and temperature_of(rows, 1.0) == 1.0
+    assert temperature_of([hf.Datum([1], [2])], None) == 1.0  # rows of no sample: 1
+    mixed = [hf.Datum([1], [2], temperature=0.7), hf.Datum([1], [2], temperature=1.0)]
+    with pytest.raises(ValueError, match=r"row 1: temperature 1\.0 is not row 0's 0\.7"):
+        hf.batch_of(mixed)

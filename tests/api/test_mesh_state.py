@@ -76,6 +76,11 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
         # the same batch as Datum rows, and the actor's tokenizer in this process
         rows = hf.datums(batch, old_log_probs=batch.tensors["log_probs"])
         out["first_prompt"] = m.tokenizer.decode(rows[0].prompt, skip_special_tokens=True)
+        # ... whose log-probs are at the temperature the batch was sampled at, as its own
+        by_rows = await m.log_probs(rows)
+        on_rows = hf.batch_of(rows).tensors["response_mask"].bool()
+        old = [x for r in rows for x in (r.old_log_probs or [])]
+        out["gap_rows"] = float((by_rows[on_rows] - torch.tensor(old)).abs().max())
         batch.tensors["old_log_probs"] = batch.tensors["log_probs"]
         batch.tensors["advantages"] = batch.tensors["response_mask"].float()
         out["first"] = await m.forward_backward(batch, hf.PolicyLossConfig())
@@ -149,6 +154,7 @@ def test_temperature_cancels_and_branches_keep_the_mesh_true(tmp_path: Path) -> 
     # the trainer's log-probs at the sampling temperature are the sampler's (fp32)
     assert out["gap_at_t"] < 1e-3, out
     assert out["gap_greedy"] < 1e-3, out  # a NaN compares False
+    assert out["gap_rows"] < 1e-3, out  # Datum rows of the batch: at its temperature too
     assert out["first_prompt"] == PROMPTS[0]
     assert [out[f"rows_{n}"] for n in (1, 2, 4)] == [(1, 1, 1), (2, 2, 2), (4, 4, 4)]
     assert out["one_row_tokens"] == 2  # the row's own 2 response tokens; the idle copy none
