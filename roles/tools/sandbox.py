@@ -192,7 +192,12 @@ class Sandbox:
         host lets them be made); all of it removed or given back after the call."""
         uid = _uids.take(self.settings.uid_base) if os.geteuid() == 0 else None
         try:
-            folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
+            try:
+                folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
+            except FileNotFoundError:  # a cleaner of /tmp removed the root during a long run
+                with self._lock:
+                    self._root = None
+                folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
             try:
                 if uid is not None:
                     try:

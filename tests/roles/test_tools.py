@@ -441,3 +441,13 @@ def test_an_empty_outbox_waits_for_the_first_result_only() -> None:
     assert time.monotonic() - started >= 0.2
     threading.Timer(0.1, outbox.put, args=(7,)).start()
     assert outbox.take(10) == [7]
+
+
+def test_the_sandbox_makes_its_root_again_when_a_cleaner_removed_it(tmp_path: Path) -> None:
+    """A long run outlives /tmp's cleaner: the calls' root is made again, not an error."""
+    box = Sandbox(SandboxSettings(timeout_s=5.0, root=str(tmp_path)))
+    assert box.run("print(1)") == "1"
+    first = box.root
+    first.rmdir()
+    assert box.run("print(2)") == "2"
+    assert box.root != first and box.root.parent == tmp_path
