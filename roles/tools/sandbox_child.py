@@ -495,11 +495,12 @@ def isolate(config: dict, namespaces: str, outer: int | None) -> dict:
         applied["shared_memory"] = cap_ipc(config["memory_bytes"])
     # the /proc of its own PID namespace lists its own processes only: readable whole
     readable = [*config["readable"], *(["/proc"] if applied.get("proc") else [])]
-    if namespaces and config.get("uid") is not None:  # for the call's uid, before it is taken
-        applied["reach"] = reach([config["folder"], *config["readable"]])
+    # the call's uid needs its own mount tree to reach what closed folders hold (without
+    # namespaces it stays the caller's: the weak mode, where reads are not restricted anyway)
+    owned = namespaces == "privileged" and reach([config["folder"], *config["readable"]])
     ruleset, abi = file_rules(config["folder"], readable)
     lock_capabilities()  # after the mounts and sysctls that need them
-    applied["identity"] = become(config.get("uid"), config.get("gid"))
+    applied["identity"] = become(config["uid"], config["gid"]) if owned else 0
     # after the uid change, which clears it: dies with the process outside (or the rank)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if outer is not None:
