@@ -188,8 +188,8 @@ class Sandbox:
 
     @contextlib.contextmanager
     def _cell(self) -> Iterator[_Cell]:
-        """A call's place: its uid (as root), its folder (that uid's), its cgroups (where the
-        host lets them be made); all of it removed or given back after the call."""
+        """A call's place: its uid (as root; the child gives it the folder), its folder, its
+        cgroups (where the host lets them be made); all of it removed or given back after."""
         uid = _uids.take(self.settings.uid_base) if os.geteuid() == 0 else None
         try:
             try:
@@ -199,12 +199,6 @@ class Sandbox:
                     self._root = None
                 folder = Path(tempfile.mkdtemp(prefix="call-", dir=self.root))
             try:
-                if uid is not None:
-                    try:
-                        os.chown(folder, uid, uid)
-                    except OSError:  # a uid this user namespace does not map: no identity
-                        _uids.give(uid)
-                        uid = None
                 cgroups = _cgroups.make(f"hybridflow-sandbox-{os.getpid()}-{folder.name}")
                 try:
                     cgroups.limit(self.settings.memory_mb * 2**20, self.settings.processes)

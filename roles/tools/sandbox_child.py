@@ -303,11 +303,13 @@ def lock_capabilities() -> None:
 
 
 def become(uid: int | None, gid: int | None) -> int:
-    """The call's own uid and gid, no supplementary group (as root: ``privileged`` namespaces or
-    none); the uid when all of it took effect, else 0."""
+    """The working folder given to the call's own uid and gid, then those ids taken, no
+    supplementary group (as root, in ``privileged`` namespaces); the uid when all of it took
+    effect, else 0."""
     if uid is None or gid is None:
         return 0
     try:
+        os.chown(".", uid, gid)
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
