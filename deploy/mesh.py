@@ -128,6 +128,9 @@ class Mesh:
     _steps: int | None = None
     #: a training call cancelled or timed out ("step" or "gradients"), settled before the next
     _interrupted: str | None = None
+    #: a change of state (``load_state``, ``configure_optim``, ``rebase``) cancelled or timed
+    #: out once begun: run again in full before the next call
+    _unfinished: Callable[[], Awaitable[None]] | None = None
 
     # -- the clients -------------------------------------------------------------------------
 
@@ -323,7 +326,17 @@ class Mesh:
         with a warning; gradients a cancelled ``forward_backward`` added are taken back (dropped,
         and the calls before it replayed), so running it again counts them once. A
         ``forward_backward`` that failed on the ranks left none there, its own or earlier
-        calls': those are replayed."""
+        calls': those are replayed. A change of state may have run on some roles' ranks, or
+        all, or none, and the mesh's record of it (version, snapshot, optimizer) was not made:
+        it runs again in full (loading a state, a fresh optimizer and a rebase are each the
+        same done twice)."""
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is not None:
+            try:
+                await self._safely(unfinished)
+            except BaseException:
+                self._unfinished = unfinished
+                raise
         kind, self._interrupted = self._interrupted, None
         if kind is None:
             return
@@ -342,6 +355,16 @@ class Mesh:
                 await self._safely(self._replay)
         except BaseException:
             self._interrupted = kind  # still unsettled: the next call tries again
+            raise
+
+    async def _change(self, call: Callable[[], Awaitable[None]]) -> None:
+        """``call``, a change of the training roles' state made of several calls; cancelled or
+        timed out, it is completed before the next call (``_settle``)."""
+        await self._settle()
+        try:
+            await self._safely(call)
+        except (asyncio.CancelledError, CallTimeoutError):
+            self._unfinished = call
             raise
 
     async def _replay(self) -> None:
@@ -394,8 +417,7 @@ class Mesh:
             # the actor's gradients go with its optimizer; another role's leaves them pending
             await self._changed(discarded=role == "actor")
 
-        await self._settle()
-        await self._safely(call)
+        await self._change(call)
 
     async def rebase(self, role: str = "reference") -> None:
         """``role`` takes the actor's weights as they are now, rank to rank: the reference a KL
@@ -416,8 +438,7 @@ class Mesh:
                 await self.pipeline.weights.push(client, self.version, strict=role == "reference")
             await self._changed(discarded=False)  # the actor's own gradients stay pending
 
-        await self._settle()
-        await self._safely(call)
+        await self._change(call)
 
     async def sync_weights(self) -> int:
         """Bring a separate rollout group up to the actor's weights (nothing to do when the
@@ -449,13 +470,12 @@ class Mesh:
             for role, client in self.roles.engines().items():
                 await client.load(str((folder / role).resolve()))  # pending gradients dropped
             await self._changed()
+            self.pipeline.version = version
+            # a rollout group holds another branch's weights, whatever version they were: push
+            self.pipeline.synced = None
+            self._steps = None
 
-        await self._settle()
-        await self._safely(call)
-        self.pipeline.version = version
-        # a rollout group holds another branch's weights, whatever version they were: push
-        self.pipeline.synced = None
-        self._steps = None
+        await self._change(call)
         return self.version
 
     async def export(self, path: str | Path) -> Path:

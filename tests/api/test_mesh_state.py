@@ -1,9 +1,9 @@
 """What the mesh's training primitives must keep true on a real mesh (the quickstart's tiny actor
 with the reward on one rank, a rollout group of one rank): sampled log-probs are the trainer's at
-the sampling temperature (at 1 for a greedy sample), a cancelled or failed call is settled before
-the next one (a step that ran is counted and pushed; gradients it added are taken back), and
-``load_state`` leaves neither another branch's weights on the rollout group nor gradients of the
-replaced weights."""
+the sampling temperature (at 1 for a greedy sample), a cancelled or failed call is settled
+before the next one (a step that ran is counted and pushed; gradients it added are taken back;
+a cancelled ``load_state`` is completed), and ``load_state`` leaves neither another branch's
+weights on the rollout group nor gradients of the replaced weights."""
 
 from __future__ import annotations
 
@@ -126,7 +126,11 @@ async def scenario(run_dir: Path) -> dict[str, Any]:
             await m.optim_step()
         await m.sample(PROMPTS, hf.SamplingConfig(n=1, max_new_tokens=4))  # pushes branch 1
         await m.forward_backward(ROWS_A, "cross_entropy")  # pending when the state is loaded
-        out["loaded_version"] = await m.load_state("a")
+        # cancelled once the actor's load left (the reference's never did): completed before
+        # the next call, or the version, the pending gradients and the rollout group's weights
+        # stay those of branch 1
+        await cancelled(m, m.load_state("a"), "load")
+        out["loaded_version"] = await m.sync_weights()
         with pytest.raises(hf.RemoteEngineError, match="no gradients since the last step"):
             await m.optim_step()
         for _ in range(3):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,3 +132,62 @@ def test_a_critics_fresh_optimizer_keeps_the_actors_accumulated_calls(tmp_path: 
     assert len(m.accumulated) == 1 and m.recovery is not None and m.recovery.label == 1
     asyncio.run(m.configure_optim(hf.OptimConfig(), role="actor"))  # its gradients go with it
     assert m.accumulated == []
+
+
+def test_a_cancelled_configure_optim_or_rebase_is_completed_before_the_next_call(
+    tmp_path: Path,
+) -> None:
+    """Cancelled once its first call left, a state call may or may not have run on the ranks,
+    and the mesh's record of it (the optimizer a rollback gives back, the snapshot) was never
+    made: it runs again in full before the next call (each is idempotent). The roles are fakes
+    whose call hangs when told to, so the cancel lands while the ranks hold the call."""
+    from types import SimpleNamespace
+
+    from deploy.mesh import Mesh, Recovery
+
+    class Engine:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+            self.arrived: asyncio.Event | None = None  # set: the next call hangs
+
+        async def hold(self, what: str) -> None:
+            self.calls.append(what)
+            arrived, self.arrived = self.arrived, None
+            if arrived is not None:
+                arrived.set()
+                await asyncio.Event().wait()  # until cancelled
+
+        async def configure_optim(self, optim: hf.OptimConfig) -> None:
+            await self.hold(f"optim {optim.lr}")
+
+        async def snapshot(self, folder: str, label: int) -> int:
+            return 0
+
+    async def cancel(engine: Engine, call: Any) -> None:
+        engine.arrived = arrived = asyncio.Event()
+        task = asyncio.ensure_future(call)
+        await arrived.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def main() -> None:
+        actor, critic = Engine(), Engine()
+        roles = SimpleNamespace(engines=lambda: {"actor": actor, "critic": critic}, reference=None)
+        pushed = SimpleNamespace(push=lambda client, version, strict: critic.hold("push"))
+        pipeline = SimpleNamespace(weights=pushed, version=3)
+        rec = Recovery(tmp_path)
+        m = Mesh(None, None, tmp_path, roles, pipeline, recovery=rec)  # type: ignore[arg-type]
+        await cancel(actor, m.configure_optim(hf.OptimConfig(lr=0.5)))
+        assert rec.optims == {} and rec.label == 0
+        await m.configure_optim(hf.OptimConfig(lr=0.25), role="critic")  # completes it first
+        assert actor.calls == ["optim 0.5", "optim 0.5"] and critic.calls == ["optim 0.25"]
+        assert rec.optims["actor"].lr == 0.5 and rec.label == 2
+
+        critic.calls.clear()
+        await cancel(critic, m.rebase("critic"))
+        assert rec.label == 2
+        await m.configure_optim(hf.OptimConfig(lr=0.125), role="critic")
+        assert critic.calls == ["push", "push", "optim 0.125"] and rec.label == 4
+
+    asyncio.run(main())
