@@ -77,7 +77,7 @@ from transport.columns import TEMPERATURE
 from transport.errors import CallTimeoutError
 from transport.sampling import SamplingConfig
 from transport.settings import Timeouts
-from transport.training import OptimConfig, PolicyLossConfig, Reduction
+from transport.training import AdamStep, OptimConfig, PolicyLossConfig, Reduction
 
 log = logging.getLogger("hybridflow.mesh")
 R = TypeVar("R")
@@ -289,11 +289,14 @@ class Mesh:
         self.accumulated.append(call)  # replayed after a rollback or a cancel
         return found
 
-    async def optim_step(self) -> dict[str, float]:
+    async def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by ``forward_backward``
-        (clipped, scheduled); counts one policy version. ``grad_norm``, ``lr`` and ``skipped``
-        (1: the norm was not finite, and the step left the weights as they were)."""
-        return await self._step(self.actor.optim_step)
+        (clipped, scheduled; ``adam``: this step's own AdamW settings, learning rate, betas,
+        eps, weight decay and clipping, in place of the optimizer's and the schedule's, the
+        moments carried on, as Tinker's ``AdamParams``); counts one policy version.
+        ``grad_norm``, ``lr`` and ``skipped`` (1: the norm was not finite, and the step left
+        the weights as they were)."""
+        return await self._step(lambda: self.actor.optim_step(adam))
 
     async def _step(self, step: Callable[[], Awaitable[dict[str, float]]]) -> dict[str, float]:
         """An actor call that takes one optimizer step, counted as one policy version. Cancelled

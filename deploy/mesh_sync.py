@@ -41,7 +41,7 @@ from controller.clients.base import RoleClient
 from deploy.mesh import Loss, Mesh, Rows, mesh
 from transport.batch import TensorBatch
 from transport.sampling import SamplingConfig
-from transport.training import OptimConfig, PolicyLossConfig, Reduction
+from transport.training import AdamStep, OptimConfig, PolicyLossConfig, Reduction
 
 T = TypeVar("T")
 
@@ -303,10 +303,10 @@ class SyncMesh:
         gradients add up until ``optim_step``."""
         return self._loop.wait(self._mesh.forward_backward(batch, loss, temperature, reduction))
 
-    def optim_step(self) -> dict[str, float]:
+    def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by
-        ``forward_backward``."""
-        return self._loop.wait(self._mesh.optim_step())
+        ``forward_backward`` (``adam``: this step's own AdamW settings)."""
+        return self._loop.wait(self._mesh.optim_step(adam))
 
     def sft_step(self, rows: Sequence[dict[str, str]]) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning on ``(prompt, response)`` rows."""

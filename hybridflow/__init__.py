@@ -38,10 +38,11 @@ from transport.errors import (
     RemoteRewardError,
 )
 from transport.sampling import SamplingConfig
-from transport.training import OptimConfig, PolicyLossConfig
+from transport.training import AdamStep, OptimConfig, PolicyLossConfig
 
 __all__ = [
     "ActorClient",
+    "AdamStep",
     "BatchError",
     "CallTimeoutError",
     "CriticClient",

@@ -49,7 +49,7 @@ from transport.columns import (
 )
 from transport.protocol import PEAK_MEMORY
 from transport.sampling import SamplingConfig
-from transport.training import PolicyLossConfig, Reduction
+from transport.training import AdamStep, PolicyLossConfig, Reduction
 
 
 class Reference(EngineRole):
@@ -291,10 +291,10 @@ class Actor(Reference):
         return self.engine.forward_backward(batch, reduced(loss_fn, "token-mean", reduction))
 
     @endpoint(ONE_TO_ALL)
-    def optim_step(self) -> dict[str, float]:
-        """One optimizer step on what ``forward_backward`` accumulated; ``grad_norm`` (before
-        clipping) and ``lr``."""
-        return self.engine.optim_step()
+    def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
+        """One optimizer step on what ``forward_backward`` accumulated (``adam``: this step's
+        own AdamW settings); ``grad_norm`` (before clipping) and ``lr``."""
+        return self.engine.optim_step(adam)
 
     def _policy_loss_fn(
         self, batch: TensorBatch, loss: PolicyLossConfig | None, temperature: float

@@ -44,7 +44,7 @@ from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError
 from transport.sampling import SamplingConfig
 from transport.shm import ShmArena, ShmReader
 from transport.structs import StructError, from_map, to_map
-from transport.training import OptimConfig, PolicyLossConfig, ValueLossConfig
+from transport.training import AdamStep, OptimConfig, PolicyLossConfig, ValueLossConfig
 from transport.turns import TurnRequest, TurnResult
 from transport.weight_sync import (
     Source,
@@ -65,6 +65,7 @@ STRUCTS: dict[str, type] = {
     "policy_loss": PolicyLossConfig,
     "value_loss": ValueLossConfig,
     "optim": OptimConfig,
+    "adam_step": AdamStep,
     "weight_sync": WeightSyncSettings,
     "weight_source": Source,
     "weight_target": Target,

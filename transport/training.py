@@ -146,6 +146,26 @@ class ValueLossConfig(BaseModel):
         return value
 
 
+class AdamStep(BaseModel):
+    """One optimizer step's own AdamW settings (Tinker's ``AdamParams``, sent with each step):
+    they take the place of the optimizer's and schedule's for that step; the moments and the
+    step count carry on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(ge=0, description="this step's learning rate")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(None, gt=0, description="max global gradient norm; None: off")
+
+    @model_validator(mode="after")
+    def _betas_below_one(self) -> AdamStep:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas {self.betas}: each must be in [0, 1)")
+        return self
+
+
 class OptimConfig(BaseModel):
     """AdamW with linear warm-up, then a constant, linear or cosine schedule."""
 

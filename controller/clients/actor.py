@@ -14,7 +14,7 @@ from controller.clients.engine import EngineClient
 from transport.batch import TensorBatch
 from transport.protocol import Transfer
 from transport.sampling import SamplingConfig
-from transport.training import PolicyLossConfig, Reduction
+from transport.training import AdamStep, PolicyLossConfig, Reduction
 
 
 class ReferenceClient(EngineClient):
@@ -131,10 +131,13 @@ class ActorClient(ReferenceClient):
             Transfer.DP_REDUCED, "forward_backward_nll", batch, reduction, timeout=timeout
         )
 
-    async def optim_step(self, *, timeout: float | None = None) -> dict[str, float]:
-        """One optimizer step on the gradients accumulated so far: ``grad_norm``, ``lr``,
-        ``skipped`` (1: the norm was not finite, and the step left the weights as they were)."""
-        return await self._call(Transfer.ONE_TO_ALL, "optim_step", timeout=timeout)
+    async def optim_step(
+        self, adam: AdamStep | None = None, *, timeout: float | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on the gradients accumulated so far (``adam``: this step's own
+        AdamW settings): ``grad_norm``, ``lr``, ``skipped`` (1: the norm was not finite, and the
+        step left the weights as they were)."""
+        return await self._call(Transfer.ONE_TO_ALL, "optim_step", adam, timeout=timeout)
 
     async def sft_step(
         self,

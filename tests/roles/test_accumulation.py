@@ -27,6 +27,7 @@ from tests.roles.test_training import token_batch
 from transport.batch import TensorBatch
 from transport.errors import RemoteError
 from transport.protocol import Layout
+from transport.training import AdamStep
 
 LOSS = {"clip_ratio_low": 0.2, "dual_clip": None}
 
@@ -202,3 +203,39 @@ def test_a_call_that_fails_midway_drops_its_gradients_and_says_so(tiny: Path) ->
     assert all(p.grad is None for p in engine.module.parameters())
     stepped = engine.train_step(batch, nll)
     assert stepped == clean.train_step(batch, nll)
+
+
+def test_a_step_with_its_own_adam_settings_is_adamw_with_them(tiny: Path) -> None:
+    """Tinker sends AdamW's settings with every step (``AdamStep``): the step is torch's AdamW
+    with those settings on the same gradients, the moments carried on from the step before
+    (whose settings differed), clipped only when the step says so."""
+    torch.manual_seed(0)
+    engine = one_rank(tiny)
+    mine = {
+        n: p.detach().clone().requires_grad_(p.requires_grad)
+        for n, p in engine.module.named_parameters()
+    }
+    trained = [p for p in mine.values() if p.requires_grad]
+    steps = [
+        AdamStep(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1),
+        AdamStep(lr=5e-3, betas=(0.85, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=0.05),
+    ]
+    adamw = torch.optim.AdamW(trained, lr=1.0, fused=True)
+    for i, adam in enumerate(steps):
+        engine.forward_backward(token_batch(4, seed=i), nll)
+        grads = {
+            n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None
+        }
+        found = engine.optim_step(adam)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+        assert found["grad_norm"] == pytest.approx(norm, rel=1e-6)
+        scale = min(1.0, adam.grad_clip / (norm + 1e-6)) if adam.grad_clip else 1.0
+        for name, p in mine.items():
+            if p.requires_grad:
+                p.grad = grads[name] * scale
+        for group in adamw.param_groups:
+            group.update(lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
+        adamw.step()
+        assert found["lr"] == adam.lr
+        for name, p in engine.module.named_parameters():
+            torch.testing.assert_close(p.detach(), mine[name].detach(), rtol=0, atol=1e-7)

@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,7 @@ from roles.modeling.text import block_causal_mask, segment_positions
 from roles.runtime.device import attention_kernel, group_dtype, rng_state, set_rng_state
 from transport.batch import TensorBatch
 from transport.device import HOST, DeviceKind
+from transport.training import AdamStep
 
 
 class FSDPEngine(TrainingEngine):
@@ -340,14 +341,19 @@ class FSDPEngine(TrainingEngine):
         result.update(tokens=tokens, seqs=seqs)
         return result
 
-    def optim_step(self) -> dict[str, float]:
+    def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
         if self.optimizer is None or self.scheduler is None:
             raise EngineError("this engine's weights are frozen (optim: null); it cannot train")
         if not self.accumulated:
             raise EngineError("optim_step: no gradients since the last step; call forward_backward")
         if self.dp > 1 and self.cfg.dp_mode != "fsdp":
             self._all_reduce_gradients()
-        grad_norm = self._clip_gradients()
+        if adam is not None:  # this step's own settings; the schedule sets lr again after it
+            for group in self.optimizer.param_groups:
+                group.update(
+                    lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay
+                )
+        grad_norm = self._clip_gradients(adam.grad_clip if adam is not None else "config")
         lr = self.optimizer.param_groups[0]["lr"]
         # a non-finite norm (every rank sees the same one) cannot be clipped: stepping on it
         # would make the weights NaN, so the step is skipped (weights, moments and schedule as
@@ -432,9 +438,10 @@ class FSDPEngine(TrainingEngine):
                 offset += g.numel()
             start = stop
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self, clip: float | Literal["config"] | None = "config") -> float:
         """Global L2 norm of the gradients (per-tensor norms summed in fp64, one all-reduce);
-        scale them down to ``grad_clip`` when above it, as ``clip_grad_norm_`` does."""
+        scale them down to ``clip`` (by default the optimizer config's ``grad_clip``; None: not
+        at all) when above it, as ``clip_grad_norm_`` does."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64, device=self.device.device)
         for grad in grads:
@@ -443,7 +450,8 @@ class FSDPEngine(TrainingEngine):
         if self.world > 1:
             dist.all_reduce(square)
         norm = float(square.sqrt())
-        clip = self.cfg.optim.grad_clip if self.cfg.optim else None
+        if clip == "config":
+            clip = self.cfg.optim.grad_clip if self.cfg.optim else None
         if clip is not None and math.isfinite(norm):
             coef = min(1.0, clip / (norm + 1e-6))
             for grad in grads:

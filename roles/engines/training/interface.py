@@ -39,6 +39,7 @@ import torch
 from roles.engines.training.config import EngineConfig, OptimConfig
 from roles.runtime.device import DtypeChoice
 from transport.batch import TensorBatch
+from transport.training import AdamStep
 
 Head = Literal["lm", "token"]
 Read = Callable[[torch.Tensor, TensorBatch], torch.Tensor]
@@ -106,9 +107,10 @@ class TrainingEngine(ABC):
             f"{type(self).__name__} takes whole optimizer steps only (train_step)"
         )
 
-    def optim_step(self) -> dict[str, float]:
+    def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
         """One optimizer step on the gradients ``forward_backward`` accumulated: clip, step,
-        schedule; returns ``grad_norm`` (before clipping) and ``lr``."""
+        schedule (``adam``: this step's own settings instead); returns ``grad_norm`` (before
+        clipping) and ``lr``."""
         raise NotImplementedError(
             f"{type(self).__name__} takes whole optimizer steps only (train_step)"
         )
