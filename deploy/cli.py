@@ -13,6 +13,8 @@
   controller alone; each group joins with ``hybridflow role`` (the command is printed).
 - ``hybridflow slurm`` / ``hybridflow keys`` — sbatch scripts (``deploy/commands/slurm.py``) and CURVE
   keys (``deploy/commands/keys.py``).
+- ``hybridflow serve --base-model DIR`` — the Tinker REST API, for the ``tinker`` SDK's clients
+  (``deploy/commands/serve.py``, ``deploy/tinker/``).
 - ``hybridflow reshard-plan --model llama2-70b --train 1-8-16 --gen 1-4`` — bytes, memory and
   groups of a training → generation weight reshard, planned on paper (``deploy/commands/reshard.py``).
 
@@ -43,6 +45,7 @@ from deploy.commands.plan import add_plan_command
 from deploy.commands.reshard import add_reshard_command
 from deploy.commands.role import add_role_command
 from deploy.commands.run import add_run_commands, report_command, run_experiment_command
+from deploy.commands.serve import add_serve_command
 from deploy.commands.slurm import add_slurm_command
 from deploy.commands.train import add_train_commands, run_train_command
 from deploy.commands.trajectories import add_trajectories_command
@@ -143,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_command(sub)
     add_trajectories_command(sub)
     add_status_command(sub)
+    add_serve_command(sub)
     return parser
 
 
