@@ -24,6 +24,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+#: how often sessions are checked for heartbeats
+SWEEP_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ServeOptions:
     run_dir: Path | None = None
     nproc: int = 1
     max_models: int = 2
+    session_idle_s: float = 120.0
     overrides: tuple[str, ...] = ()
 
     @classmethod
@@ -49,6 +52,7 @@ class ServeOptions:
             run_dir=args.run_dir,
             nproc=args.nproc,
             max_models=args.max_models,
+            session_idle_s=args.session_idle_s,
             overrides=tuple(args.set),
         )
 
@@ -71,6 +75,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks of each training client's group")
     p.add_argument(
         "--max-models", type=int, default=2, help="training clients at once; more are refused"
+    )
+    p.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=120.0,
+        help="a session without a heartbeat for this long is finished, its models stopped "
+        "(the SDK sends one every 10 s)",
     )
     p.add_argument(
         "--set",
@@ -136,9 +147,17 @@ async def serve(opts: ServeOptions) -> int:
         print(f"TINKER_API_KEY={key}")
     print(f"TINKER_BASE_URL={where}", flush=True)
     sys.stdout.flush()
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            await service.sweep(opts.session_idle_s)
+
+    sweeper = asyncio.ensure_future(sweep())
     try:
         await stop.wait()
     finally:
+        sweeper.cancel()
         await runner.cleanup()
         await service.close()
     return 0

@@ -114,6 +114,7 @@ class Routes:
 
     async def finish(self, request: web.Request) -> web.Response:
         await request.read()
+        await self.service.finish(request.match_info["session_id"])
         return web.json_response({})
 
     async def capabilities(self, request: web.Request) -> web.Response:

@@ -104,10 +104,13 @@ class Model:
     checkpoints by name (the policy version each holds)."""
 
     model_id: str
+    session_id: str
     base: Served
     rank: int
     folder: Path
     mesh: Mesh | None = None
+    #: its session finished (or went quiet): the mesh is stopped, its checkpoints stay
+    closed: bool = False
     started: asyncio.Event = field(default_factory=asyncio.Event)
     failed: BaseException | None = None
     stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
@@ -121,6 +124,8 @@ class Model:
     start: asyncio.Task[None] | None = None
 
     async def ready(self) -> Mesh:
+        if self.closed:
+            raise Refused(f"model {self.model_id}: its session has finished; it is closed")
         await self.started.wait()
         if self.mesh is None:
             raise Refused(f"model {self.model_id}: its mesh did not start ({self.failed})", 500)
@@ -180,8 +185,33 @@ class Service:
 
     def heartbeat(self, session_id: str) -> None:
         if session_id not in self.sessions:
-            raise Refused(f"session_id {session_id!r}: no such session", 404)
+            raise Refused(f"session_id {session_id!r}: no such session (or it finished)", 404)
         self.sessions[session_id] = time.monotonic()
+
+    async def finish(self, session_id: str) -> None:
+        """A session's end: its training clients' meshes stop (their checkpoints stay)."""
+        self.sessions.pop(session_id, None)
+        for model in list(self.models.values()):
+            if model.session_id == session_id and not model.closed:
+                await self.close_model(model)
+
+    async def sweep(self, idle_s: float) -> None:
+        """Finish the sessions whose client stopped its heartbeats ``idle_s`` ago (it died)."""
+        now = time.monotonic()
+        for session_id, seen in list(self.sessions.items()):
+            if now - seen > idle_s:
+                log.warning("session %s sent no heartbeat for %g s: finished", session_id, idle_s)
+                await self.finish(session_id)
+
+    async def close_model(self, model: Model) -> None:
+        model.closed = True
+        if model.start is not None and not model.start.done():
+            model.start.cancel()
+            with contextlib.suppress(BaseException):
+                await model.start
+        async with model.lock:  # a call on its mesh finishes first
+            await model.stack.aclose()
+        model.mesh = None
 
     def capabilities(self) -> list[dict[str, Any]]:
         return [
@@ -210,12 +240,11 @@ class Service:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             return self.models[model_id]
-        running = sum(1 for m in self.models.values() if m.failed is None)
+        running = sum(1 for m in self.models.values() if m.failed is None and not m.closed)
         if running >= self.max_models:
             raise Refused(
                 f"create_model: this server trains at most {self.max_models} models at once "
-                "(hybridflow serve --max-models); close a session's clients first",
-                429,
+                "(hybridflow serve --max-models); close a session (ServiceClient.close) first"
             )
         if not lora.get("train_attn", True) and not lora.get("train_mlp", True):
             raise Refused(
@@ -229,7 +258,8 @@ class Service:
                 session_id,
                 model_seq_id,
             )
-        model = Model(model_id, served, int(lora["rank"]), self.run_dir / "models" / safe(model_id))
+        folder = self.run_dir / "models" / safe(model_id)
+        model = Model(model_id, session_id, served, int(lora["rank"]), folder)
         self.models[model_id] = model
         model.folder.mkdir(parents=True, exist_ok=True)
         experiment = model.folder / "experiment.yaml"
@@ -335,17 +365,11 @@ class Service:
     def loss_sum(
         batch: wire.Batch, logprobs: list[list[float]], found: dict[str, float] | None = None
     ) -> float:
-        """The batch's summed loss: cross-entropy's from the log-probs; a policy loss's as the
-        mesh reports it (a forward alone: not computed, 0)."""
-        if batch.name == "cross_entropy":
-            total = 0.0
-            for row, lp in zip(batch.rows, logprobs, strict=True):
-                weights = row.weights if isinstance(row.weights, list) else [1.0] * len(lp)
-                total -= sum(w * x for w, x in zip(weights, lp, strict=True))
-            return total
-        if found is None:
-            return 0.0
-        return float(found.get("pg_loss", found.get("loss", 0.0)))
+        """The batch's summed loss: as the mesh reports it after a backward, else computed
+        from the log-probs the same way (``wire.summed_loss``)."""
+        if found is not None:
+            return float(found["loss"])
+        return wire.summed_loss(batch, logprobs)
 
     async def optim_step(self, model: Model, adam: AdamStep) -> Result:
         m = await model.ready()
@@ -508,11 +532,7 @@ class Service:
         """Stop every model's mesh (its groups) and every call still running."""
         await self.futures.close()
         for model in self.models.values():
-            if model.start is not None and not model.start.done():
-                model.start.cancel()
-                with contextlib.suppress(BaseException):
-                    await model.start
-            await model.stack.aclose()
+            await self.close_model(model)
 
 
 def cut_at(tokenizer: Any, tokens: list[int], stops: list[str]) -> int | None:

@@ -205,6 +205,32 @@ def datum_row(datum: pb.Datum, i: int, loss: str) -> Datum:
     )
 
 
+def summed_loss(batch: Batch, logprobs: Sequence[Sequence[float]]) -> float:
+    """The loss a ``forward`` alone reports, from its log-probs, as the mesh's losses sum it:
+    cross-entropy -w log p; importance sampling -r A; PPO -min(r A, clip(r) A); CISPO
+    -clip(r) A log p (its value: the clipped ratio is a constant weight), r = p / p_old."""
+    total = 0.0
+    loss = batch.loss
+    for row, lp in zip(batch.rows, logprobs, strict=True):
+        x = np.asarray(lp, dtype=np.float64)
+        if loss == "cross_entropy":
+            w = np.asarray(row.weights if row.weights is not None else np.ones_like(x))
+            total -= float((w * x).sum())
+            continue
+        r = np.exp(x - np.asarray(row.old_log_probs, dtype=np.float64))
+        a = np.asarray(row.advantages, dtype=np.float64)
+        if loss.kind == "importance_sampling":
+            total -= float((r * a).sum())
+            continue
+        high = loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio_low
+        clipped = np.clip(r, 1 - loss.clip_ratio_low, 1 + high)
+        if loss.kind == "ppo":
+            total -= float(np.minimum(r * a, clipped * a).sum())
+        else:
+            total -= float((clipped * a * x).sum())
+    return total
+
+
 def forward_output(logprobs: Sequence[Sequence[float]], metrics: Mapping[str, float]) -> bytes:
     """A ``ForwardBackwardOutput``: each datum's per-target log-probs, and the metrics (keys
     ``name:reduction``, which the SDK merges chunk by chunk)."""

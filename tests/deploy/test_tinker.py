@@ -1,0 +1,290 @@
+"""``hybridflow serve`` driven by the real ``tinker`` SDK (0.38), never a hand-made HTTP client:
+one server process on the tiny model (fp32), its training clients meshes of their own.
+
+- the SDK's calls give what the library API gives on the same experiment: ``forward_backward``'s
+  per-token log-probs and summed loss (cross-entropy and PPO), and the weights after
+  ``optim_step`` with ``AdamParams`` (the log-probs of a ``forward`` after it), within 1e-6;
+- ``save_state`` then ``create_training_client_from_state_with_optimizer`` then one more step
+  equals the straight run's step bitwise; two training clients at once are isolated;
+- sampling with a seed repeats, its log-probs are the trainer's at temperature 1, and a stop
+  token ends a sample;
+- refused by name, changing nothing: an unknown base model, an unknown loss, datums whose
+  lengths disagree, targets that are not the input shifted, a missing or wrong key, a future id
+  the server never gave, a sampler whose training client has stepped since;
+- SIGTERM stops the server and every group it started.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+import hybridflow as hf  # noqa: E402
+from roles.modeling.models import init_model  # noqa: E402
+from tests.conftest import run  # noqa: E402
+
+KEY = "tml-hybridflow-test"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A ``hybridflow serve`` process on the tiny model; its base URL and run folder."""
+    root = tmp_path_factory.mktemp("tinker")
+    model = init_model(root / "tiny", "tiny", seed=0)
+    run_dir = root / "serve"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "serve",
+            "--base-model",
+            str(model),
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+            "--run-dir",
+            str(run_dir),
+            "--max-models",
+            "3",
+            "--set",
+            "roles.actor.dtype=fp32",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = read_url(proc, timeout_s=120)
+    log: list[bytes] = []  # drained, so the server never blocks on a full pipe
+    drain = threading.Thread(
+        target=lambda: log.extend(iter(proc.stdout.readline, b"")), daemon=True
+    )
+    drain.start()
+    os.environ.update(TINKER_BASE_URL=url, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
+    try:
+        yield {"url": url, "run_dir": run_dir, "proc": proc, "model": model, "log": log}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def read_url(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The ``TINKER_BASE_URL=`` line the server prints once it listens."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    seen = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += chunk
+            for line in seen.decode(errors="replace").splitlines():
+                if line.startswith("TINKER_BASE_URL="):
+                    return line.split("=", 1)[1].strip()
+    raise AssertionError(f"the server printed no URL within {timeout_s:g} s: {seen.decode()}")
+
+
+def datum(tokens: list[int], weights: list[float]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def ppo_datum(tokens: list[int], logprobs: list[float], advantage: float) -> types.Datum:
+    n = len(tokens) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": logprobs,
+            "advantages": [0.0] * 2 + [advantage] * (n - 2),
+        },
+    )
+
+
+ROWS = [[1, 50, 51, 52, 53, 54], [1, 60, 61, 62]]
+WEIGHTS = [[0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
+ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def logprobs_of(out: Any) -> list[list[float]]:
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+def close(a: list[list[float]], b: list[list[float]], tol: float = 1e-6) -> bool:
+    return all(len(x) == len(y) for x, y in zip(a, b, strict=True)) and all(
+        abs(p - q) <= tol for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=True)
+    )
+
+
+def test_the_sdk_trains_as_the_library_api(server: dict[str, Any]) -> None:
+    with tinker.ServiceClient() as sc:
+        trains_as_the_library_api(sc, server)
+
+
+def trains_as_the_library_api(sc: Any, server: dict[str, Any]) -> None:
+    assert [m.model_name for m in sc.get_server_capabilities().supported_models] == ["tiny"]
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=3)
+    info = tc.get_info()
+    assert info.model_data.model_name == "tiny" and info.lora_rank == 8
+    assert tc.get_tokenizer().encode("1+1") != []  # loaded from the folder get_info names
+
+    ce = tc.forward_backward(
+        [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)], "cross_entropy"
+    ).result()
+    tc.optim_step(ADAM).result()
+    old = logprobs_of(
+        tc.forward(
+            [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)], "cross_entropy"
+        ).result()
+    )
+    ppo = tc.forward_backward(
+        [ppo_datum(r, lp, a) for r, lp, a in zip(ROWS, old, (1.0, -0.5), strict=True)],
+        "ppo",
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    ).result()
+    tc.optim_step(ADAM).result()
+    after = logprobs_of(
+        tc.forward(
+            [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)], "cross_entropy"
+        ).result()
+    )
+
+    folder = next((server["run_dir"] / "models").iterdir())
+    library = run(lambda: library_run(folder / "experiment.yaml", folder.parent / "library"))
+    assert close(logprobs_of(ce), library["ce_logprobs"]), (logprobs_of(ce), library)
+    assert abs(ce.metrics["loss:sum"] - library["ce_loss"]) <= 1e-5
+    assert close(old, library["old"])
+    assert abs(ppo.metrics["loss:sum"] - library["ppo_loss"]) <= 1e-6
+    assert close(after, library["after"])
+    assert not close(after, old, 1e-3)  # the steps moved the weights
+
+
+async def library_run(experiment: Path, run_dir: Path) -> dict[str, Any]:
+    """The same calls through ``hf.mesh`` on the experiment the server wrote for its model."""
+    rows = [
+        hf.Datum(prompt=r[:1], response=r[1:], weights=w)
+        for r, w in zip(ROWS, WEIGHTS, strict=True)
+    ]
+    adam = hf.AdamStep(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    found: dict[str, Any] = {}
+    async with hf.mesh(experiment, run_dir=run_dir) as m:
+        lp = await m.log_probs(rows)
+        found["ce_logprobs"] = [lp[i, 1 : len(r)].tolist() for i, r in enumerate(ROWS)]
+        found["ce_loss"] = -sum(
+            w * x
+            for ws, xs in zip(WEIGHTS, found["ce_logprobs"], strict=True)
+            for w, x in zip(ws, xs, strict=True)
+        )
+        await m.forward_backward(rows, "cross_entropy", reduction="sum")
+        await m.optim_step(adam)
+        lp = await m.log_probs(rows)
+        found["old"] = old = [lp[i, 1 : len(r)].tolist() for i, r in enumerate(ROWS)]
+        ppo_rows = [
+            hf.Datum(
+                prompt=r[:1],
+                response=r[1:],
+                old_log_probs=o,
+                advantages=[0.0] * 2 + [a] * (len(r) - 3),
+            )
+            for r, o, a in zip(ROWS, old, (1.0, -0.5), strict=True)
+        ]
+        loss = hf.PolicyLossConfig(
+            kind="ppo", clip_ratio_low=0.1, clip_ratio_high=0.1, dual_clip=None
+        )
+        metrics = await m.forward_backward(ppo_rows, loss, reduction="sum")
+        found["ppo_loss"] = metrics["loss"]
+        await m.optim_step(adam)
+        lp = await m.log_probs(rows)
+        found["after"] = [lp[i, 1 : len(r)].tolist() for i, r in enumerate(ROWS)]
+    return found
+
+
+def test_a_saved_state_resumes_bitwise_and_clients_are_isolated(server: dict[str, Any]) -> None:
+    """``save_state``, then a new client from it with its optimizer, then one more step: the
+    same weights as the first client's own next step, bitwise (the log-probs of a forward are
+    equal floats). The two clients train beside each other without touching each other."""
+    with tinker.ServiceClient() as sc:
+        resumes_bitwise(sc)
+
+
+def resumes_bitwise(sc: Any) -> None:
+    first = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+    data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+    first.forward_backward(data, "cross_entropy").result()
+    first.optim_step(ADAM).result()
+    path = first.save_state("one").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/one")
+    second = sc.create_training_client_from_state_with_optimizer(path)
+    before = logprobs_of(second.forward(data, "cross_entropy").result())
+    assert before == logprobs_of(first.forward(data, "cross_entropy").result())
+    for client in (first, second):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(ADAM).result()
+    ahead = logprobs_of(first.forward(data, "cross_entropy").result())
+    assert logprobs_of(second.forward(data, "cross_entropy").result()) == ahead
+    # the first client steps again: the second is where it was
+    first.forward_backward(data, "cross_entropy").result()
+    first.optim_step(ADAM).result()
+    assert logprobs_of(second.forward(data, "cross_entropy").result()) == ahead
+    assert logprobs_of(first.forward(data, "cross_entropy").result()) != ahead
+
+
+def test_sampling_repeats_with_a_seed_and_gives_the_trainers_log_probs(
+    server: dict[str, Any],
+) -> None:
+    with tinker.ServiceClient() as sc:
+        samples(sc)
+
+
+def samples(sc: Any) -> None:
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2)
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([1, 50, 51])
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    one = sampler.sample(prompt, 3, params).result()
+    again = sampler.sample(prompt, 3, params).result()
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in again.sequences]
+    assert len(one.sequences) == 3 and all(s.logprobs for s in one.sequences)
+    other = sampler.sample(prompt, 3, params.model_copy(update={"seed": 8})).result()
+    assert [s.tokens for s in other.sequences] != [s.tokens for s in one.sequences]
+    # the sampler's log-probs are what the trainer computes for the same tokens
+    seq = one.sequences[0]
+    full = [1, 50, 51, *seq.tokens]
+    trained = tc.forward([datum(full, [1.0] * (len(full) - 1))], "cross_entropy").result()
+    tail = logprobs_of(trained)[0][2:]
+    assert max(abs(a - b) for a, b in zip(tail, seq.logprobs, strict=True)) < 1e-4
+    # a stop token ends a sample, and is its last token
+    stop = seq.tokens[1]
+    stopped = sampler.sample(prompt, 1, params.model_copy(update={"stop": [stop]})).result()
+    assert stopped.sequences[0].tokens == seq.tokens[:2]
+    assert stopped.sequences[0].stop_reason == "stop"
+    # prompt log-probs (compute_logprobs): the trainer's, none for the first token
+    prompt_lps = sampler.compute_logprobs(prompt).result()
+    plain = logprobs_of(tc.forward([datum([1, 50, 51], [1.0, 1.0])], "cross_entropy").result())
+    assert prompt_lps[0] is None
+    assert max(abs(a - b) for a, b in zip(prompt_lps[1:], plain[0], strict=True)) < 1e-5
+    # once its training client has stepped, the sampler refuses: its weights are gone
+    tc.forward_backward([datum([1, 50, 51], [1.0, 1.0])], "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    with pytest.raises(tinker.RequestFailedError, match="has stepped"):
+        sampler.sample(prompt, 1, params).result()
