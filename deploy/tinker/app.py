@@ -149,38 +149,42 @@ class Routes:
         return web.json_response(self.service.info(model))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
-        batch = wire.forward_backward_request(await request.read())
-        model = self.service.model(batch.model_id, "forward_backward")
-        request_id = self.service.submit(
-            model, batch.seq_id, lambda: user_faults(self.service.forward_backward(model, batch))
-        )
+        message = wire.forward_backward_request(await request.read())
+        model = self.service.model(message.model_id, "forward_backward")
+
+        async def work() -> Result:  # a refused datum fails the future, in its turn
+            return await self.service.forward_backward(model, wire.batch_of(message))
+
+        request_id = self.service.submit(model, message.seq_id, lambda: user_faults(work()))
         return web.json_response({"request_id": request_id, "model_id": model.model_id})
 
     async def optim_step(self, request: web.Request) -> web.Response:
         body = await parse(request, types.OptimStepRequest)
         model = self.service.model(body.model_id, "optim_step")
         params = body.optim_params
-        if not isinstance(params, types.AdamParams):
-            raise Refused(f"optim_step: {type(params).__name__}; only AdamParams is served")
-        try:
-            adam = AdamStep(
-                lr=params.learning_rate,
-                betas=(params.beta1, params.beta2),
-                eps=params.eps,
-                weight_decay=params.weight_decay,
-                grad_clip=params.grad_clip_norm or None,
-            )
-        except pydantic.ValidationError as exc:
-            raise Refused(f"optim_step.adam_params: {short(exc)}") from None
-        request_id = self.service.submit(
-            model, body.seq_id, lambda: user_faults(self.service.optim_step(model, adam))
-        )
+
+        async def work() -> Result:  # refused in its turn, as forward_backward
+            if not isinstance(params, types.AdamParams):
+                raise Refused(f"optim_step: {type(params).__name__}; only AdamParams is served")
+            try:
+                adam = AdamStep(
+                    lr=params.learning_rate,
+                    betas=(params.beta1, params.beta2),
+                    eps=params.eps,
+                    weight_decay=params.weight_decay,
+                    grad_clip=params.grad_clip_norm or None,
+                )
+            except pydantic.ValidationError as exc:
+                raise Refused(f"optim_step.adam_params: {short(exc)}") from None
+            return await self.service.optim_step(model, adam)
+
+        request_id = self.service.submit(model, body.seq_id, lambda: user_faults(work()))
         return web.json_response({"request_id": request_id, "model_id": model.model_id})
 
     async def save_weights(self, request: web.Request) -> web.Response:
         body = await parse(request, types.SaveWeightsRequest)
         model = self.service.model(body.model_id, "save_weights")
-        name = wire.check_name(body.path or "", "save_weights.path")
+        name = body.path or ""
         request_id = self.service.submit(
             model, body.seq_id, lambda: user_faults(self.service.save_state(model, name))
         )

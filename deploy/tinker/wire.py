@@ -57,9 +57,9 @@ class Batch:
     forward_only: bool
 
 
-def forward_backward_request(body: bytes) -> Batch:
-    """A ``ForwardBackwardRequest`` read into ``Datum`` rows and a loss; ``Refused`` naming the
-    datum and field where it cannot be."""
+def forward_backward_request(body: bytes) -> pb.ForwardBackwardRequest:
+    """The protobuf request, or ``Refused`` when it is none (its datums are read by
+    ``batch_of``, in the call's turn: a refusal then still takes its place in the order)."""
     request = pb.ForwardBackwardRequest()
     try:
         request.ParseFromString(body)
@@ -67,6 +67,12 @@ def forward_backward_request(body: bytes) -> Batch:
         raise Refused(f"forward_backward: not a ForwardBackwardRequest ({exc})") from None
     if not request.model_id:
         raise Refused("forward_backward: model_id is missing")
+    return request
+
+
+def batch_of(request: pb.ForwardBackwardRequest) -> Batch:
+    """A ``ForwardBackwardRequest``'s datums as ``Datum`` rows and its loss as the mesh's;
+    ``Refused`` naming the datum and field where it cannot be."""
     if not request.data:
         raise Refused("forward_backward: no datums")
     name = request.loss_fn

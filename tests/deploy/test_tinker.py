@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import threading
@@ -143,7 +144,7 @@ def test_the_sdk_trains_as_the_library_api(server: dict[str, Any]) -> None:
 
 def trains_as_the_library_api(sc: Any, server: dict[str, Any]) -> None:
     assert [m.model_name for m in sc.get_server_capabilities().supported_models] == ["tiny"]
-    tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=3)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=3).result()
     info = tc.get_info()
     assert info.model_data.model_name == "tiny" and info.lora_rank == 8
     assert tc.get_tokenizer().encode("1+1") != []  # loaded from the folder get_info names
@@ -228,13 +229,13 @@ def test_a_saved_state_resumes_bitwise_and_clients_are_isolated(server: dict[str
 
 
 def resumes_bitwise(sc: Any) -> None:
-    first = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1)
+    first = sc.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
     data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
     first.forward_backward(data, "cross_entropy").result()
     first.optim_step(ADAM).result()
     path = first.save_state("one").result().path
     assert path.startswith("tinker://") and path.endswith("/weights/one")
-    second = sc.create_training_client_from_state_with_optimizer(path)
+    second = sc.create_training_client_from_state_with_optimizer(path).result()
     before = logprobs_of(second.forward(data, "cross_entropy").result())
     assert before == logprobs_of(first.forward(data, "cross_entropy").result())
     for client in (first, second):
@@ -257,8 +258,8 @@ def test_sampling_repeats_with_a_seed_and_gives_the_trainers_log_probs(
 
 
 def samples(sc: Any) -> None:
-    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2)
-    sampler = tc.save_weights_and_get_sampling_client()
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([1, 50, 51])
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
     one = sampler.sample(prompt, 3, params).result()
@@ -288,3 +289,101 @@ def samples(sc: Any) -> None:
     tc.optim_step(ADAM).result()
     with pytest.raises(tinker.RequestFailedError, match="has stepped"):
         sampler.sample(prompt, 1, params).result()
+
+
+def test_bad_requests_are_refused_by_name_and_change_nothing(server: dict[str, Any]) -> None:
+    with tinker.ServiceClient() as sc:
+        refuses(sc, server)
+    wrong = tinker.ServiceClient(api_key="tml-not-the-key")
+    with pytest.raises(tinker.AuthenticationError, match="API key"):
+        wrong.get_server_capabilities()
+    with pytest.raises(tinker.NotFoundError, match="no such future"):
+        run(lambda: retrieve(server["url"], "no-such-request"))
+
+
+def refuses(sc: Any, server: dict[str, Any]) -> None:
+    with pytest.raises(tinker.BadRequestError, match="base model 'nope' is not served here"):
+        sc.create_lora_training_client(base_model="nope", rank=4).result()
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+    before = logprobs_of(tc.forward(data, "cross_entropy").result())
+    bad = {
+        "loss_fn 'dro' is not served here": (data, "dro", None),
+        "datum 1.loss_fn_inputs\\['weights'\\]: 2 values for 3 input tokens": (
+            [data[0], datum(ROWS[1], [1.0, 1.0])],
+            "cross_entropy",
+            None,
+        ),
+        "datum 0: target_tokens\\[1\\] is 9": (
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([1, 2, 3]),
+                    loss_fn_inputs={"target_tokens": [2, 9, 4], "weights": [1.0] * 3},
+                )
+            ],
+            "cross_entropy",
+            None,
+        ),
+        "loss_fn_config for ppo: clip_ratio is not read here": (
+            [ppo_datum(ROWS[0], [-1.0] * 5, 1.0)],
+            "ppo",
+            {"clip_ratio": 0.2},
+        ),
+        "ppo needs advantages": (
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(ROWS[0][:-1]),
+                    loss_fn_inputs={"target_tokens": ROWS[0][1:], "logprobs": [-1.0] * 5},
+                )
+            ],
+            "ppo",
+            None,
+        ),
+    }
+    for message, (rows, loss, config) in bad.items():
+        with pytest.raises(tinker.RequestFailedError, match=message):
+            tc.forward_backward(rows, loss, config).result()
+    with pytest.raises(tinker.RequestFailedError, match="no gradients since the last step"):
+        tc.optim_step(ADAM).result()  # none of the refused calls left gradients behind
+    assert logprobs_of(tc.forward(data, "cross_entropy").result()) == before
+    # and the client's calls still run in their order after the refusals
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    assert logprobs_of(tc.forward(data, "cross_entropy").result()) != before
+
+
+async def retrieve(url: str, request_id: str) -> Any:
+    """A future id polled with the SDK's own low-level client."""
+    from tinker._client import AsyncTinker
+
+    async with AsyncTinker(base_url=url, api_key=KEY) as client:
+        return await client.futures.retrieve(
+            request=types.FutureRetrieveRequest(request_id=request_id)
+        )
+
+
+def test_sigterm_stops_the_server_and_every_group(server: dict[str, Any]) -> None:
+    """The last test of the module: the models' groups (processes of the run folder) are gone
+    when the server has exited."""
+    proc = server["proc"]
+    sc = tinker.ServiceClient()  # not closed: the server goes first
+    sc.create_lora_training_client(base_model="tiny", rank=4).result().get_info()
+    assert group_processes(server["run_dir"]) != []
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, b"".join(server["log"]).decode()[-3000:]
+    assert group_processes(server["run_dir"]) == []
+
+
+def group_processes(run_dir: Path) -> list[int]:
+    """Processes whose command line or working folder names the server's run folder."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            text = (entry / "cmdline").read_bytes() + os.readlink(entry / "cwd").encode()
+        except OSError:
+            continue
+        if str(run_dir).encode() in text:
+            found.append(int(entry.name))
+    return found
