@@ -222,7 +222,11 @@ class Service:
     # -- training clients -------------------------------------------------------------------
 
     def base(self, name: str, where: str) -> Served:
+        """A served base model by its name, or by its folder (a client that loads the
+        tokenizer from the same folder names the model by its path)."""
         found = self.bases.get(name)
+        if found is None and Path(name).is_absolute():
+            found = next((b for b in self.bases.values() if b.path == Path(name).resolve()), None)
         if found is None:
             raise Refused(
                 f"{where}: base model {name!r} is not served here; it serves "
