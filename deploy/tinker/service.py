@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import shutil
@@ -122,6 +123,11 @@ class Model:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sampler_weights: dict[str, int] = field(default_factory=dict)
     start: asyncio.Task[None] | None = None
+    #: ``asample`` requests waiting, by sampling setting, and the task that samples them
+    draws: dict[str, tuple[SamplingConfig, tuple[str, ...], list[Draw]]] = field(
+        default_factory=dict
+    )
+    drawing: asyncio.Task[None] | None = None
 
     async def ready(self) -> Mesh:
         if self.closed:
@@ -141,6 +147,17 @@ class Model:
             async with self.turn:
                 self.next_seq = max(self.next_seq, seq_id + 1)
                 self.turn.notify_all()
+
+
+@dataclass
+class Draw:
+    """An ``asample`` request waiting for its model's next batch."""
+
+    sampler: Sampler
+    prompt: list[int]
+    seed: int
+    prompt_logprobs: bool
+    future: asyncio.Future[Result]
 
 
 @dataclass
@@ -457,44 +474,110 @@ class Service:
         params: dict[str, Any],
         prompt_logprobs: bool,
     ) -> Result:
+        """``n`` samples of ``prompt``. Requests that arrive while the model's mesh is busy wait
+        together and go to it as one batch (one ``sample`` call per sampling setting): the
+        cookbook's groups, sent at once, are sampled at once. Each request draws from its own
+        seed, so batching does not change what it gets."""
         model = sampler.model
-        m = await model.ready()
+        await model.ready()
         if not prompt:
             raise Refused("asample.prompt: no tokens")
-        config, stop_texts = self.sampling(m, params, n)
-        async with model.lock:
-            if m.version != sampler.version:
-                raise Refused(
-                    f"sampler {sampler.sampler_id}: it holds the weights of policy version "
-                    f"{sampler.version}, and its training client has stepped to {m.version} "
-                    "since; make a new sampling client (save_weights_and_get_sampling_client)",
-                    409,
+        config, stops, seed = self.sampling(params, n)
+        draw = Draw(
+            sampler, prompt, seed, prompt_logprobs, asyncio.get_running_loop().create_future()
+        )
+        key = json.dumps([config.model_dump(mode="json"), stops])  # the setting's batch
+        model.draws.setdefault(key, (config, stops, []))[2].append(draw)
+        if model.drawing is None or model.drawing.done():
+            model.drawing = asyncio.ensure_future(self.draw(model))
+        return await draw.future
+
+    async def draw(self, model: Model) -> None:
+        """Sample what waits, batch by batch, until nothing does."""
+        try:
+            m = await model.ready()
+            async with model.lock:
+                while model.draws:
+                    groups, model.draws = model.draws, {}
+                    for config, stops, draws in groups.values():
+                        await self.draw_batch(m, config, list(stops), draws)
+        except BaseException as exc:
+            for _, _, draws in model.draws.values():
+                for d in draws:
+                    if not d.future.done():
+                        d.future.set_exception(exc)
+            model.draws = {}
+            raise
+
+    async def draw_batch(
+        self, m: Mesh, config: SamplingConfig, stops: list[str], draws: list[Draw]
+    ) -> None:
+        live = []
+        for d in draws:
+            if m.version != d.sampler.version:
+                d.future.set_exception(
+                    Refused(
+                        f"sampler {d.sampler.sampler_id}: it holds the weights of policy version "
+                        f"{d.sampler.version}, and its training client has stepped to "
+                        f"{m.version} since; make a new sampling client "
+                        "(save_weights_and_get_sampling_client)",
+                        409,
+                    )
                 )
+            else:
+                live.append(d)
+        if not live:
+            return
+        try:
             batch = TensorBatch.from_dict(
-                non_tensors={"prompt_ids": [prompt], "prompt": [""], "uid": [0]}
+                non_tensors={
+                    "prompt_ids": [d.prompt for d in live],
+                    "prompt": [""] * len(live),
+                    "uid": list(range(len(live))),
+                    "seed": [d.seed for d in live],
+                }
             )
             found = await m.sample(batch, config)
-            lps: list[float] | None = None
-            if prompt_logprobs:
-                rows = [Datum(prompt=prompt[:1], response=prompt[1:] or prompt[:1])]
+            sequences = self.sequences(m, found, config, stops)
+            wanted = [i for i, d in enumerate(live) if d.prompt_logprobs]
+            prompt_lps: dict[int, list[float]] = {}
+            if wanted:
+                rows = [
+                    Datum(live[i].prompt[:1], live[i].prompt[1:] or live[i].prompt) for i in wanted
+                ]
                 taken = await m.log_probs(rows, temperature=1.0)
-                lps = [math.nan, *taken[0, 1 : len(prompt)].tolist()]
-        sequences = self.sequences(m, found, config, stop_texts)
-        return Result(proto=wire.sample_output(sequences, lps))
+                for j, i in enumerate(wanted):
+                    prompt_lps[i] = [math.nan, *taken[j, 1 : len(live[i].prompt)].tolist()]
+        except BaseException as exc:
+            for d in live:
+                if not d.future.done():
+                    d.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        mine: dict[int, list[wire.Sampled]] = {}
+        for request, sequence in zip(found.non_tensors["request"], sequences, strict=True):
+            mine.setdefault(int(request), []).append(sequence)
+        for i, d in enumerate(live):
+            if not d.future.done():
+                d.future.set_result(Result(proto=wire.sample_output(mine[i], prompt_lps.get(i))))
 
-    def sampling(self, m: Mesh, params: dict[str, Any], n: int) -> tuple[SamplingConfig, list[str]]:
-        """Tinker's ``SamplingParams`` as the mesh's; stop strings are cut after sampling."""
+    def sampling(
+        self, params: dict[str, Any], n: int
+    ) -> tuple[SamplingConfig, tuple[str, ...], int]:
+        """Tinker's ``SamplingParams`` as the mesh's, the stop strings (cut after sampling) and
+        the request's seed (the server's next one when it gives none)."""
         stop = params.get("stop")
         stop_ids: list[int] | None = None
-        texts: list[str] = []
+        texts: tuple[str, ...] = ()
         if stop == []:  # Tinker: not even EOS ends it
             raise Refused("sampling_params.stop: [] (no stop at all, not even EOS) is not served")
         if isinstance(stop, str):
-            texts = [stop]
+            texts = (stop,)
         elif isinstance(stop, list) and all(isinstance(s, int) for s in stop):
-            stop_ids = [int(s) for s in stop]  # these alone end a sample ([]: none does)
+            stop_ids = [int(s) for s in stop]  # these alone end a sample
         elif isinstance(stop, list):
-            texts = [str(s) for s in stop]
+            texts = tuple(str(s) for s in stop)
         top_k = int(params.get("top_k", -1))
         seed = params.get("seed")
         try:
@@ -505,11 +588,10 @@ class Service:
                 max_new_tokens=int(params.get("max_tokens") or MAX_TOKENS),
                 n=n,
                 stop_token_ids=stop_ids,
-                seed=next(self._seeds) if seed is None else int(seed),
             )
         except ValueError as exc:
             raise Refused(f"sampling_params: {exc}") from None
-        return config, texts
+        return config, texts, next(self._seeds) if seed is None else int(seed)
 
     def sequences(
         self, m: Mesh, batch: TensorBatch, config: SamplingConfig, stop_texts: list[str]
