@@ -363,6 +363,32 @@ async def retrieve(url: str, request_id: str) -> Any:
         )
 
 
+def test_a_custom_loss_runs_through_the_served_cross_entropy(server: dict[str, Any]) -> None:
+    """``forward_backward_custom`` (the loss in the client, on the server's log-probs): with
+    -sum(w log p) it is cross-entropy, so a client stepping on it lands where a twin stepping
+    on ``cross_entropy`` does."""
+    import torch
+
+    def loss(data: list[types.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+        total = sum(
+            -(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum()
+            for d, lp in zip(data, logprobs, strict=True)
+        )
+        return total, {"mine": float(total)}
+
+    data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+    with tinker.ServiceClient() as sc:
+        custom = sc.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+        plain = sc.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+        out = custom.forward_backward_custom(data, loss).result()
+        reference = plain.forward_backward(data, "cross_entropy").result()
+        assert abs(out.metrics["mine"] - reference.metrics["loss:sum"]) < 1e-4, out.metrics
+        for client in (custom, plain):
+            client.optim_step(ADAM).result()
+        after = logprobs_of(custom.forward(data, "cross_entropy").result())
+        assert close(after, logprobs_of(plain.forward(data, "cross_entropy").result()))
+
+
 COOKBOOK = Path(sys.prefix) / "cookbook"  # make installs tinker-cookbook there (Makefile)
 
 
