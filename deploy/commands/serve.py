@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import secrets
+import selectors
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -91,6 +94,29 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         help="an override of each model's experiment, e.g. roles.actor.dtype=fp32",
     )
     p.set_defaults(fn=serve_command)
+
+
+def read_url(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The ``TINKER_BASE_URL=`` line a ``hybridflow serve`` started with its output on a pipe
+    prints once it listens (for scripts and tests that start one on ``--port 0``)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    seen = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += chunk
+            for line in seen.decode(errors="replace").splitlines():
+                if line.startswith("TINKER_BASE_URL="):
+                    return line.split("=", 1)[1].strip()
+    raise TimeoutError(
+        f"hybridflow serve printed no URL within {timeout_s:g} s (exit status "
+        f"{proc.poll()}): {seen.decode(errors='replace')[-2000:]}"
+    )
 
 
 def serve_command(args: argparse.Namespace) -> int:

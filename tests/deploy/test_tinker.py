@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 import hybridflow as hf  # noqa: E402
+from deploy.commands.serve import read_url  # noqa: E402
 from roles.modeling.models import init_model  # noqa: E402
 from tests.conftest import require_system, run  # noqa: E402
 
@@ -83,25 +82,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def read_url(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
-    """The ``TINKER_BASE_URL=`` line the server prints once it listens."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout_s
-    seen = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            seen += chunk
-            for line in seen.decode(errors="replace").splitlines():
-                if line.startswith("TINKER_BASE_URL="):
-                    return line.split("=", 1)[1].strip()
-    raise AssertionError(f"the server printed no URL within {timeout_s:g} s: {seen.decode()}")
 
 
 def datum(tokens: list[int], weights: list[float]) -> types.Datum:
