@@ -280,9 +280,42 @@ class Mesh:
             temperature_of(batch, temperature),
             reduction,
         )
+        return await self._accumulate(call, lambda: self._forward_backward(call))
+
+    async def forward_backward_log_probs(
+        self,
+        batch: Rows,
+        loss: Loss,
+        temperature: float | None = None,
+        reduction: Reduction = "mean",
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """``forward_backward``, and the per-token log-probs ``[B, T]`` (aligned with
+        ``input_ids``, 0 outside the responses) its loss saw, from the same forward: what
+        Tinker's ``forward_backward`` returns. A replay after a fault recomputes only the
+        gradients."""
+        call = Accumulated(
+            self._columns(as_batch(batch), loss),
+            loss,
+            temperature_of(batch, temperature),
+            reduction,
+        )
+        if not isinstance(loss, PolicyLossConfig) and loss != "cross_entropy":
+            raise ValueError(f"loss {loss!r}: give a hf.PolicyLossConfig or 'cross_entropy'")
+        out = await self._accumulate(
+            call,
+            lambda: self.actor.forward_backward_kept(
+                call.batch, loss, call.temperature, call.reduction
+            ),
+        )
+        found: torch.Tensor = out.tensors["log_probs"]
+        return dict(out.meta["metrics"]), found
+
+    async def _accumulate(self, call: Accumulated, run: Callable[[], Awaitable[R]]) -> R:
+        """A gradient-adding call, recorded for a replay once it ran; one that may have run
+        partly (cancelled, timed out, failed) is settled before the next call."""
         await self._settle()
         try:
-            found = await self._safely(lambda: self._forward_backward(call))
+            found = await self._safely(run)
         except BaseException:  # cancelled or timed out (it may have run), or failed on the
             self._interrupted = "gradients"  # ranks, which then dropped every pending gradient
             raise

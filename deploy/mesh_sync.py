@@ -303,6 +303,18 @@ class SyncMesh:
         gradients add up until ``optim_step``."""
         return self._loop.wait(self._mesh.forward_backward(batch, loss, temperature, reduction))
 
+    def forward_backward_log_probs(
+        self,
+        batch: Rows,
+        loss: Loss,
+        temperature: float | None = None,
+        reduction: Reduction = "mean",
+    ) -> tuple[dict[str, float], torch.Tensor]:
+        """``forward_backward``, and the per-token log-probs its loss saw."""
+        return self._loop.wait(
+            self._mesh.forward_backward_log_probs(batch, loss, temperature, reduction)
+        )
+
     def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:
         """One optimizer step of the actor on the gradients accumulated by
         ``forward_backward`` (``adam``: this step's own AdamW settings)."""

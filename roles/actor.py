@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -265,9 +265,52 @@ class Actor(Reference):
         add to those of earlier calls until ``optim_step``. ``reduction`` "mean": each call's
         loss normalised by its own batch's tokens or responses (as ``loss.agg`` says); "sum":
         not normalised, so calls on parts add up to one call on the whole (Tinker's losses)."""
+        return self.engine.forward_backward(
+            batch, self._trained_fn(batch, loss, temperature, reduction)
+        )
+
+    @endpoint(DP_SPLIT)
+    def forward_backward_kept(
+        self,
+        batch: TensorBatch,
+        loss: PolicyLossConfig | Literal["cross_entropy"],
+        temperature: float = 1.0,
+        reduction: Reduction = "mean",
+    ) -> TensorBatch:
+        """``forward_backward`` (a policy loss) or ``forward_backward_nll`` (``"cross_entropy"``,
+        at temperature 1) that also returns the log-probs its loss saw, from the same forward:
+        ``log_probs`` ``[B, T]`` aligned with ``input_ids``, and the call's metrics (summed over
+        data-parallel ranks) in ``meta["metrics"]``."""
+        if loss == "cross_entropy":
+            fn, temperature = self._nll_fn(batch, reduction), 1.0
+        else:
+            fn = self._trained_fn(batch, loss, temperature, reduction)
+        width = int(batch.tensor(INPUT_IDS).shape[1])
+        kept: list[torch.Tensor] = []
+
+        def keeping(
+            logits: torch.Tensor, micro: TensorBatch, tokens: float, seqs: float
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            with torch.no_grad():
+                logp = token_log_probs(logits.detach(), micro.tensor(INPUT_IDS), temperature)
+            kept.append(torch.nn.functional.pad(logp.float(), (0, width - int(logp.shape[1]))))
+            return fn(logits, micro, tokens, seqs)
+
+        metrics = self.engine.forward_backward(batch, keeping)
+        real = -(-len(batch) // self.engine.cfg.micro_batch_size)  # the padding ones come last
+        log_probs = torch.cat(kept[:real]) * batch.tensor(RESPONSE_MASK)
+        return TensorBatch({LOG_PROBS: log_probs}, {}, {"metrics": metrics})
+
+    def _trained_fn(
+        self,
+        batch: TensorBatch,
+        loss: PolicyLossConfig | None,
+        temperature: float,
+        reduction: Reduction,
+    ) -> LossFn:
         loss_fn = self._policy_loss_fn(batch, loss, temperature)
         cfg = PolicyLossConfig.model_validate(loss if loss is not None else {})
-        return self.engine.forward_backward(batch, reduced(loss_fn, cfg.agg, reduction))
+        return reduced(loss_fn, cfg.agg, reduction)
 
     @endpoint(DP_REDUCED)
     def forward_backward_nll(
@@ -277,6 +320,9 @@ class Actor(Reference):
         tokens ``response_mask`` marks, each times its ``weights`` column when there is one, over
         the batch's marked tokens (``loss``; ``reduction`` as ``forward_backward``'s); the
         gradients add up until ``optim_step``."""
+        return self.engine.forward_backward(batch, self._nll_fn(batch, reduction))
+
+    def _nll_fn(self, batch: TensorBatch, reduction: Reduction) -> LossFn:
         batch.require_tensors(*TOKENS)
 
         def loss_fn(
@@ -288,7 +334,7 @@ class Actor(Reference):
                 nll = nll * weights
             return aggregate(nll, micro.tensor(RESPONSE_MASK), "token-mean", tokens, seqs), {}
 
-        return self.engine.forward_backward(batch, reduced(loss_fn, "token-mean", reduction))
+        return reduced(loss_fn, "token-mean", reduction)
 
     @endpoint(ONE_TO_ALL)
     def optim_step(self, adam: AdamStep | None = None) -> dict[str, float]:

@@ -7,6 +7,8 @@ can take the actor too.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from controller.clients.base import by_request
@@ -119,6 +121,28 @@ class ActorClient(ReferenceClient):
     async def drop_sessions(self, keys: list[str], *, timeout: float | None = None) -> int:
         """Forget the kept KV of these trajectories (ended); how many rank 0 held."""
         return await self._call(Transfer.ONE_TO_ALL, "drop_sessions", keys, timeout=timeout)
+
+    async def forward_backward_kept(
+        self,
+        batch: TensorBatch,
+        loss: PolicyLossConfig | Literal["cross_entropy"],
+        temperature: float = 1.0,
+        reduction: Reduction = "mean",
+        *,
+        timeout: float | None = None,
+    ) -> TensorBatch:
+        """``forward_backward`` or, with ``"cross_entropy"``, ``forward_backward_nll``, and the
+        log-probs its loss saw in the same forward: ``log_probs`` ``[B, T]``, the loss's metrics
+        in ``meta["metrics"]``."""
+        return await self._call(
+            Transfer.DP_SPLIT,
+            "forward_backward_kept",
+            batch,
+            loss,
+            temperature,
+            reduction,
+            timeout=timeout,
+        )
 
     async def forward_backward_nll(
         self, batch: TensorBatch, reduction: Reduction = "mean", *, timeout: float | None = None

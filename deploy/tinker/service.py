@@ -370,16 +370,18 @@ class Service:
     async def forward_backward(self, model: Model, batch: wire.Batch) -> Result:
         m = await model.ready()
         async with model.lock:
-            # the log-probs Tinker returns are those the loss saw: taken before its backward
-            logprobs = await m.log_probs(batch.rows)
+            # the log-probs Tinker returns are those the loss saw, from the same forward
+            found: dict[str, float] | None = None
+            if batch.forward_only:
+                logprobs = await m.log_probs(batch.rows)
+            else:
+                found, logprobs = await m.forward_backward_log_probs(
+                    batch.rows, batch.loss, reduction="sum"
+                )
             per_row = [
                 logprobs[i, 1 : 1 + len(row.response)].tolist() for i, row in enumerate(batch.rows)
             ]
-            if batch.forward_only:
-                metrics = {"loss:sum": self.loss_sum(batch, per_row)}
-            else:
-                found = await m.forward_backward(batch.rows, batch.loss, reduction="sum")
-                metrics = {"loss:sum": self.loss_sum(batch, per_row, found)}
+            metrics = {"loss:sum": self.loss_sum(batch, per_row, found)}
         return Result(proto=wire.forward_output(per_row, metrics))
 
     @staticmethod
