@@ -87,6 +87,15 @@ def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 out["broken"] = str(exc)
             await b.forward_backward(fourth, LOSS)
             out["after_broken"] = await b.optim_step()
+            # the log-probs a loss saw, kept from its own forward on 2 dp ranks of 3 rows each
+            # (two micro-batches, one short), against a forward of their own on the same weights
+            await a.load_state(await b.state_dict())
+            fifth = policy_batch(6)[:6]
+            out["seen"] = (await a.compute_log_prob(fifth))["log_probs"] * fifth["response_mask"]
+            out["plain"] = await b.forward_backward(fifth, LOSS, reduction="sum")
+            out["kept"] = await a.forward_backward_kept(fifth, LOSS, reduction="sum")
+            await a.discard_gradients()
+            await b.discard_gradients()
         return out
 
     result: dict[str, Any] = run(main)
@@ -233,9 +242,20 @@ def test_a_step_with_its_own_adam_settings_is_adamw_with_them(tiny: Path) -> Non
         for name, p in mine.items():
             if p.requires_grad:
                 p.grad = grads[name] * scale
-        for group in adamw.param_groups:
-            group.update(lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
+        for settings in adamw.param_groups:
+            settings.update(
+                lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay
+            )
         adamw.step()
         assert found["lr"] == adam.lr
         for name, p in engine.module.named_parameters():
             torch.testing.assert_close(p.detach(), mine[name].detach(), rtol=0, atol=1e-7)
+
+
+def test_a_kept_call_returns_the_log_probs_its_loss_saw(found: dict[str, Any]) -> None:
+    """``forward_backward_kept`` (Tinker's ``forward_backward`` returns these): its log-probs,
+    gathered from the dp ranks in row order, are a plain forward's on the same weights, its
+    metrics the plain call's."""
+    kept = found["kept"]
+    torch.testing.assert_close(kept["log_probs"], found["seen"], rtol=0, atol=1e-6)
+    assert kept.meta["metrics"]["loss"] == pytest.approx(found["plain"]["loss"], rel=1e-6)
