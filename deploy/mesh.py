@@ -274,12 +274,7 @@ class Mesh:
         both; ``"sum"``: not normalised, so calls on parts add up to one call on the whole
         (Tinker's losses; its ``loss`` is a sum, its other metrics stay means). The loss's
         metrics."""
-        call = Accumulated(
-            self._columns(as_batch(batch), loss),
-            loss,
-            temperature_of(batch, temperature),
-            reduction,
-        )
+        call = self._recorded(batch, loss, temperature, reduction)
         return await self._accumulate(call, lambda: self._forward_backward(call))
 
     async def forward_backward_log_probs(
@@ -293,12 +288,7 @@ class Mesh:
         ``input_ids``, 0 outside the responses) its loss saw, from the same forward: what
         Tinker's ``forward_backward`` returns. A replay after a fault recomputes only the
         gradients."""
-        call = Accumulated(
-            self._columns(as_batch(batch), loss),
-            loss,
-            temperature_of(batch, temperature),
-            reduction,
-        )
+        call = self._recorded(batch, loss, temperature, reduction)
         if not isinstance(loss, PolicyLossConfig) and loss != "cross_entropy":
             raise ValueError(f"loss {loss!r}: give a hf.PolicyLossConfig or 'cross_entropy'")
         out = await self._accumulate(
@@ -309,6 +299,17 @@ class Mesh:
         )
         found: torch.Tensor = out.tensors["log_probs"]
         return dict(out.meta["metrics"]), found
+
+    def _recorded(
+        self, batch: Rows, loss: Loss, temperature: float | None, reduction: Reduction
+    ) -> Accumulated:
+        """A gradient-adding call as the mesh records it: the columns its loss reads."""
+        return Accumulated(
+            self._columns(as_batch(batch), loss),
+            loss,
+            temperature_of(batch, temperature),
+            reduction,
+        )
 
     async def _accumulate(self, call: Accumulated, run: Callable[[], Awaitable[R]]) -> R:
         """A gradient-adding call, recorded for a replay once it ran; one that may have run
