@@ -36,6 +36,8 @@ from deploy.commands.serve import read_url  # noqa: E402
 from roles.modeling.models import init_model  # noqa: E402
 from tests.conftest import require_system, run  # noqa: E402
 
+#: one worker runs them all, in order: they share one server, which the last test stops
+pytestmark = pytest.mark.xdist_group("tinker")
 KEY = "tml-hybridflow-test"
 REPO = Path(__file__).resolve().parents[2]
 
