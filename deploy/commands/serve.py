@@ -43,6 +43,7 @@ class ServeOptions:
     nproc: int = 1
     max_models: int = 2
     session_idle_s: float = 120.0
+    resume: bool = False
     overrides: tuple[str, ...] = ()
 
     @classmethod
@@ -56,6 +57,7 @@ class ServeOptions:
             nproc=args.nproc,
             max_models=args.max_models,
             session_idle_s=args.session_idle_s,
+            resume=args.resume,
             overrides=tuple(args.set),
         )
 
@@ -75,6 +77,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free one)")
     p.add_argument("--api-key", help="the key clients send (tml-...); default: a new one, printed")
     p.add_argument("--run-dir", type=Path, help="folder of the models' runs and checkpoints")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="serve the checkpoints an earlier server saved in --run-dir again (its clients "
+        "are not restarted: load their saved states into new ones)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="ranks of each training client's group")
     p.add_argument(
         "--max-models", type=int, default=2, help="training clients at once; more are refused"
@@ -143,6 +151,8 @@ def check(opts: ServeOptions) -> None:
             f"--host {opts.host}: another address than loopback needs --api-key of your own "
             "(and TLS in front: the key travels in a header)"
         )
+    if opts.resume and opts.run_dir is None:
+        raise SystemExit("--resume needs --run-dir: the folder of the server to resume")
     if opts.nproc < 1 or opts.max_models < 1:
         raise SystemExit("--nproc and --max-models must be >= 1")
 
@@ -158,6 +168,8 @@ async def serve(opts: ServeOptions) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     bases = [Served(b.name, b.resolve()) for b in opts.bases]
     service = Service(bases, run_dir.resolve(), opts.nproc, opts.max_models, opts.overrides)
+    if opts.resume:
+        print(f"resumed {service.resume()} training clients' checkpoints from {run_dir}")
     runner = web.AppRunner(make_app(service, key), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port)

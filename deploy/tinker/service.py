@@ -193,6 +193,53 @@ class Service:
         self.samplers: dict[str, Sampler] = {}
         self._seeds = itertools.count(1)
 
+    # -- the run folder's record of training clients (read by --resume) ----------------------
+
+    @property
+    def registry(self) -> Path:
+        return self.run_dir / "models.json"
+
+    def record(self) -> None:
+        """Every training client made here, with its checkpoints: written aside, renamed."""
+        entries = [
+            {
+                "model_id": m.model_id,
+                "session_id": m.session_id,
+                "base": m.base.name,
+                "rank": m.rank,
+                "folder": str(m.folder),
+                "sampler_weights": m.sampler_weights,
+            }
+            for m in self.models.values()
+        ]
+        aside = self.registry.with_suffix(".json.tmp")
+        aside.write_text(json.dumps(entries, indent=1))
+        aside.replace(self.registry)
+
+    def resume(self) -> int:
+        """The training clients of an earlier server on this run folder, closed: their saved
+        states and sampler weights load into new clients as before. How many."""
+        if not self.registry.is_file():
+            raise Refused(f"--resume: {self.registry} does not exist (no server ran there)")
+        for entry in json.loads(self.registry.read_text()):
+            base = self.bases.get(entry["base"])
+            if base is None:
+                log.warning(
+                    "--resume: model %s was trained from %s, which this server does not serve: "
+                    "its checkpoints are left out",
+                    entry["model_id"],
+                    entry["base"],
+                )
+                continue
+            model = Model(
+                entry["model_id"], entry["session_id"], base, entry["rank"], Path(entry["folder"])
+            )
+            model.closed = True
+            model.sampler_weights = dict(entry["sampler_weights"])
+            model.started.set()
+            self.models[model.model_id] = model
+        return len(self.models)
+
     # -- sessions ---------------------------------------------------------------------------
 
     def create_session(self) -> str:
@@ -283,6 +330,7 @@ class Service:
         model = Model(model_id, session_id, served, int(lora["rank"]), folder)
         self.models[model_id] = model
         model.folder.mkdir(parents=True, exist_ok=True)
+        self.record()
         experiment = model.folder / "experiment.yaml"
         experiment.write_text(yaml.safe_dump(self.experiment(served, lora), sort_keys=False))
 
@@ -442,6 +490,7 @@ class Service:
         async with model.lock:
             await m.save_state(f"sampler-{name}")
         model.sampler_weights[name] = m.version
+        self.record()
         path = wire.tinker_path(model.model_id, "sampler_weights", name)
         return Result({"path": path, "type": "save_weights_for_sampler"})
 

@@ -106,6 +106,8 @@ def ppo_datum(tokens: list[int], logprobs: list[float], advantage: float) -> typ
 
 
 ROWS = [[1, 50, 51, 52, 53, 54], [1, 60, 61, 62]]
+#: a saved state's path and the log-probs its weights give, for the resumed server's test
+SAVED: dict[str, tuple[str, list[list[float]]]] = {}
 WEIGHTS = [[0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
 ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 
@@ -220,6 +222,7 @@ def resumes_bitwise(sc: Any) -> None:
     assert path.startswith("tinker://") and path.endswith("/weights/one")
     second = sc.create_training_client_from_state_with_optimizer(path).result()
     before = logprobs_of(second.forward(data, "cross_entropy").result())
+    SAVED["one"] = (path, before)  # for the resumed server
     assert before == logprobs_of(first.forward(data, "cross_entropy").result())
     for client in (first, second):
         client.forward_backward(data, "cross_entropy").result()
@@ -446,3 +449,44 @@ def group_processes(run_dir: Path) -> list[int]:
         if str(run_dir).encode() in text:
             found.append(int(entry.name))
     return found
+
+
+def test_a_resumed_server_serves_the_saved_states(server: dict[str, Any]) -> None:
+    """``hybridflow serve --resume --run-dir D`` after the server of D stopped: a new client
+    made from a state the first server saved holds its weights (the same log-probs, bitwise)."""
+    assert server["proc"].poll() is not None  # the previous test stopped it
+    path, expected = SAVED["one"]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "serve",
+            "--base-model",
+            str(server["model"]),
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+            "--run-dir",
+            str(server["run_dir"]),
+            "--resume",
+            "--set",
+            "roles.actor.dtype=fp32",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = read_url(proc, timeout_s=120)
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            tc = sc.create_training_client_from_state(path).result()
+            data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+            assert logprobs_of(tc.forward(data, "cross_entropy").result()) == expected
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
