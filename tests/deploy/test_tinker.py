@@ -11,7 +11,9 @@ one server process on the tiny model (fp32), its training clients meshes of thei
 - refused by name, changing nothing: an unknown base model, an unknown loss, datums whose
   lengths disagree, targets that are not the input shifted, a missing or wrong key, a future id
   the server never gave, a sampler whose training client has stepped since;
-- SIGTERM stops the server and every group it started.
+- SIGTERM stops the server and every group it started; a server started again with
+  ``--resume`` serves the saved states; with a restart policy, a rank killed under a client
+  leaves its weights bitwise where an undisturbed twin's are.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -490,3 +493,75 @@ def test_a_resumed_server_serves_the_saved_states(server: dict[str, Any]) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_killed_under_a_client_makes_its_calls_slower_not_wrong(tmp_path: Path) -> None:
+    """With a restart policy (``--set placement.main.restart=...``) a training client's rank
+    killed between its ``forward_backward`` calls and before its ``optim_step`` is restarted
+    below the client: the group rolls back to the snapshot of its last step and replays the
+    calls since, so the client's weights end bitwise where an undisturbed twin's do."""
+    model = init_model(tmp_path / "tiny", "tiny", seed=0)
+    run_dir = tmp_path / "serve"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "serve",
+            "--base-model",
+            str(model),
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "roles.actor.dtype=fp32",
+            "--set",
+            "placement.main.restart={max: 10, backoff_s: [0.0]}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+    try:
+        url = read_url(proc, timeout_s=120)
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            calm = sc.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
+            hit = sc.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
+            folder = run_dir / "models" / hit.get_info().model_id.replace(":", "-") / "run"
+            for step in range(3):
+                for client in (calm, hit):
+                    client.forward_backward(data[:1], "cross_entropy").result()
+                    if client is hit and step == 1:
+                        kill_rank(folder)  # between two forward_backward calls
+                    client.forward_backward(data[1:], "cross_entropy").result()
+                    if client is hit and step == 2:
+                        kill_rank(folder)  # before the step
+                    client.optim_step(ADAM).result()
+            expected = logprobs_of(calm.forward(data, "cross_entropy").result())
+            assert logprobs_of(hit.forward(data, "cross_entropy").result()) == expected
+        events = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert [e["event"] for e in events if e.get("event") == "rollback"] == ["rollback"] * 2
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def kill_rank(run_dir: Path, rank: int = 0) -> None:
+    """SIGKILL a rank of the mesh whose run folder is ``run_dir``; return once it is dead."""
+    ranks = json.loads((run_dir / "processes.json").read_text())["ranks"]
+    (pid,) = [r["pid"] for r in ranks if (r["group"], r["rank"]) == ("main", rank)]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"rank pid {pid} still runs 10 s after SIGKILL")
