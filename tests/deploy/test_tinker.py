@@ -11,9 +11,9 @@ one server process on the tiny model (fp32), its training clients meshes of thei
 - refused by name, changing nothing: an unknown base model, an unknown loss, datums whose
   lengths disagree, targets that are not the input shifted, a missing or wrong key, a future id
   the server never gave, a sampler whose training client has stepped since;
-- SIGTERM stops the server and every group it started; a server started again with
-  ``--resume`` serves the saved states; with a restart policy, a rank killed under a client
-  leaves its weights bitwise where an undisturbed twin's are.
+- SIGTERM stops a server and every group it started; one started again with ``--resume``
+  serves the saved states; with a restart policy, a rank killed under a client leaves its
+  weights bitwise where an undisturbed twin's are (each on a server of its own).
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from deploy.commands.serve import read_url  # noqa: E402
 from roles.modeling.models import init_model  # noqa: E402
 from tests.conftest import require_system, run  # noqa: E402
 
-#: one worker runs them all, in order: they share one server, which the last test stops
-pytestmark = pytest.mark.xdist_group("tinker")
 KEY = "tml-hybridflow-test"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,8 +107,6 @@ def ppo_datum(tokens: list[int], logprobs: list[float], advantage: float) -> typ
 
 
 ROWS = [[1, 50, 51, 52, 53, 54], [1, 60, 61, 62]]
-#: a saved state's path and the log-probs its weights give, for the resumed server's test
-SAVED: dict[str, tuple[str, list[list[float]]]] = {}
 WEIGHTS = [[0.0, 1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
 ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 
@@ -225,7 +221,6 @@ def resumes_bitwise(sc: Any) -> None:
     assert path.startswith("tinker://") and path.endswith("/weights/one")
     second = sc.create_training_client_from_state_with_optimizer(path).result()
     before = logprobs_of(second.forward(data, "cross_entropy").result())
-    SAVED["one"] = (path, before)  # for the resumed server
     assert before == logprobs_of(first.forward(data, "cross_entropy").result())
     for client in (first, second):
         client.forward_backward(data, "cross_entropy").result()
@@ -427,82 +422,48 @@ def test_the_cookbooks_math_rl_recipe_runs_unmodified(
     assert sorted(p.name for p in saved) == ["sampler-final", "weights-final"], saved
 
 
-def test_sigterm_stops_the_server_and_every_group(server: dict[str, Any]) -> None:
-    """The last test of the module: the models' groups (processes of the run folder) are gone
-    when the server has exited."""
-    proc = server["proc"]
-    sc = tinker.ServiceClient()  # not closed: the server goes first
-    sc.create_lora_training_client(base_model="tiny", rank=4).result().get_info()
-    assert group_processes(server["run_dir"]) != []
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0, b"".join(server["log"]).decode()[-3000:]
-    assert group_processes(server["run_dir"]) == []
-
-
-def group_processes(run_dir: Path) -> list[int]:
-    """Processes whose command line or working folder names the server's run folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            text = (entry / "cmdline").read_bytes() + os.readlink(entry / "cwd").encode()
-        except OSError:
-            continue
-        if str(run_dir).encode() in text:
-            found.append(int(entry.name))
-    return found
-
-
-def test_a_resumed_server_serves_the_saved_states(server: dict[str, Any]) -> None:
-    """``hybridflow serve --resume --run-dir D`` after the server of D stopped: a new client
-    made from a state the first server saved holds its weights (the same log-probs, bitwise)."""
-    assert server["proc"].poll() is not None  # the previous test stopped it
-    path, expected = SAVED["one"]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.cli",
-            "serve",
-            "--base-model",
-            str(server["model"]),
-            "--port",
-            "0",
-            "--api-key",
-            KEY,
-            "--run-dir",
-            str(server["run_dir"]),
-            "--resume",
-            "--set",
-            "roles.actor.dtype=fp32",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        url = read_url(proc, timeout_s=120)
-        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
-            tc = sc.create_training_client_from_state(path).result()
-            data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
-            assert logprobs_of(tc.forward(data, "cross_entropy").result()) == expected
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_a_rank_killed_under_a_client_makes_its_calls_slower_not_wrong(tmp_path: Path) -> None:
-    """With a restart policy (``--set placement.main.restart=...``) a training client's rank
-    killed between its ``forward_backward`` calls and before its ``optim_step`` is restarted
-    below the client: the group rolls back to the snapshot of its last step and replays the
-    calls since, so the client's weights end bitwise where an undisturbed twin's do."""
+def test_sigterm_stops_every_group_and_a_resumed_server_serves_the_saved_state(
+    tmp_path: Path,
+) -> None:
+    """A server of its own: SIGTERM with a client's group running ends it with every group;
+    then ``hybridflow serve --resume --run-dir D`` serves the state the first one saved: a new
+    client made from it holds its weights (the same log-probs, bitwise)."""
     model = init_model(tmp_path / "tiny", "tiny", seed=0)
     run_dir = tmp_path / "serve"
-    proc = subprocess.Popen(
+    data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+    first = start_server(model, run_dir)
+    try:
+        sc = tinker.ServiceClient(base_url=read_url(first, 120), api_key=KEY)  # not closed
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=6).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        path = tc.save_state("kept").result().path
+        expected = logprobs_of(tc.forward(data, "cross_entropy").result())
+        assert group_processes(run_dir) != []
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0
+        assert group_processes(run_dir) == []
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    second = start_server(model, run_dir, "--resume")
+    try:
+        url = read_url(second, 120)
+        with tinker.ServiceClient(base_url=url, api_key=KEY) as sc:
+            tc = sc.create_training_client_from_state(path).result()
+            assert logprobs_of(tc.forward(data, "cross_entropy").result()) == expected
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+
+
+def start_server(model: Path, run_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A ``hybridflow serve`` of its own on the tiny model (fp32), its output on a pipe."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -518,12 +479,23 @@ def test_a_rank_killed_under_a_client_makes_its_calls_slower_not_wrong(tmp_path:
             str(run_dir),
             "--set",
             "roles.actor.dtype=fp32",
-            "--set",
-            "placement.main.restart={max: 10, backoff_s: [0.0]}",
+            *extra,
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def test_a_rank_killed_under_a_client_makes_its_calls_slower_not_wrong(tmp_path: Path) -> None:
+    """With a restart policy (``--set placement.main.restart=...``) a training client's rank
+    killed between its ``forward_backward`` calls and before its ``optim_step`` is restarted
+    below the client: the group rolls back to the snapshot of its last step and replays the
+    calls since, so the client's weights end bitwise where an undisturbed twin's do."""
+    model = init_model(tmp_path / "tiny", "tiny", seed=0)
+    run_dir = tmp_path / "serve"
+    proc = start_server(
+        model, run_dir, "--set", "placement.main.restart={max: 10, backoff_s: [0.0]}"
     )
     data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
     try:
@@ -565,3 +537,18 @@ def kill_rank(run_dir: Path, rank: int = 0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"rank pid {pid} still runs 10 s after SIGKILL")
+
+
+def group_processes(run_dir: Path) -> list[int]:
+    """Processes whose command line or working folder names the server's run folder."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            text = (entry / "cmdline").read_bytes() + os.readlink(entry / "cwd").encode()
+        except OSError:
+            continue
+        if str(run_dir).encode() in text:
+            found.append(int(entry.name))
+    return found

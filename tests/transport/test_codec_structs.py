@@ -18,7 +18,7 @@ from transport.codec import EXT_STRUCT, STRUCTS, HeaderLimits, decode, encode
 from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.sampling import SamplingConfig
 from transport.structs import StructError, from_map, to_map
-from transport.training import OptimConfig, PolicyLossConfig, ValueLossConfig
+from transport.training import AdamStep, OptimConfig, PolicyLossConfig, ValueLossConfig
 from transport.turns import TurnRequest, TurnResult
 from transport.weight_sync import (
     Inbox,
@@ -66,6 +66,7 @@ EXAMPLES: list[Any] = [
     EnvResult(session=4, observation_ids=[32, 61], observation=" = 408\n", called="calculator"),
     TurnRequest(id=3, prompt_ids=[257, 49, 50], seed=11, max_new=16, session="t3", replica=1),
     TurnResult(id=3, tokens=[52, 258], log_probs=[-0.5, -1.25], text="4", finish="stop", version=2),
+    AdamStep(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.01, grad_clip=1.0),
 ]
 
 
