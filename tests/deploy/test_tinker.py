@@ -72,17 +72,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    url = read_url(proc, timeout_s=120)
-    log: list[bytes] = []  # drained, so the server never blocks on a full pipe
-    drain = threading.Thread(
-        target=lambda: log.extend(iter(proc.stdout.readline, b"")), daemon=True
-    )
-    drain.start()
-    os.environ.update(TINKER_BASE_URL=url, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
     try:
+        url = read_url(proc, timeout_s=120)
+        log: list[bytes] = []  # drained, so the server never blocks on a full pipe
+        drain = threading.Thread(
+            target=lambda: log.extend(iter(proc.stdout.readline, b"")), daemon=True
+        )
+        drain.start()
+        os.environ.update(TINKER_BASE_URL=url, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
         yield {"url": url, "run_dir": run_dir, "proc": proc, "model": model, "log": log}
     finally:
-        if proc.poll() is None:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server stops its groups), then SIGKILL if it has not ended in a minute."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
@@ -444,9 +453,7 @@ def test_sigterm_stops_every_group_and_a_resumed_server_serves_the_saved_state(
         assert first.wait(timeout=60) == 0
         assert group_processes(run_dir) == []
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+        stop(first)
     second = start_server(model, run_dir, "--resume")
     try:
         url = read_url(second, 120)
@@ -456,9 +463,7 @@ def test_sigterm_stops_every_group_and_a_resumed_server_serves_the_saved_state(
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=60) == 0
     finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
+        stop(second)
 
 
 def start_server(model: Path, run_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
@@ -518,8 +523,7 @@ def test_a_rank_killed_under_a_client_makes_its_calls_slower_not_wrong(tmp_path:
         events = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         assert [e["event"] for e in events if e.get("event") == "rollback"] == ["rollback"] * 2
     finally:
-        proc.kill()
-        proc.wait()
+        stop(proc)
 
 
 def kill_rank(run_dir: Path, rank: int = 0) -> None:
