@@ -23,8 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 import hybridflow as hf  # noqa: E402
+from bench.api_chaos import Chaos  # noqa: E402
 from deploy.commands.serve import read_url  # noqa: E402
 from roles.modeling.models import init_model  # noqa: E402
 from tests.conftest import require_system, run  # noqa: E402
@@ -49,38 +48,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     root = tmp_path_factory.mktemp("tinker")
     model = init_model(root / "tiny", "tiny", seed=0)
     run_dir = root / "serve"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.cli",
-            "serve",
-            "--base-model",
-            str(model),
-            "--port",
-            "0",
-            "--api-key",
-            KEY,
-            "--run-dir",
-            str(run_dir),
-            "--max-models",
-            "3",
-            "--set",
-            "roles.actor.dtype=fp32",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_server(model, run_dir, "--max-models", "3")
     try:
         url = read_url(proc, timeout_s=120)
-        log: list[bytes] = []  # drained, so the server never blocks on a full pipe
-        drain = threading.Thread(
-            target=lambda: log.extend(iter(proc.stdout.readline, b"")), daemon=True
-        )
-        drain.start()
         os.environ.update(TINKER_BASE_URL=url, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
-        yield {"url": url, "run_dir": run_dir, "proc": proc, "model": model, "log": log}
+        yield {"url": url, "run_dir": run_dir, "proc": proc, "model": model}
     finally:
         stop(proc)
 
@@ -531,16 +503,7 @@ def kill_rank(run_dir: Path, rank: int = 0) -> None:
     ranks = json.loads((run_dir / "processes.json").read_text())["ranks"]
     (pid,) = [r["pid"] for r in ranks if (r["group"], r["rank"]) == ("main", rank)]
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
-        except (OSError, IndexError):
-            return
-        if state in ("Z", "X"):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"rank pid {pid} still runs 10 s after SIGKILL")
+    Chaos._gone(pid)  # dead, or a zombie its launcher reaps
 
 
 def group_processes(run_dir: Path) -> list[int]:
