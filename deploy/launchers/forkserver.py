@@ -345,7 +345,10 @@ class _Server:
                 return None
 
     def _readable(self, conn: socket.socket) -> dict[str, Any] | None:
-        data = conn.recv(1 << 20)
+        try:
+            data = conn.recv(1 << 20)
+        except OSError:  # reset: the launcher died (kill -9) with our answer unread
+            data = b""
         if not data:
             self._drop(conn)
             return None
@@ -493,9 +496,14 @@ def main() -> None:
         except Exception as exc:  # the rank imports it itself, and says why
             print(f"fork server: could not import {name}: {exc}", file=sys.stderr)
     server = _Server(listener, parent, env_key)
-    request = server.serve()
+    folder = Path(listener.getsockname()).parent
+    try:
+        request = server.serve()
+    except BaseException:  # its folder goes with it, whatever ended it
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     if request is None:
-        shutil.rmtree(Path(listener.getsockname()).parent, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
         return
     server.become_rank(request)
     code = _run_rank()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +130,26 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def test_a_launcher_that_leaves_an_answer_unread_does_not_end_the_server() -> None:
+    """A launcher killed with an answer unread resets its connection (ECONNRESET on the
+    server's next read): the server drops it and goes on serving the others."""
+    server = ForkServer()
+    try:
+        stale = json.dumps({"id": 1, "env": {"HF_HYBRIDFLOW_TEST_STALE": "1"}}).encode() + b"\n"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
+            first.connect(str(server.path))
+            first.sendall(stale)
+            ready, _, _ = select.select([first], [], [], 120)
+            assert ready, "the server answered nothing within 120 s"
+        # closed with the answer unread: the kernel resets the server's end
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as second:
+            second.settimeout(120)
+            second.connect(str(server.path))
+            second.sendall(stale)
+            answer = json.loads(second.makefile().readline())
+        assert answer["id"] == 1 and "HF_HYBRIDFLOW_TEST_STALE" in answer["stale"]
+        assert server.proc.poll() is None
+    finally:
+        server.end()
