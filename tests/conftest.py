@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -112,6 +113,7 @@ SERIAL = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests are skipped without CUDA (``skip_gpu_tests``). Tests of ``SERIAL`` modules
     are one xdist group. The ``extended`` tier (slow tests another test already covers in part)
@@ -133,6 +135,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
         config.stash[_EXTENDED_KEY] = len(dropped)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under ``--dist loadgroup``, a grouped test's node id carries its group
+    (``...@system``); one without it would run beside the other worker's system tests."""
+    if not hasattr(session.config, "workerinput") or not session.config.getvalue("loadgroup"):
+        return
+    loose = [i.nodeid for i in session.items if i.nodeid.startswith(SERIAL) and "@" not in i.nodeid]
+    if loose:
+        message = (
+            f"pytest-xdist's groups are not in force under this pytest ({pytest.__version__}): "
+            f"{loose[0]} would run beside other system tests; install the dev extra's pins "
+            "(pyproject.toml)"
+        )
+        print(message, file=sys.__stderr__, flush=True)  # a worker's exception reaches no one
+        raise pytest.UsageError(message)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
