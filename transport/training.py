@@ -19,7 +19,7 @@ from transport.imports import import_path
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 KLKind = Literal["k1", "abs", "k2", "k3", "mse", "low_var_kl"]
 #: the policy-gradient term (docs/algorithms.md has each formula and its source)
-PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo", "importance_sampling"]
+PolicyKind = Literal["ppo", "gspo", "gspo-token", "cispo", "importance_sampling", "dro"]
 #: kinds whose objective is a mean over responses: their default ``agg`` is seq-mean-token-mean
 SEQUENCE_KINDS = ("gspo", "gspo-token")
 
@@ -41,7 +41,9 @@ class PolicyLossConfig(BaseModel):
         "gspo-token (the sequence's geometric-mean ratio, clipped per sequence; Zheng et al. "
         "2025), cispo (the clipped ratio as a stop-gradient weight on log pi; MiniMax-M1), "
         "importance_sampling (-A * pi / pi_old, no clipping: the REINFORCE gradient for "
-        "samples from another policy, as Tinker's loss of that name)",
+        "samples from another policy, as Tinker's loss of that name), dro (-A log pi plus a "
+        "quadratic penalty 0.5 beta (log pi - log pi_old)^2 in place of clipping; Richemond et al. 2024, "
+        "as Tinker's loss of that name, beta: dro_beta)",
     )
     custom: str | None = Field(
         None,
@@ -49,6 +51,9 @@ class PolicyLossConfig(BaseModel):
         "kind; roles/modeling/losses.py says what it takes and returns)",
     )
     clip_ratio_low: float = Field(0.2, description="ratio floor is 1 - clip_ratio_low")
+    dro_beta: float = Field(
+        0.05, ge=0, description="kind dro: the weight beta of its quadratic penalty"
+    )
     clip_ratio_high: float | None = Field(
         None, description="ratio ceiling is 1 + clip_ratio_high; null: same as clip_ratio_low"
     )

@@ -20,7 +20,7 @@ from controller.datum import Datum
 from transport.training import PolicyLossConfig
 
 #: the loss functions served, by Tinker's name (the others of the SDK's list are refused)
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 #: PPO's and CISPO's ratio bounds when the call gives none (Tinker's defaults)
 CLIP_LOW, CLIP_HIGH = 0.8, 1.2
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -30,6 +30,13 @@ _INPUTS = {
     "importance_sampling": {"target_tokens", "logprobs", "advantages"},
     "ppo": {"target_tokens", "logprobs", "advantages"},
     "cispo": {"target_tokens", "logprobs", "advantages"},
+    "dro": {"target_tokens", "logprobs", "advantages"},
+}
+#: what each loss reads of ``loss_fn_config``
+_CONFIG = {
+    "ppo": {"clip_low_threshold", "clip_high_threshold"},
+    "cispo": {"clip_low_threshold", "clip_high_threshold"},
+    "dro": {"beta"},
 }
 
 
@@ -102,7 +109,7 @@ def loss_config(request: pb.ForwardBackwardRequest) -> dict[str, float]:
 def loss_of(name: str, config: Mapping[str, float]) -> Loss:
     """Tinker's loss ``name`` with ``config`` as the mesh's loss (a summed loss: Tinker's
     losses are sums over tokens)."""
-    known = {"clip_low_threshold", "clip_high_threshold"} if name in ("ppo", "cispo") else set()
+    known = _CONFIG.get(name, set())
     unknown = sorted(set(config) - known)
     if unknown:
         raise Refused(
@@ -113,6 +120,12 @@ def loss_of(name: str, config: Mapping[str, float]) -> Loss:
         return "cross_entropy"
     if name == "importance_sampling":
         return PolicyLossConfig(kind="importance_sampling", dual_clip=None)
+    if name == "dro":  # Tinker's dro takes beta from each call: no default is assumed here
+        if "beta" not in config:
+            raise Refused("loss_fn_config for dro: beta is required (its quadratic penalty)")
+        if not config["beta"] >= 0:
+            raise Refused(f"loss_fn_config for dro: beta {config['beta']} must be >= 0")
+        return PolicyLossConfig(kind="dro", dro_beta=config["beta"], dual_clip=None)
     low = config.get("clip_low_threshold", CLIP_LOW)
     high = config.get("clip_high_threshold", CLIP_HIGH)
     if not 0 <= low <= 1 <= high:
@@ -214,7 +227,8 @@ def datum_row(datum: pb.Datum, i: int, loss: str) -> Datum:
 def summed_loss(batch: Batch, logprobs: Sequence[Sequence[float]]) -> float:
     """The loss a ``forward`` alone reports, from its log-probs, as the mesh's losses sum it:
     cross-entropy -w log p; importance sampling -r A; PPO -min(r A, clip(r) A); CISPO
-    -clip(r) A log p (its value: the clipped ratio is a constant weight), r = p / p_old."""
+    -clip(r) A log p (its value: the clipped ratio is a constant weight), r = p / p_old; DRO
+    -(A log p - beta / 2 log^2 r)."""
     total = 0.0
     loss = batch.loss
     for row, lp in zip(batch.rows, logprobs, strict=True):
@@ -227,6 +241,10 @@ def summed_loss(batch: Batch, logprobs: Sequence[Sequence[float]]) -> float:
         a = np.asarray(row.advantages, dtype=np.float64)
         if loss.kind == "importance_sampling":
             total -= float((r * a).sum())
+            continue
+        if loss.kind == "dro":
+            old_lp = np.asarray(row.old_log_probs, dtype=np.float64)
+            total -= float((a * x - 0.5 * loss.dro_beta * (x - old_lp) ** 2).sum())
             continue
         high = loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio_low
         clipped = np.clip(r, 1 - loss.clip_ratio_low, 1 + high)

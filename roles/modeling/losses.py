@@ -217,6 +217,19 @@ def importance_sampling_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor
     return PolicyTerms(loss=-advantages * ratio, ratio=ratio, clipped=nothing, dual_clipped=nothing)
 
 
+def dro_terms(logp: Tensor, old_logp: Tensor, advantages: Tensor, beta: float) -> PolicyTerms:
+    """DRO's per-token loss (Richemond et al. 2024; Tinker's ``dro``): the log-likelihood
+    weighted by the advantage, held near the sampler by a quadratic penalty instead of a clip,
+
+        loss_t = -(A_t log pi_t - beta / 2 (log pi_t - log pi_old_t)^2),
+
+    whose gradient in log pi_t is -A_t + beta (log pi_t - log pi_old_t). Nothing is clipped."""
+    ratio = (logp - old_logp).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    loss = -(advantages * logp - 0.5 * beta * (logp - old_logp).square())
+    nothing = torch.zeros_like(ratio, dtype=torch.bool)
+    return PolicyTerms(loss=loss, ratio=ratio, clipped=nothing, dual_clipped=nothing)
+
+
 #: a policy-gradient term of a user's own (``PolicyLossConfig.custom``): (logp, old_logp,
 #: advantages, mask, cfg) -> the per-token loss [B, T] to aggregate by ``cfg.agg``, or
 #: (that loss, {metric name: per-token values [B, T]}), each metric reported as a token mean
@@ -267,6 +280,8 @@ def policy_terms(
         return cispo_terms(logp, old_logp, advantages, low, high)
     if kind == "importance_sampling":
         return importance_sampling_terms(logp, old_logp, advantages)
+    if kind == "dro":
+        return dro_terms(logp, old_logp, advantages, cfg.dro_beta)
     raise ValueError(f"kind={kind!r} is not one of {get_args(PolicyKind)}")
 
 

@@ -273,7 +273,12 @@ def refuses(sc: Any, server: dict[str, Any]) -> None:
     data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
     before = logprobs_of(tc.forward(data, "cross_entropy").result())
     bad = {
-        "loss_fn 'dro' is not served here": (data, "dro", None),
+        "loss_fn 'gspo' is not served here": (data, "gspo", None),
+        "loss_fn_config for dro: beta is required": (
+            [ppo_datum(ROWS[0], [-1.0] * 5, 1.0)],
+            "dro",
+            None,
+        ),
         "datum 1.loss_fn_inputs\\['weights'\\]: 2 values for 3 input tokens": (
             [data[0], datum(ROWS[1], [1.0, 1.0])],
             "cross_entropy",
@@ -338,7 +343,7 @@ def test_a_custom_loss_runs_through_the_served_cross_entropy(server: dict[str, A
             -(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum()
             for d, lp in zip(data, logprobs, strict=True)
         )
-        return total, {"mine": float(total)}
+        return total, {"mine": float(total.detach())}
 
     data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
     with tinker.ServiceClient() as sc:
@@ -519,3 +524,50 @@ def group_processes(run_dir: Path) -> list[int]:
         if str(run_dir).encode() in text:
             found.append(int(entry.name))
     return found
+
+
+def test_dro_steps_where_the_same_loss_written_as_a_custom_one_does(
+    server: dict[str, Any],
+) -> None:
+    """``loss_fn="dro"`` with ``beta``: its ``loss:sum`` is -sum(A log p - beta/2 (log p -
+    log q)^2) of the log-probs it returns (from ``forward`` too), and a step on it lands where a
+    twin stepping on that formula through ``forward_backward_custom`` does."""
+    import torch
+
+    beta = 0.5
+    base = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
+    with tinker.ServiceClient() as sc:
+        served = sc.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+        twin = sc.create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+        # sampler log-probs a little off the policy's, so the penalty is not zero
+        before = logprobs_of(served.forward(base, "cross_entropy").result())
+        q = [[x - 0.1 * (i % 3) for i, x in enumerate(lp)] for lp in before]
+        data = [ppo_datum(r, lp, a) for r, lp, a in zip(ROWS, q, (1.0, -0.5), strict=True)]
+
+        def dro(data: list[types.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+            total = sum(
+                -(
+                    lp * torch.tensor(d.loss_fn_inputs["advantages"].tolist())
+                    - 0.5 * beta * (lp - torch.tensor(d.loss_fn_inputs["logprobs"].tolist())) ** 2
+                ).sum()
+                for d, lp in zip(data, logprobs, strict=True)
+            )
+            return total, {"mine": float(total.detach())}
+
+        out = served.forward_backward(data, "dro", {"beta": beta}).result()
+        lp = logprobs_of(out)
+        by_hand = -sum(
+            a * x - 0.5 * beta * (x - y) ** 2
+            for d, xs, ys in zip(data, lp, q, strict=True)
+            for a, x, y in zip(d.loss_fn_inputs["advantages"].tolist(), xs, ys, strict=True)
+        )
+        assert abs(out.metrics["loss:sum"] - by_hand) < 1e-4, (out.metrics, by_hand)
+        forward = served.forward(data, "dro", {"beta": beta}).result()
+        assert abs(forward.metrics["loss:sum"] - by_hand) < 1e-4
+        mine = twin.forward_backward_custom(data, dro).result()
+        assert abs(mine.metrics["mine"] - by_hand) < 1e-4
+        for client in (served, twin):
+            client.optim_step(ADAM).result()
+        after = logprobs_of(served.forward(base, "cross_entropy").result())
+        assert close(after, logprobs_of(twin.forward(base, "cross_entropy").result()), 1e-5)
+        assert not close(after, before, 1e-3)  # the step moved the weights

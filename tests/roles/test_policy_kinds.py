@@ -142,3 +142,21 @@ def test_a_bad_loss_path_is_refused_when_the_config_is_made(path: str, message: 
     """Not at the first forward_backward in the ranks, after a mesh started and a stage ran."""
     with pytest.raises(pydantic.ValidationError, match=f"custom[\\s\\S]*{message}"):
         PolicyLossConfig(custom=path)
+
+
+def test_dro_is_the_advantage_weighted_log_likelihood_with_a_quadratic_penalty() -> None:
+    """beta 0.5, token-mean over 3 tokens. Log-ratios log 2, log 0.5, log 1.5; advantages 1, 1,
+    -2: loss = -[1 (log 0.5 - 1/4 log^2 2) + 1 (log 0.4 - 1/4 log^2 2) - 2 log 0.9
+    - 1/4 log^2 1.5] / 3; gradient (-A + beta log r) / 3 per token (no clip: ratio 2 keeps it)."""
+    advantages = torch.tensor([[0.0, 1.0, 1.0], [0.0, -2.0, 0.0]])
+    loss, metrics, grad = run(PolicyLossConfig(kind="dro", dro_beta=0.5), advantages)
+    quad = 0.25 * (log(2) ** 2 + log(2) ** 2 + log(1.5) ** 2)
+    assert loss == pytest.approx(-(log(0.5) + log(0.4) - 2 * log(0.9) - quad) / 3)
+    expected = [
+        [0.0, (-1 + 0.5 * log(2)) / 3, (-1 + 0.5 * log(0.5)) / 3],
+        [0.0, (2 + 0.5 * log(1.5)) / 3, 0.0],
+    ]
+    assert close(grad, expected)
+    assert float(metrics["pg_clipfrac"]) == 0.0
+    with pytest.raises(pydantic.ValidationError, match="dro_beta"):
+        PolicyLossConfig(kind="dro", dro_beta=-1.0)
