@@ -35,7 +35,7 @@ SWEEP_S = 10.0
 class ServeOptions:
     """``hybridflow serve``'s options, typed."""
 
-    bases: tuple[Path, ...]
+    bases: tuple[tuple[str, Path], ...]  # (the name clients ask for, the folder)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -62,16 +62,26 @@ class ServeOptions:
         )
 
 
+def base_model_arg(text: str) -> tuple[str, Path]:
+    """``--base-model``'s value: ``NAME=DIR``, or a folder (named by its last part)."""
+    name, sep, folder = text.partition("=")
+    if sep and name and folder and not Path(text).is_dir():
+        return name, Path(folder)
+    return Path(text).name, Path(text)
+
+
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     what = "serve the Tinker REST API: the tinker SDK's clients train and sample here"
     p = subparsers.add_parser("serve", help=what, description=what)
     p.add_argument(
         "--base-model",
-        type=Path,
+        type=base_model_arg,
         action="append",
         required=True,
-        help="a Hugging Face model folder clients may train (its folder name is the model's "
-        "name for clients); repeat for several",
+        metavar="[NAME=]DIR",
+        help="a Hugging Face model folder clients may train, by its folder's name or by NAME "
+        "(e.g. Qwen/Qwen3-0.6B=/models/qwen3: the name recipes look their renderer up by); "
+        "repeat for several",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free one)")
@@ -138,12 +148,14 @@ def serve_command(args: argparse.Namespace) -> int:
 def check(opts: ServeOptions) -> None:
     """Refuse before anything starts: a base model that is not a folder, a key without the
     SDK's prefix, another address than loopback without a key of the user's."""
-    for base in opts.bases:
+    for name, base in opts.bases:
         if not (base / "config.json").is_file():
-            raise SystemExit(f"--base-model {base}: not a Hugging Face model folder (config.json)")
-    names = [b.name for b in opts.bases]
+            raise SystemExit(
+                f"--base-model {name}={base}: not a Hugging Face model folder (config.json)"
+            )
+    names = [name for name, _ in opts.bases]
     if len(set(names)) != len(names):
-        raise SystemExit(f"--base-model: two folders have one name ({names}); names must differ")
+        raise SystemExit(f"--base-model: two models have one name ({names}); names must differ")
     if opts.api_key is not None and not opts.api_key.startswith("tml-"):
         raise SystemExit("--api-key: the tinker SDK sends only keys that start with 'tml-'")
     if opts.host not in LOOPBACK and opts.api_key is None:
@@ -166,7 +178,7 @@ async def serve(opts: ServeOptions) -> int:
     key = opts.api_key or f"tml-{secrets.token_urlsafe(24)}"
     run_dir = opts.run_dir or Path("runs") / f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    bases = [Served(b.name, b.resolve()) for b in opts.bases]
+    bases = [Served(name, base.resolve()) for name, base in opts.bases]
     service = Service(bases, run_dir.resolve(), opts.nproc, opts.max_models, opts.overrides)
     if opts.resume:
         print(f"resumed {service.resume()} training clients' checkpoints from {run_dir}")

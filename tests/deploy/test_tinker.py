@@ -408,6 +408,66 @@ def test_the_cookbooks_math_rl_recipe_runs_unmodified(
     assert sorted(p.name for p in saved) == ["sampler-final", "weights-final"], saved
 
 
+def test_the_cookbooks_sl_loop_runs_unmodified_and_its_loss_falls(tmp_path: Path) -> None:
+    """``python -m tinker_cookbook.recipes.sl_loop`` with command-line settings only. It looks
+    its renderer up by a Hugging Face name and loads ``HuggingFaceH4/no_robots``; offline,
+    folders of those names in its working directory stand in (the tiny model, served under that
+    name with ``--base-model NAME=DIR``; the cookbook's own example conversations as the
+    dataset). Four steps of 32 conversations: the mean NLL falls, the final state and sampler
+    weights are saved, and nothing else is left running."""
+    require_system(
+        "tinker-cookbook 0.5.8 (make installs it in .venv/cookbook)",
+        (COOKBOOK / "tinker_cookbook").is_dir(),
+        str(COOKBOOK),
+    )
+    name = "meta-llama/Llama-3.2-1B"  # a name the cookbook knows (renderer role_colon)
+    model = init_model(tmp_path / "tiny", "tiny", seed=0)
+    work = tmp_path / "work"
+    (work / name).parent.mkdir(parents=True)
+    (work / name).symlink_to(model)  # the tokenizer the recipe loads by that name
+    data = work / "HuggingFaceH4" / "no_robots"
+    data.mkdir(parents=True)
+    conversations = COOKBOOK / "tinker_cookbook" / "example_data" / "conversations.jsonl"
+    (data / "train.jsonl").write_text(conversations.read_text())
+    run_dir = tmp_path / "serve"
+    proc = start_server(model, run_dir, "--base-model", f"{name}={model}")
+    try:
+        url = read_url(proc, timeout_s=120)
+        env = {**os.environ, "PYTHONPATH": str(COOKBOOK), "TINKER_API_KEY": KEY}
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TINKER_TELEMETRY="0")
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tinker_cookbook.recipes.sl_loop",
+                f"model_name={name}",
+                f"base_url={url}",
+                f"log_path={work / 'log'}",
+                "batch_size=32",
+                "max_length=256",
+                "lora_rank=8",
+                "learning_rate=1e-3",
+            ],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = [
+            json.loads(line) for line in (work / "log" / "metrics.jsonl").read_text().splitlines()
+        ]
+        nll = [r["train_mean_nll"] for r in rows]
+        assert [r["step"] for r in rows] == [0, 1, 2, 3]
+        assert nll[-1] < nll[0] - 0.1, nll
+        saved = sorted(p.name for p in run_dir.glob("models/*/run/state/*-final"))
+        assert saved == ["sampler-final", "weights-final"], saved
+    finally:
+        stop(proc)
+    assert group_processes(run_dir) == []
+
+
 def test_sigterm_stops_every_group_and_a_resumed_server_serves_the_saved_state(
     tmp_path: Path,
 ) -> None:
