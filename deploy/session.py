@@ -12,8 +12,9 @@ end, error, Ctrl-C, SIGTERM) tells the groups to stop and makes sure no rank out
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,9 +156,26 @@ async def cluster_session(
         for launcher in launchers:
             launcher.stopping = True  # exits from here on are the shutdown, not deaths
         await controller.shutdown()
-        for launcher in launchers:
-            await launcher.stop()
-        folder.remove()
+        try:
+            await stop_all(launchers)
+        finally:
+            folder.remove()
+
+
+async def stop_all(launchers: Sequence[Launcher]) -> None:
+    """Stop every cluster's launcher, each whatever the others do (one whose ``stop`` failed
+    must not leave another's jobs queued or processes running); then one error naming each
+    that failed."""
+    results = await asyncio.gather(*(j.stop() for j in launchers), return_exceptions=True)
+    failed = [
+        f"{type(j).__name__}: {r!r}"
+        for j, r in zip(launchers, results, strict=True)
+        if isinstance(r, BaseException)
+    ]
+    for line in failed:
+        log.error("stopping a cluster's groups failed: %s", line)
+    if failed:
+        raise RuntimeError(f"stopping {len(failed)} cluster(s) failed: {'; '.join(failed)}")
 
 
 def _rejoin(group: GroupSpec) -> None:

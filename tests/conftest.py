@@ -110,6 +110,7 @@ SERIAL = (
     "tests/deploy/test_plan_written.py",
     "tests/deploy/test_slurm.py",
     "tests/deploy/test_slurm_nodes.py",
+    "tests/deploy/test_tinker_clusters.py",
 )
 
 

@@ -45,6 +45,7 @@ class ServeOptions:
     session_idle_s: float = 120.0
     resume: bool = False
     overrides: tuple[str, ...] = ()
+    clusters: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -59,6 +60,7 @@ class ServeOptions:
             session_idle_s=args.session_idle_s,
             resume=args.resume,
             overrides=tuple(args.set),
+            clusters=args.clusters,
         )
 
 
@@ -110,6 +112,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="an override of each model's experiment, e.g. roles.actor.dtype=fp32",
+    )
+    p.add_argument(
+        "--clusters",
+        type=Path,
+        metavar="SPEC",
+        help="cluster spec YAML (as hybridflow run takes): where each training client's group "
+        "starts (its group is 'main': actor and reward; bind the controller to port 0)",
     )
     p.set_defaults(fn=serve_command)
 
@@ -172,6 +181,7 @@ def check(opts: ServeOptions) -> None:
 async def serve(opts: ServeOptions) -> int:
     from aiohttp import web
 
+    from deploy.experiment import ExperimentError
     from deploy.tinker.app import make_app
     from deploy.tinker.service import Served, Service
 
@@ -179,7 +189,14 @@ async def serve(opts: ServeOptions) -> int:
     run_dir = opts.run_dir or Path("runs") / f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     bases = [Served(name, base.resolve()) for name, base in opts.bases]
-    service = Service(bases, run_dir.resolve(), opts.nproc, opts.max_models, opts.overrides)
+    service = Service(
+        bases, run_dir.resolve(), opts.nproc, opts.max_models, opts.overrides, opts.clusters
+    )
+    try:
+        service.check()
+    except ExperimentError as exc:
+        print(f"hybridflow serve: {exc}", file=sys.stderr)
+        return 2
     if opts.resume:
         print(f"resumed {service.resume()} training clients' checkpoints from {run_dir}")
     runner = web.AppRunner(make_app(service, key), access_log=None)

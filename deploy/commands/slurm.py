@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ from deploy.launchers.sbatch import (
     overfull,
     sbatch_header,
     slurm_cpus_per_node,
+    slurm_node_room,
     slurm_problem,
     spans_too_many,
     tasks_per_node,
@@ -149,6 +151,17 @@ def _checked(opts: SlurmOptions) -> tuple[Experiment, dict[str, GroupConfig]]:
         )
     if opts.submit:  # the cluster answers (SLURM's commands, munge) and the job fits
         cpus = slurm_cpus_per_node("--submit", [], opts.partition)
+        nodes, most = slurm_node_room("--submit", [], opts.partition)
+        where = f"partition {opts.partition!r}" if opts.partition else "the default partition"
+        if opts.nodes > nodes:
+            raise ExperimentError(
+                f"--nodes={opts.nodes}: {where} has {nodes} node(s); the job would never start"
+            )
+        if most is not None and opts.nodes > most:
+            raise ExperimentError(
+                f"--nodes={opts.nodes}: {where} holds jobs of at most {most} node(s); the job "
+                "would never start"
+            )
         if why := overfull(groups, opts.nodes, cpus, controller=True):
             raise ExperimentError(why)
     return exp, groups
@@ -205,7 +218,9 @@ def _controller_step(opts: SlurmOptions, run_dir: Path, python: str, keys: str) 
 
 
 def submit(script: Path, run_dir: Path) -> int:
-    """sbatch, follow the output, exit with the job's status (1 when it did not complete)."""
+    """sbatch, follow the output, exit with the job's status (1 when it did not complete).
+    While the job waits, its pending reason is printed each time it changes; Ctrl-C or SIGTERM
+    cancels the job (``scancel``) and exits 130 / 143."""
     done = subprocess.run(
         ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False
     )
@@ -214,28 +229,60 @@ def submit(script: Path, run_dir: Path) -> int:
         return 1
     job = done.stdout.strip().split(";")[0]
     print(f"submitted job {job}; output: {run_dir}/slurm-{job}.out", flush=True)
-    output = run_dir / f"slurm-{job}.out"
-    shown = 0
-    while True:
-        state = job_state(job)
-        if output.exists():
-            text = output.read_text(errors="replace")
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            shown = len(text)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", ""):
-            break
-        time.sleep(1.0)
+    previous = signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        state = _follow(job, run_dir / f"slurm-{job}.out")
+    except _Stopped as stop:
+        subprocess.run(["scancel", job], capture_output=True, check=False)
+        print(f"\njob {job}: cancelled ({stop.name})", file=sys.stderr)
+        return 128 + stop.signal
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"job {job}: {state}")
     return 0 if state == "COMPLETED" else 1
 
 
-def job_state(job: str) -> str:
-    """The job's state from scontrol (no accounting database needed)."""
+class _Stopped(Exception):
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.signal = sig
+        self.name = signal.Signals(sig).name
+
+
+def _interrupted(sig: int, _frame: object) -> None:
+    raise _Stopped(sig)
+
+
+def _follow(job: str, output: Path) -> str:
+    """Print the job's output as it grows and its pending reasons; its final state."""
+    shown, said = 0, ""
+    try:
+        while True:
+            fields = job_fields(job)
+            state = fields.get("JobState", "")
+            if state == "PENDING" and (reason := fields.get("Reason", "")) != said:
+                print(f"job {job}: pending ({reason})", flush=True)
+                said = reason
+            if output.exists():
+                text = output.read_text(errors="replace")
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", ""):
+                return state
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        raise _Stopped(signal.SIGINT) from None
+
+
+def job_fields(job: str) -> dict[str, str]:
+    """The job's fields from scontrol (JobState, Reason, ...; no accounting database needed)."""
     done = subprocess.run(
         ["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, check=False
     )
-    for field in done.stdout.split():
-        if field.startswith("JobState="):
-            return field.split("=", 1)[1]
-    return ""
+    return dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
+
+
+def job_state(job: str) -> str:
+    """The job's state from scontrol ("" once SLURM has forgotten it)."""
+    return job_fields(job).get("JobState", "")

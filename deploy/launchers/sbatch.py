@@ -375,3 +375,25 @@ def slurm_cpus_per_node(
         where = f"partition {partition!r}" if partition else "the default partition"
         raise ExperimentError(f"{who}: sinfo lists no nodes in {where}")
     return min(counts)
+
+
+def slurm_node_room(
+    who: str, via: list[str], partition: str | None, patience_s: float = 60.0
+) -> tuple[int, int | None]:
+    """(the partition's node count, the most nodes one job may have there or None for no
+    limit), from sinfo: a job asking more nodes would only ever sit pending."""
+    argv = ["sinfo", "-h", "-o", "%D|%s"] + (["-p", partition] if partition else [])
+    try:
+        done = asked_again(via, argv, time.monotonic() + patience_s, who, _busy)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
+    if done.returncode != 0:
+        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
+    nodes, limit = 0, None
+    for line in done.stdout.split():
+        count, _, size = line.partition("|")
+        nodes += int(count) if count.isdigit() else 0
+        most = size.rpartition("-")[2]
+        if most.isdigit():
+            limit = int(most) if limit is None else max(limit, int(most))
+    return nodes, limit

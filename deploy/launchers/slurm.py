@@ -48,7 +48,21 @@ from transport.settings import ENV_VAR as TIMEOUTS_ENV
 from transport.settings import Timeouts
 
 LINGER_S = 60  # what a job keeps its allocation for a replacement step, besides the back-off
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
+#: the state of a job slurmctld no longer knows (its record purged after MinJobAge)
+GONE = "GONE"
+#: the states a job does not leave (SLURM's job_state_string, the base states past running)
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    GONE,
+}
 
 
 class SlurmLauncher:
@@ -183,8 +197,11 @@ class SlurmLauncher:
         return done.stdout.strip().split(";")[0]
 
     def fields(self, job: str) -> dict[str, str]:
-        """``scontrol show job``'s fields (JobState, Reason, NodeList, ...); none when gone."""
+        """``scontrol show job``'s fields (JobState, Reason, NodeList, ...); JobState GONE once
+        slurmctld has forgotten the job, none when it did not answer."""
         done = run_there(self.cluster.via, ["scontrol", "show", "job", job, "-o"], timeout=30)
+        if done.returncode != 0 and "invalid job id" in done.stderr.lower():
+            return {"JobState": GONE}  # ended long enough ago to be forgotten
         return dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
 
     async def _follow(self, job: str) -> None:

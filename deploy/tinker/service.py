@@ -30,6 +30,9 @@ from typing import Any
 import yaml
 
 from controller.datum import Datum
+from deploy.clusters import cluster_plan
+from deploy.experiment import check as check_experiment
+from deploy.experiment import load
 from deploy.mesh import Mesh, mesh
 from deploy.tinker import wire
 from deploy.tinker.wire import Refused
@@ -181,8 +184,10 @@ class Service:
         nproc: int = 1,
         max_models: int = 2,
         overrides: tuple[str, ...] = (),
+        clusters: Path | None = None,
     ) -> None:
         self.bases = {b.name: b for b in bases}
+        self.clusters = clusters  # a cluster spec: where each client's group starts
         self.run_dir = run_dir
         self.nproc = nproc
         self.max_models = max_models
@@ -337,7 +342,12 @@ class Service:
         async def start() -> None:
             try:
                 model.mesh = await model.stack.enter_async_context(
-                    mesh(experiment, *self.overrides, run_dir=model.folder / "run")
+                    mesh(
+                        experiment,
+                        *self.overrides,
+                        run_dir=model.folder / "run",
+                        clusters=self.clusters,
+                    )
                 )
             except BaseException as exc:
                 model.failed = exc
@@ -348,6 +358,21 @@ class Service:
 
         model.start = asyncio.ensure_future(start())
         return model
+
+    def check(self) -> None:
+        """Refuse before serving what no client's mesh could start with: the ``--set``
+        overrides and the cluster spec, checked on the experiment of a client of the first base
+        model (ExperimentError naming the setting)."""
+        served = next(iter(self.bases.values()))
+        probe = self.run_dir / "experiment-check.yaml"
+        probe.write_text(yaml.safe_dump(self.experiment(served, {"rank": 8}), sort_keys=False))
+        try:
+            exp = load(probe, self.overrides)
+            check_experiment(exp, run=False)
+            if self.clusters is not None:
+                cluster_plan(self.clusters, exp)
+        finally:
+            probe.unlink()
 
     def experiment(self, served: Served, lora: dict[str, Any]) -> dict[str, Any]:
         """The experiment a training client's mesh runs: the base model, a LoRA actor, the

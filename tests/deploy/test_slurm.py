@@ -4,7 +4,9 @@ a quick run completes and writes its metrics; a cancelled job leaves no process 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +148,20 @@ def test_munge_down_and_an_oversized_job_are_refused_before_sbatch(
     assert big.returncode == 2
     assert "node 0 of the job would run 9 tasks (controller, main) but a node holds 8" in big.stderr
     assert not (tmp_path / "big").exists()  # nothing written, nothing submitted
+    # four nodes of a one-node cluster: the job would sit pending forever
+    keys = tmp_path / "keys"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, timeout=60)
+    wide = subprocess.run(
+        [*argv, "--run-dir", str(tmp_path / "wide"), "--nodes", "4", "--keys", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert wide.returncode == 2
+    assert "--nodes=4: the default partition has 1 node(s); the job would never start" in (
+        wide.stderr
+    )
+    assert not (tmp_path / "wide").exists()
     subprocess.run(["pkill", "-x", "munged"], check=True)
     try:
         wait_for(
@@ -161,3 +177,38 @@ def test_munge_down_and_an_oversized_job_are_refused_before_sbatch(
     assert down.returncode == 2
     assert "munged is not running" in " ".join(down.stderr.split()), down.stderr
     assert cluster_up()
+
+
+@pytest.mark.timeout(180)
+def test_a_waiting_job_says_why_and_ctrl_c_cancels_it(slurm: None, tmp_path: Path) -> None:
+    """The node held by another job: ``--submit`` prints the pending reason SLURM gives, and
+    Ctrl-C cancels the job it submitted (exit 130, no traceback) instead of leaving it queued."""
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        wait_for(lambda: job_state(blocker) == "RUNNING", 60, f"the blocking job {blocker} running")
+        argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick"]
+        proc = subprocess.Popen(
+            [*CLI, *argv, "--run-dir", str(tmp_path / "run"), "--submit"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        lines = iter(proc.stdout.readline, "")
+        submitted = next(lines)
+        job = re.match(r"submitted job (\d+);", submitted)
+        assert job is not None, submitted
+        pending = next(lines)  # the first state it sees: waiting behind the blocker
+        assert re.fullmatch(rf"job {job[1]}: pending \(\w+\)\n", pending), pending
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        err = proc.stderr.read()
+        assert f"job {job[1]}: cancelled (SIGINT)" in err and "Traceback" not in err, err
+        wait_for(lambda: job_state(job[1]) in ("CANCELLED", ""), 30, "the job cancelled")
+    finally:
+        subprocess.run(["scancel", blocker], check=False)

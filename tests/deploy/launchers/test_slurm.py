@@ -5,6 +5,7 @@ launcher on a real SLURM cluster: ``tests/deploy/test_multicluster.py``,
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -132,3 +133,52 @@ def test_a_busy_slurmctld_is_asked_again_for_the_node_size_and_a_down_one_is_nam
     with pytest.raises(ExperimentError, match="Socket timed out"):
         slurm_cpus_per_node("cluster 'c'", [], None, patience_s=0.6)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(
+    ("answers", "ended"),
+    [
+        (["JobState=BOOT_FAIL Reason=NodeDown"], "BOOT_FAIL"),
+        (["JobState=DEADLINE Reason=DeadLine"], "DEADLINE"),
+        (["", "!slurm_load_jobs error: Invalid job id specified"], "GONE"),
+    ],
+)
+def test_a_job_that_ended_in_any_of_slurms_final_states_reports_its_groups_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answers: list[str], ended: str
+) -> None:
+    """States this cluster cannot be made to reach (a node that fails to boot, a deadline
+    passed) and a job slurmctld has forgotten: scontrol answers as SLURM would, first running
+    (then, for the forgotten job, not answering at all, which is not an end)."""
+    script = [
+        "#!/bin/sh",
+        f"n=$(cat {tmp_path}/n 2>/dev/null || echo 0)",
+        f"echo $((n+1)) > {tmp_path}/n",
+    ]
+    script.append('if [ "$n" = 0 ]; then echo "JobId=7 JobState=RUNNING Reason=None"; exit 0; fi')
+    for i, answer in enumerate(answers, start=1):
+        if answer.startswith("!"):
+            script.append(f'if [ "$n" -ge {i} ]; then echo "{answer[1:]}" >&2; exit 1; fi')
+        elif answer:
+            script.append(f'if [ "$n" -ge {i} ]; then echo "JobId=7 {answer}"; exit 0; fi')
+    script.append("exit 1")  # no answer (slurmctld busy)
+    fake = tmp_path / "scontrol"
+    fake.write_text("\n".join(script) + "\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    deaths: list[tuple[str, int | None, str]] = []
+    job = SlurmLauncher(
+        "farm",
+        SlurmCluster(kind="slurm"),
+        tmp_path / "run",
+        None,
+        Timeouts(),
+        lambda *death: deaths.append(death),
+        "tcp://h:1",
+        "t",
+    )
+    job.groups = [GroupSpec(name="gen", roles={"rollout": RoleSpec(cls="a:B")})]
+    job.job, job.job_of = "7", {"gen": "7"}
+    asyncio.run(asyncio.wait_for(job._follow("7"), 30))
+    ((group, rank, cause),) = deaths
+    assert (group, rank) == ("gen", None)
+    assert cause.startswith(f"SLURM job 7 on cluster 'farm' ended {ended} (output: "), cause
