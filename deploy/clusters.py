@@ -241,6 +241,15 @@ def check_spec(spec: ClusterSpec, exp: Experiment, probe: bool = True) -> dict[s
     if spec.keys is not None:
         _check_keys(spec.keys, list(where))
     groups = placement(exp)
+    rays = [
+        n for n, c in spec.clusters.items() if isinstance(c, RayCluster) and n in where.values()
+    ]
+    if len(rays) > 1:  # a process is the driver of one Ray cluster: the second would be the first
+        raise ExperimentError(
+            f"cluster spec: clusters.{rays[1]} is a second kind: ray cluster (clusters.{rays[0]} "
+            "is one); a run drives one Ray cluster: put the groups of both on one of them "
+            "(groups:) or the other on a slurm, remote or local cluster"
+        )
     for name, cluster in spec.clusters.items():
         mine = {g: groups[g] for g, c in where.items() if c == name}
         spread = [g for g, config in mine.items() if config.nodes > 1]

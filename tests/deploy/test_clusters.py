@@ -66,6 +66,15 @@ def test_groups_are_named_by_group_or_by_role() -> None:
         (
             {
                 "clusters": {
+                    "home": {"kind": "ray", "address": "auto"},
+                    "farm": {"kind": "ray", "address": "10.0.0.9:6379"},
+                }
+            },
+            "clusters.farm is a second kind: ray cluster (clusters.home is one)",
+        ),
+        (
+            {
+                "clusters": {
                     "home": {"kind": "local"},
                     "farm": {"kind": "slurm", "gpus_per_node": 1},
                 }
