@@ -581,10 +581,12 @@ class Controller:
 
     def reset(self, name: str) -> None:
         """Forget the group's current incarnation so that a new one may register under its
-        name (a restart, ``controller/supervisor.py``): a live one is told to stop first; what
-        its old ranks still send or report is no longer read as the group's."""
+        name (a restart, ``controller/supervisor.py``): the old one is told to stop first,
+        dead or not (a group declared dead for a lost ssh session or one rank may still run on
+        its host, its coordinator linked here); what its old ranks still send or report is no
+        longer read as the group's."""
         group = self.groups[name]
-        if group.sock is not None and group.dead is None:
+        if group.sock is not None:
             stop = Message(MsgType.SHUTDOWN, 0, {"reason": "restarted by the controller"})
             self._send_to_peer(group.sock, group.identity, stop)
         for future, role, _ in group.pending.values():

@@ -204,12 +204,20 @@ def own_dims(exp: Experiment, opts: PlanOptions) -> dict[str, LlamaDims | None]:
     return found
 
 
-def placement_block(rules: RunRules, plan: Plan) -> dict[str, dict[str, Any]]:
-    """The plan as an experiment's ``placement:`` (roles without a model join the actor)."""
-    return {
-        group_name(group): rules.entry(group, cost.strategy)
-        for group, cost in zip(plan.groups, plan.costs, strict=True)
-    }
+def placement_block(
+    rules: RunRules, plan: Plan, own: dict[str, list[str]]
+) -> dict[str, dict[str, Any]]:
+    """The plan as an experiment's ``placement:`` (roles without a model join the actor). A
+    planned group keeps the name of the experiment's group that held its first role (``own``:
+    name -> roles), so keys and ``--set placement.NAME...`` still name it; a name already given
+    goes to the roles' own (``actor_critic``)."""
+    block: dict[str, dict[str, Any]] = {}
+    for group, cost in zip(plan.groups, plan.costs, strict=True):
+        entry = rules.entry(group, cost.strategy)
+        held = [name for role in entry["roles"] for name, roles in own.items() if role in roles]
+        name = next((n for n in held if n not in block), group_name(group))
+        block[name] = entry
+    return block
 
 
 def predict(
@@ -255,7 +263,10 @@ def run_plan(opts: PlanOptions) -> int:
         profile = replace(profile, mem_bytes=opts.gpu_mem * 1e9)
     wl = workload(exp, opts)
     raw = read_yaml(opts.experiment, "experiment file")
-    carried = carried_settings(raw.get("placement"))
+    # the device the plan is for, unless the file's groups say theirs (a GPU plan run on CPU)
+    wants = {"device": profile.device} if profile.device != "cpu" else {}
+    carried = {**wants, **carried_settings(raw.get("placement"))}
+    own = {name: list(group.roles) for name, group in placement(exp).items()}
     rules = RunRules(
         exp, own_dims(exp, opts), list(wl.models), wl.generator, carried, opts.per_node
     )
@@ -270,7 +281,7 @@ def run_plan(opts: PlanOptions) -> int:
             f"{exc}; the experiment's engines ruled out, e.g.: {'; '.join(rules.reasons())}"
         ) from None
     seconds = time.perf_counter() - start
-    best = placement_block(rules, plans[0])
+    best = placement_block(rules, plans[0], own)
     result = {
         "experiment": str(opts.experiment),
         "gpus": opts.gpus,
@@ -278,7 +289,7 @@ def run_plan(opts: PlanOptions) -> int:
         "profile": profile.name,
         "models": {r: m.params for r, m in wl.models.items()},
         "plan_s": round(seconds, 3),
-        "plans": [{**describe(p), "placement": placement_block(rules, p)} for p in plans],
+        "plans": [{**describe(p), "placement": placement_block(rules, p, own)} for p in plans],
         "placement": best,
         "ruled_out": rules.reasons(),
     }

@@ -79,6 +79,7 @@ class RankActor:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log, self.log_start = "", 0  # the rank's log on this node, this run's offset in it
 
     def node(self) -> tuple[str, str, int]:
         """(this node's address, its host name, a TCP port free here): where rank 0 meets."""
@@ -91,11 +92,15 @@ class RankActor:
         return address, socket.gethostname(), port
 
     def start(self, argv: list[str], env: dict[str, str], token: str, log: str, cwd: str) -> int:
-        """Start the rank (its pid); it dies with this actor."""
+        """Start the rank (its pid); it dies with this actor. Its log is ``log`` on this node,
+        a relative one under ``cwd`` (the rank's working folder, where its run folder is)."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("a rank actor must start its rank from its main thread")
         libc = ctypes.CDLL(None)
-        with open(log, "ab") as out:
+        self.log = os.path.join(cwd, log)
+        os.makedirs(os.path.dirname(self.log), exist_ok=True)
+        self.log_start = begin_log(Path(self.log))
+        with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 argv,
                 env={**os.environ, **env},
@@ -111,10 +116,12 @@ class RankActor:
         self.proc.stdin.close()
         return self.proc.pid
 
-    def wait(self) -> int:
-        """The rank's exit status once it ends (negative: the signal)."""
+    def wait(self) -> tuple[int, str]:
+        """The rank's exit status once it ends (negative: the signal), and the last error line
+        of its log, read here: the controller may not see this node's files."""
         assert self.proc is not None
-        return self.proc.wait()
+        code = self.proc.wait()
+        return code, last_error(Path(self.log), self.log_start)
 
 
 _actor_classes: dict[int, Any] = {}
@@ -135,8 +142,7 @@ class _Rank:
     group: str
     rank: int
     actor: Any
-    log_path: Path
-    log_start: int
+    log_path: Path  # as the rank's node sees it (relative: under the rank's working folder)
     name: str  # the actor's
     node: str = ""  # the node's host name
     address: str = ""  # the node's address
@@ -241,8 +247,7 @@ class RayLauncher:
                 name=name,
             ).remote()
             log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
-            start = begin_log(log_path)
-            group.ranks.append(_Rank(spec.name, rank, actor, log_path, start, name))
+            group.ranks.append(_Rank(spec.name, rank, actor, log_path, name))
         places = ray.get([r.actor.node.remote() for r in group.ranks], timeout=self._join_s())
         master, _, port = places[0]
         if spec.nodes == 1:  # one bundle, so one node: the ranks meet on loopback, as here
@@ -292,8 +297,8 @@ class RayLauncher:
     async def _watch(self, group: _Group, r: _Rank) -> None:
         """Report the rank's end: its exit status, or its actor's death."""
         try:
-            code = await r.actor.wait.remote()
-            cause = f"exited with {code}: {last_error(r.log_path, r.log_start)}"
+            code, said = await r.actor.wait.remote()
+            cause = f"exited with {code}: {said}"
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # RayActorError: the actor (or its node) is gone
@@ -302,7 +307,7 @@ class RayLauncher:
         if self.stopping or code == 0 or r not in group.ranks:
             return  # the shutdown, a clean exit, or an incarnation a restart replaced
         where = f"on Ray cluster {self.name!r}, node {r.node} ({r.address})"
-        self.on_dead(r.group, r.rank, f"{where} {cause} (log: {r.log_path})")
+        self.on_dead(r.group, r.rank, f"{where} {cause} (log: {r.log_path} on {r.node})")
 
     async def restart(self, spec: GroupSpec) -> None:
         """Kill the group's actors (their ranks die with them), wait until they are gone, and

@@ -220,8 +220,13 @@ def calibrate(quick: bool = False, name: str = "calibrated") -> Calibration:
         inter_bw=bus_bw,
         op_latency_s=layer_s,
         collective_latency_s=latency,
+        device="cpu",  # measured on this machine's cores
     )
-    bad = [f for f, v in vars(profile).items() if f != "name" and not (math.isfinite(v) and v > 0)]
+    bad = [
+        f
+        for f, v in vars(profile).items()
+        if f not in ("name", "device") and not (math.isfinite(v) and v > 0)
+    ]
     if bad:
         raise RuntimeError(f"calibration measured a non-positive {', '.join(bad)}: {profile}")
     detail = {

@@ -51,6 +51,7 @@ class DeviceProfile:
     inter_bw: float
     op_latency_s: float
     collective_latency_s: float
+    device: str = "cuda"  # what the planned groups run on: --write writes it as their device
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -87,6 +88,7 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_bw=1 * GB,
         op_latency_s=150e-6,
         collective_latency_s=1.4e-3,
+        device="cpu",
     ),
 }
 
@@ -103,9 +105,11 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     try:
         raw = json.loads(path.read_text())
         wanted = {f.name for f in fields(DeviceProfile)}
-        missing = wanted - set(raw)
+        missing = wanted - set(raw) - {"device"}  # a file without one: a GPU's (cuda)
         if missing:
             raise ProfileError(f"{path}: profile lacks {', '.join(sorted(missing))}")
-        return DeviceProfile(**{k: raw[k] for k in wanted})
+        if raw.get("device", "cuda") not in ("cuda", "cpu"):
+            raise ProfileError(f"{path}: device {raw['device']!r} is not cuda or cpu")
+        return DeviceProfile(**{k: raw[k] for k in wanted if k in raw})
     except (json.JSONDecodeError, TypeError) as exc:
         raise ProfileError(f"{path}: not a profile JSON object: {exc}") from exc

@@ -343,3 +343,85 @@ def test_a_group_over_two_ssh_hosts_loses_one_and_comes_back(
     crossed = veth_bytes(a) - before
     print(f"bytes over the veth: {crossed}")
     assert crossed > 1_000_000, crossed  # 8 steps' all-reduces of the gradients, the batches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dropped_ssh_session_ends_the_old_incarnation_on_its_host(
+    hosts: tuple[str, str], tmp_path: Path
+) -> None:
+    """A group on host B over ssh (a ``remote`` cluster, one host), the controller on A. The
+    ssh client on A dies (a dropped connection): its group is declared dead and restarted over a
+    second login, and the old incarnation, still running on B and linked to the controller, is
+    told to stop: its processes end on B while the new one trains."""
+    from tests.deploy.test_slurm_nodes import steps_logged
+    from tests.waiting import wait_for
+
+    a, b = hosts
+    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+    subprocess.run([*CLI, "keys", str(keys), "--clients", "main"], check=True, capture_output=True)
+    at_a = ["ip", "netns", "exec", a, "env", "HYBRIDFLOW_HOST_ID=host-a"]
+    prefix = ["ip", "netns", "exec", b, "unshare", "--uts"]
+    with sshd(tmp_path / "ssh", B, prefix, "hfhostb") as login:
+        spec = {
+            "controller": {"bind": f"tcp://{A}:47013", "wait": 90},
+            "keys": str(keys),
+            "clusters": {"far": {"kind": "remote", "via": login}},
+            "groups": {"main": "far"},
+        }
+        (tmp_path / "clusters.yaml").write_text(yaml.safe_dump(spec))
+        sets = [
+            "placement.main.restart={max: 2, backoff_s: [0.0]}",
+            "stages.0.steps=6",
+            "stages.1.steps=400",
+            "trainer.val_every=1000",
+            "trainer.save_every=2",
+        ]
+        argv = ["run", str(EXAMPLES / "quickstart.yaml"), "--quick", "--json"]
+        argv += ["--clusters", str(tmp_path / "clusters.yaml"), "--run-dir", str(run_dir)]
+        argv += [x for s in sets for x in ("--set", s)]
+        out = tmp_path / "run.out"
+        with (
+            out.open("w") as sink,
+            subprocess.Popen([*at_a, *CLI, *argv], stdout=sink, stderr=subprocess.STDOUT) as run,
+        ):
+            try:
+                wait_for(lambda: 3 in steps_logged(run_dir), 180, "step 3", proc=run)
+                old = run_processes(b, run_dir)
+                (client,) = [p for p in run_processes(a, run_dir) if is_ssh(p)]
+                os.kill(client, 9)  # the connection drops; B's processes do not see it
+                wait_for(
+                    lambda: not any(alive(p) for p in old),
+                    60,
+                    "the old incarnation's processes on B gone",
+                    proc=run,
+                    detail=lambda: [p for p in old if alive(p)],
+                )
+                again = len(steps_logged(run_dir))
+                wait_for(lambda: len(steps_logged(run_dir)) > again, 120, "a step after", proc=run)
+                run.terminate()
+                run.wait(timeout=120)
+            finally:
+                run.kill()
+        logins = (tmp_path / "ssh" / "log").read_text().count("Accepted publickey")
+        for ns in (a, b):
+            wait_for(partial(nothing_left, ns, run_dir), 30, f"no process of the run in {ns}")
+    assert old and logins == 2, (old, logins)
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["group"] for e in events if e.get("event") == "rollback"] == ["main"]
+
+
+def is_ssh(pid: int) -> bool:
+    try:
+        return (
+            Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name == "ssh"
+        )
+    except OSError:
+        return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -74,9 +74,12 @@ def test_the_ppo_example_picks_one_winner_whatever_top(
     order first (actor + reference) wins, with --top 1 as with --top 20."""
     one, many = plan_json(capsys, 1), plan_json(capsys, 20)
     assert one["placement"] == many["placement"]
-    assert list(many["placement"]) == ["actor_reference", "critic_reward"]
+    # each planned group keeps the name of the file's group that held its first role
+    roles = {name: g["roles"] for name, g in many["placement"].items()}
+    assert roles == {"main": ["actor", "reference"], "value": ["critic", "reward"]}
     assert many["plans"][0]["step_s"] == many["plans"][1]["step_s"]
-    assert list(many["plans"][1]["placement"]) == ["actor_reward", "reference_critic"]
+    second = {name: g["roles"] for name, g in many["plans"][1]["placement"].items()}
+    assert second == {"main": ["actor", "reward"], "value": ["reference", "critic"]}
 
 
 @pytest.mark.slow

@@ -152,3 +152,30 @@ def test_a_group_bigger_than_a_node_is_written_over_nodes(
         assert group.nodes == (1 if group.nproc <= 2 else group.nproc // 2)
         assert group.nproc // group.nodes <= 2 and (group.nproc // group.nodes) % group.tp == 0
     assert overfull(groups, sum(g.nodes for g in groups.values()) + 1, 2, controller=False) is None
+
+
+def test_a_gpu_plan_is_written_for_gpus_under_the_files_own_group_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan for A100s writes ``device: cuda`` (a file without it would run on CPU) and keeps
+    the file's group name (``main``: its keys and ``--set placement.main...`` still hold); a
+    device the file's groups say is kept; a CPU profile writes none."""
+    source = ROOT / "examples" / "quickstart.yaml"
+    out = tmp_path / "planned.yaml"
+    opts = PlanOptions(source, 8, 2, None, "a100", "llama2-7b", None, 64, None, 3, True, out)
+    assert run_plan(opts) == 0
+    capsys.readouterr()
+    written = yaml.safe_load(out.read_text())["placement"]
+    assert list(written) == ["main"] and written["main"]["device"] == "cuda", written
+    assert placement(load(out))["main"].device == "cuda"
+    on_cpu = tmp_path / "cpu.yaml"
+    group = "main: {roles: [actor, reward], nproc: 2}"
+    on_cpu.write_text(source.read_text().replace(group, group[:-1] + ", device: cpu}"))
+    opts = PlanOptions(on_cpu, 8, 2, None, "a100", "llama2-7b", None, 64, None, 3, True, out)
+    assert run_plan(opts) == 0
+    capsys.readouterr()
+    assert yaml.safe_load(out.read_text())["placement"]["main"]["device"] == "cpu"
+    opts = PlanOptions(source, 2, 2, None, "vm-2core", None, None, 64, None, 3, True, out)
+    assert run_plan(opts) == 0
+    capsys.readouterr()
+    assert all("device" not in g for g in yaml.safe_load(out.read_text())["placement"].values())

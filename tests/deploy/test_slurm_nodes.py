@@ -202,7 +202,7 @@ def test_a_planned_group_over_two_nodes_trains_bitwise_as_on_one(
     group's own links. It trains to the same bits as the same four ranks on one node."""
     node1, env, node2 = two_nodes
     planned = tmp_path / "planned.yaml"
-    argv = ["plan", str(EXAMPLES / "quickstart.yaml"), "--gpus", "4", "--gpus-per-node", "2"]
+    argv = ["plan", str(on_cpu(tmp_path)), "--gpus", "4", "--gpus-per-node", "2"]
     subprocess.run([*CLI, *argv, "--write", str(planned)], check=True, capture_output=True)
     ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
     assert (group["nproc"], group["nodes"]) == (4, 2), group
@@ -228,6 +228,17 @@ def test_a_planned_group_over_two_nodes_trains_bitwise_as_on_one(
     assert summaries[0]["steps"] == summaries[1]["steps"] == 8
     print(f"bytes between the nodes with the group spread: {crossed}")
     assert crossed > 1_000_000, crossed  # the gradients crossed between the nodes
+
+
+def on_cpu(tmp_path: Path) -> Path:
+    """The quickstart with its group's ``device: cpu`` said: the plan (for A100s by default,
+    which it would write as cuda) keeps the device the file says, so the nodes here run it."""
+    source = (EXAMPLES / "quickstart.yaml").read_text()
+    group = "main: {roles: [actor, reward], nproc: 2}"
+    assert group in source
+    path = tmp_path / "quickstart.yaml"
+    path.write_text(source.replace(group, group[:-1] + ", device: cpu}"))
+    return path
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -340,7 +351,7 @@ def test_a_plan_for_four_nodes_of_two_runs_as_written(
     2 a node, and the ring all-reduce of its gradients goes through every node's link."""
     node1, env, _ = four_nodes
     planned = tmp_path / "planned.yaml"
-    argv = ["plan", str(EXAMPLES / "quickstart.yaml"), "--gpus", "8", "--gpus-per-node", "2"]
+    argv = ["plan", str(on_cpu(tmp_path)), "--gpus", "8", "--gpus-per-node", "2"]
     subprocess.run([*CLI, *argv, "--write", str(planned)], check=True, capture_output=True)
     ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
     assert (group["nproc"], group["nodes"]) == (8, 4), group

@@ -187,6 +187,43 @@ def test_a_group_over_two_ray_nodes_survives_its_actor_killed_and_equals_the_loc
 
 
 @pytest.mark.timeout(180)
+def test_a_relative_run_folder_and_an_error_printed_on_the_rank_s_node(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    """``--run-dir rel``, relative as ``hybridflow run``'s default is: the rank's log goes under
+    its working folder on its node (the cluster's ``workdir``), not the Ray worker's folder; the
+    error the rank printed there comes back with its death, though this side cannot read that
+    log (the controller's ``rel`` holds none)."""
+    node = tmp_path / "node"  # the checkout "on the node": another folder than the controller's
+    node.mkdir()
+    python = tmp_path / "python"  # a node whose python cannot run the rank
+    python.write_text("#!/bin/sh\necho 'RuntimeError: no torch on this node' >&2\nexit 3\n")
+    python.chmod(0o755)
+    spec = tmp_path / "clusters.yaml"
+    pool = {"kind": "ray", "address": ray_cluster, "python": str(python), "workdir": str(node)}
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "controller": {"bind": "tcp://127.0.0.1:0", "wait": 60},
+                "clusters": {"home": {"kind": "local"}, "pool": pool},
+                "groups": {"main": "home", "score": "pool"},
+            }
+        )
+    )
+    argv = [*CLI, "run", str(ROOT / "examples" / "quickstart.yaml"), "--quick"]
+    argv += ["--run-dir", "rel", "--clusters", str(spec)]
+    for override in SETS:
+        argv += ["--set", override]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert done.returncode != 0
+    said = " ".join(done.stderr.split())
+    assert "exited with 3: RuntimeError: no torch on this node" in said, done.stderr[-3000:]
+    log = node / "rel" / "logs" / "score-0.log"
+    assert "RuntimeError: no torch on this node" in log.read_text()
+    assert not (tmp_path / "rel" / "logs" / "score-0.log").exists()
+
+
+@pytest.mark.timeout(180)
 def test_a_group_no_node_can_hold_is_refused_with_what_it_asked(
     ray_cluster: str, tmp_path: Path
 ) -> None:
