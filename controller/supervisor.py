@@ -279,7 +279,23 @@ class Supervisor:
         if wait_s:
             await asyncio.sleep(wait_s)  # the policy's back-off, not a synchronisation
         stateful = [w.spec for w in self.watch.values() if w.spec.stateful]
-        await asyncio.gather(*(self._start_again(spec) for spec in stateful))
+        tries = 1
+        while True:
+            try:
+                await asyncio.gather(*(self._start_again(spec) for spec in stateful))
+                break
+            except Exception as exc:  # a start that failed (a lost node's share not yet
+                now = time.monotonic()  # placed, a rank dead at once) is one more fault
+                if not watch.allowed(now):
+                    raise RegistrationError(
+                        f"group {name!r} did not start again ({exc}); {watch.refusal()}"
+                    ) from exc
+                log.warning("restarting the stateful groups failed (try %d): %s", tries, exc)
+                wait_s = watch.policy.backoff(len(watch.restarts)) if watch.policy else 0.0
+                watch.restarts.append(now)
+                tries += 1
+                if wait_s:
+                    await asyncio.sleep(wait_s)  # the policy's back-off
         seconds = time.monotonic() - began
         self._event(
             "rollback",

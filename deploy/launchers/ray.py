@@ -43,6 +43,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,10 +224,12 @@ class RayLauncher:
             group = _Group(spec, self.place(spec))
             self.groups[spec.name] = group  # placed: removed at stop even if the start fails
             self._start_ranks(group)
+            self._watch_ranks(group)
 
     def _start_ranks(self, group: _Group) -> None:
         """Start an actor per rank in the group's bundles, rank 0 first: its node's address
-        and a port free there are where the group meets."""
+        and a port free there are where the group meets. Blocks on Ray (a restart runs it in a
+        thread of its own)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         spec, ray = group.spec, self.ray
@@ -266,6 +269,9 @@ class RayLauncher:
         ]
         for r, pid in zip(group.ranks, ray.get(starts, timeout=self._join_s()), strict=True):
             r.pid = int(pid)
+
+    def _watch_ranks(self, group: _Group) -> None:
+        for r in group.ranks:
             r.watch = asyncio.get_running_loop().create_task(self._watch(group, r))
         self._write_processes()
 
@@ -310,12 +316,34 @@ class RayLauncher:
         self.on_dead(r.group, r.rank, f"{where} {cause} (log: {r.log_path} on {r.node})")
 
     async def restart(self, spec: GroupSpec) -> None:
-        """Kill the group's actors (their ranks die with them), wait until they are gone, and
-        start new ones in the same placement group."""
+        """Kill the group's actors (their ranks die with them), wait until they are gone, wait
+        for Ray to have the placement group placed again (a bundle of a lost node goes to
+        another, a joining one included), and start new actors in it. Ray's calls run in a
+        thread: the other groups' calls go on meanwhile."""
         group = self.groups[spec.name]
         old, group.ranks = group.ranks, []  # from here on their ends are no deaths
         await self._kill(old)
-        self._start_ranks(group)
+        await asyncio.to_thread(self._placed_again, group)
+        await asyncio.to_thread(self._start_ranks, group)
+        self._watch_ranks(group)
+
+    def _placed_again(self, group: _Group) -> None:
+        """Wait until Ray says the group's placement group is CREATED, within
+        ``placement_timeout_s``; PlacementError naming it and Ray's state otherwise."""
+        limit = self.cluster.placement_timeout_s
+        deadline = time.monotonic() + limit
+        state = "?"
+        while time.monotonic() < deadline:
+            state = self.ray.util.placement_group_table(group.placement).get("state", "?")
+            if state == "CREATED":
+                return
+            time.sleep(0.2)  # Ray has no wait for a placement group placed again
+        raise PlacementError(
+            f"group {group.spec.name!r} was not placed again on Ray cluster {self.name!r} "
+            f"within {limit:g} s (clusters.{self.name}.placement_timeout_s): Ray says its "
+            f"placement group is {state} (bundles {self.bundles(group.spec)}); a lost node's "
+            "share waits for a node that can hold it"
+        )
 
     async def _kill(self, ranks: list[_Rank]) -> None:
         for r in ranks:
