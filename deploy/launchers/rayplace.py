@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from transport.device import DeviceKind
 
+log = logging.getLogger("hybridflow.launcher")
 INSTALL_HINT = "pip install 'hybridflow[ray]' (or pip install ray) on this machine and the cluster"
 
 
@@ -89,6 +90,33 @@ def connect(ray: Any, name: str, cluster: RaySettings) -> None:
             f"with `ray start --head`, or set clusters.{name}.address"
         ) from None
     joined.append(name)
+    say_joined(ray, name, cluster.address)
+
+
+def say_joined(ray: Any, name: str, address: str) -> None:
+    """Name the cluster joined in the run's first lines: its GCS address and live nodes; with
+    ``address: auto`` on a host that runs several Ray clusters, say that the newest was taken."""
+    gcs = ray.get_runtime_context().gcs_address
+    alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+    log.warning("cluster %r: joined the Ray cluster at %s (%d live node(s))", name, gcs, alive)
+    if address != "auto":
+        return
+    try:
+        from ray._private.services import find_gcs_addresses  # Ray's own lookup for "auto"
+
+        running = sorted(find_gcs_addresses())
+    except Exception:  # a private helper: gone in another Ray, the warning is lost, not the run
+        return
+    if len(running) > 1:
+        log.warning(
+            "cluster %r: address: auto, and %d Ray clusters run on this host (%s): it joined "
+            "%s, the newest; set clusters.%s.address to choose",
+            name,
+            len(running),
+            ", ".join(running),
+            gcs,
+            name,
+        )
 
 
 PROBE_S = 5.0  # how long a cluster's address may take to accept a connection

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +168,7 @@ def test_a_group_over_two_ray_nodes_survives_a_node_lost_and_equals_the_local_ru
     proc = run(tmp_path, "ray", spec, "placement.main.nodes=2")
     try:
         wait_for(lambda: 3 in steps_logged(on_ray), 240, "step 3 on Ray", proc=proc)
-        ranks = [wait_for(lambda r=r: rank_pid("main", r, on_ray), 10, f"rank {r}") for r in (0, 1)]
+        ranks = [wait_for(partial(rank_pid, "main", r, on_ray), 10, f"rank {r}") for r in (0, 1)]
         (node,) = ray_nodes.worker_nodes
         raylet = node.all_processes["raylet"][0].process.pid
         lost = [r for r, pid in enumerate(ranks) if raylet in ancestors(pid)]
@@ -250,6 +252,10 @@ def test_a_relative_run_folder_and_an_error_printed_on_the_rank_s_node(
     assert done.returncode != 0
     said = " ".join(done.stderr.split())
     assert "exited with 3: RuntimeError: no torch on this node" in said, done.stderr[-3000:]
+    # the run's first lines name the cluster it joined
+    assert re.search(
+        r"cluster 'pool': joined the Ray cluster at \S+:\d+ \(2 live node\(s\)\)", said
+    )
     log = node / "rel" / "logs" / "score-0.log"
     assert "RuntimeError: no torch on this node" in log.read_text()
     assert not (tmp_path / "rel" / "logs" / "score-0.log").exists()
