@@ -193,7 +193,10 @@ def _controller_step(opts: SlurmOptions, run_dir: Path, python: str, keys: str) 
     experiment = shlex.quote(str(Path(opts.experiment).resolve()))
     options = " --quick" if opts.quick else ""
     options += "".join(f" --set {shlex.quote(s)}" for s in opts.overrides)
-    port = str(opts.port) if opts.port else "$((40000 + SLURM_JOB_ID % 10000))"
+    # a port free on the first node now (the script runs there); one made of the job id could
+    # be another job's on a shared node
+    free = f"$({python} -c \"import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])\")"
+    port = str(opts.port) if opts.port else free
     return [
         "",
         "# hybridflow: the controller on the first node, each process group on its node(s).",
