@@ -102,7 +102,7 @@ class RoleOptions:
             pp=args.pp,
             gen_tp=args.gen_tp,
             gen_pp=args.gen_pp,
-            token=args.token,
+            token=args.token if args.token_file is None else f"@{args.token_file}",
             wait=args.wait,
             fanout=args.fanout,
             device=DeviceKind(args.device),
@@ -139,6 +139,11 @@ def add_role_command(subparsers: argparse._SubParsersAction) -> None:
     role.add_argument("--group", help="group name (default: the role names joined with '+')")
     role.add_argument(
         "--token", help="the controller's token ('-': read it from stdin; or HYBRIDFLOW_TOKEN)"
+    )
+    role.add_argument(
+        "--token-file",
+        type=Path,
+        help="read the token from this file (hybridflow controller --token-file writes it)",
     )
     role.add_argument(
         "--wait", type=float, help="seconds to wait for the controller to answer (default 120)"
@@ -194,6 +199,12 @@ def run_role(opts: RoleOptions) -> int:
         return EXIT_BAD_INPUT
     if opts.token == "-":  # from stdin: kept off command lines (a launcher writes it there)
         opts = replace(opts, token=sys.stdin.readline().strip())
+    elif opts.token is not None and opts.token.startswith("@"):  # --token-file
+        try:
+            opts = replace(opts, token=Path(opts.token[1:]).read_text().strip())
+        except OSError as exc:
+            console.print(f"[red]hybridflow role: --token-file {escape(str(exc))}[/]")
+            return EXIT_BAD_INPUT
     if opts.wait is not None:  # the ranks read their timeouts from the environment
         waits = Timeouts.from_env().model_copy(update={"connect_s": opts.wait})
         os.environ[TIMEOUTS_ENV] = waits.to_env()

@@ -107,6 +107,7 @@ class RunOptions:
     bind: str | None = None
     wait: float = 120.0
     keys: Path | None = None
+    token_file: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
@@ -123,6 +124,7 @@ class RunOptions:
             bind=getattr(args, "bind", None),  # the controller command's only
             wait=getattr(args, "wait", 120.0),
             keys=getattr(args, "keys", None),
+            token_file=getattr(args, "token_file", None),
         )
 
 
@@ -197,6 +199,12 @@ def add_run_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     ctl.add_argument(
         "--keys", type=Path, help="CURVE keys (hybridflow keys): needed on an address off this host"
+    )
+    ctl.add_argument(
+        "--token-file",
+        type=Path,
+        help="also write the token the groups need to this file (mode 0600), for scripts: "
+        "hybridflow role ... --token-file FILE",
     )
     report = subparsers.add_parser(
         "report", help="plots, a one-screen summary and the logged answers of a run"
@@ -594,15 +602,30 @@ def _session(run: Run, opts: RunOptions) -> AbstractAsyncContextManager[Controll
     timeouts = Timeouts.from_env().model_copy(update={"connect_s": opts.wait})
     token = os.environ.get("HYBRIDFLOW_TOKEN") or None  # set by a launcher (SLURM script)
     curve = CurveServer(*server_files(opts.keys)) if opts.keys is not None else None
-    announce = functools.partial(_announce, run.groups, run.run_dir, keys=opts.keys)
+    announce = functools.partial(
+        _announce, run.groups, run.run_dir, keys=opts.keys, token_file=opts.token_file
+    )
     return remote_session(run.groups, opts.bind, timeouts, announce, token, curve)
 
 
 def _announce(
-    groups: list[GroupSpec], run_dir: Path, address: str, token: str, keys: Path | None = None
+    groups: list[GroupSpec],
+    run_dir: Path,
+    address: str,
+    token: str,
+    keys: Path | None = None,
+    token_file: Path | None = None,
 ) -> None:
     """How to start each group (stderr, so --json output stays one line); each writes its rank
-    logs under the run folder (``--run-dir``), which a group on another host must share."""
+    logs under the run folder (``--run-dir``), which a group on another host must share. With
+    ``token_file`` the token is also written there (0600, whole or not at all)."""
+    if token_file is not None:
+        part = token_file.with_name(f".{token_file.name}.part")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{token}\n")
+        part.replace(token_file)
+        console.print(f"the groups' token is in {token_file}")
     console.print(f"controller listening on {address}; start each group with:")
     for g in groups:
         console.print(

@@ -75,10 +75,14 @@ def stop(*procs: subprocess.Popen[str] | subprocess.Popen[bytes] | None) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_group_says_it_joined_what_it_runs_and_that_it_ended(tmp_path: Path) -> None:
-    ctl, args, token = start_controller(tmp_path, *SHORT)
+    """The token goes by file here (``--token-file`` on both sides), not scraped from stderr."""
+    token_file = tmp_path / "token"
+    ctl, args, token = start_controller(tmp_path, *SHORT, "--token-file", str(token_file))
+    assert token_file.read_text() == f"{token}\n"
+    assert token_file.stat().st_mode & 0o777 == 0o600
     role = None
     try:
-        role, err = start_role(tmp_path, "main", args, token)
+        role, err = start_role(tmp_path, "main", [*args, "--token-file", str(token_file)], "")
         assert role.wait(240) == 0, read(err)
         ctl.wait(60)
     finally:
