@@ -218,8 +218,9 @@ class LocalLauncher:
         if spec.nodes > 1:
             raise ValueError(
                 f"group {spec.name!r} spans {spec.nodes} nodes, and this launcher starts every "
-                "rank here; run it on a SLURM cluster (hybridflow slurm --nodes, or a cluster "
-                "spec's slurm cluster)"
+                "rank here; run it where nodes are: hybridflow slurm --nodes, or --clusters with "
+                "a slurm, ray or remote (hosts:) cluster (docs/deploy.md), or set "
+                f"placement.{spec.name}.nodes: 1"
             )
         check_device(spec.device, spec.name, spec.nproc)  # ranks run here: fail now, not in each
         self.envs[spec.name] = env

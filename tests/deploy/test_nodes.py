@@ -84,8 +84,9 @@ def test_launchers_that_cannot_lay_a_group_over_nodes_refuse_it(tmp_path: Path) 
     async def start() -> None:
         launcher.start([spread("actor", 4, 2)])
 
-    with pytest.raises(ValueError, match="spans 2 nodes, and this launcher starts every rank"):
+    with pytest.raises(ValueError, match="spans 2 nodes, and this launcher starts every rank") as e:
         asyncio.run(start())
+    assert "a slurm, ray or remote (hosts:) cluster" in str(e.value)  # every kind that can
     assert launcher.procs == []
     exp = experiment("placement.main.nproc=4", "placement.main.nodes=2")
     spec: dict[str, Any] = {
