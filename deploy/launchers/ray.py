@@ -82,15 +82,16 @@ class RankActor:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log, self.log_start = "", 0  # the rank's log on this node, this run's offset in it
 
-    def node(self) -> tuple[str, str, int]:
-        """(this node's address, its host name, a TCP port free here): where rank 0 meets."""
+    def node(self) -> tuple[str, str, int, str]:
+        """(this node's address, its host name, a TCP port free here, Ray's id of the node):
+        where rank 0 meets, and what a fault names."""
         import ray
 
         address = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind(("", 0))
             port = int(s.getsockname()[1])
-        return address, socket.gethostname(), port
+        return address, socket.gethostname(), port, ray.get_runtime_context().get_node_id()
 
     def start(self, argv: list[str], env: dict[str, str], token: str, log: str, cwd: str) -> int:
         """Start the rank (its pid); it dies with this actor. Its log is ``log`` on this node,
@@ -147,6 +148,7 @@ class _Rank:
     name: str  # the actor's
     node: str = ""  # the node's host name
     address: str = ""  # the node's address
+    node_id: str = ""  # Ray's id of the node (ray list nodes, the dashboard)
     pid: int = 0  # the rank's, on that node
     watch: asyncio.Task[None] | None = None
 
@@ -252,11 +254,11 @@ class RayLauncher:
             log_path = self.run_dir / "logs" / f"{spec.name}-{rank}.log"
             group.ranks.append(_Rank(spec.name, rank, actor, log_path, name))
         places = ray.get([r.actor.node.remote() for r in group.ranks], timeout=self._join_s())
-        master, _, port = places[0]
+        master, _, port, _ = places[0]
         if spec.nodes == 1:  # one bundle, so one node: the ranks meet on loopback, as here
             master = "127.0.0.1"
-        for r, (address, host, _) in zip(group.ranks, places, strict=True):
-            r.address, r.node = address, host
+        for r, (address, host, _, node_id) in zip(group.ranks, places, strict=True):
+            r.address, r.node, r.node_id = address, host, node_id
         starts = [
             r.actor.start.remote(
                 self._argv(spec, master, port),
@@ -312,7 +314,7 @@ class RayLauncher:
             cause = f"its Ray actor died ({type(exc).__name__}: {str(exc).splitlines()[0]})"
         if self.stopping or code == 0 or r not in group.ranks:
             return  # the shutdown, a clean exit, or an incarnation a restart replaced
-        where = f"on Ray cluster {self.name!r}, node {r.node} ({r.address})"
+        where = f"on Ray cluster {self.name!r}, node {r.node} ({r.address}, Ray node {r.node_id})"
         self.on_dead(r.group, r.rank, f"{where} {cause} (log: {r.log_path} on {r.node})")
 
     async def restart(self, spec: GroupSpec) -> None:
@@ -386,6 +388,7 @@ class RayLauncher:
                 "pid": r.pid,
                 "host": r.node,
                 "address": r.address,
+                "ray_node": r.node_id,
                 "actor": r.name,
                 "log": str(r.log_path),
             }
@@ -396,7 +399,7 @@ class RayLauncher:
 
     def where(self) -> list[Where]:
         return [
-            Where(r.group, r.rank, f"{r.node} ({r.address}, ray actor {r.name})")
+            Where(r.group, r.rank, f"{r.node} ({r.address}, Ray node {r.node_id}, actor {r.name})")
             for g in self.groups.values()
             for r in g.ranks
         ]

@@ -195,6 +195,8 @@ def test_a_group_over_two_ray_nodes_survives_a_node_lost_and_equals_the_local_ru
     assert (logs / "main-0.log").exists() and (logs / "main-1.log").exists()
     listed = json.loads((on_ray / "processes.json").read_text())["ranks"]
     actors = sorted(r["actor"].rsplit(":", 1)[0] for r in listed if r.get("cluster") == "pool")
+    # each rank's Ray node named; the lost node's share now on the node that joined
+    assert len({r["ray_node"] for r in listed if r.get("cluster") == "pool"}) == 2, listed
     assert actors == ["hybridflow:pool:main:0", "hybridflow:pool:main:1"], listed
 
     local = run(tmp_path, "local", None)
