@@ -361,6 +361,23 @@ def test_a_custom_loss_runs_through_the_served_cross_entropy(server: dict[str, A
 COOKBOOK = Path(sys.prefix) / "cookbook"  # make installs tinker-cookbook there (Makefile)
 
 
+def run_recipe(argv: list[str], cwd: Path, env: dict[str, str], last_line: str) -> str:
+    """``python -m ARGV`` (a cookbook recipe), its output in a file; what it printed. It must
+    exit 0, or be aborted (SIGABRT) by the interpreter's shutdown after printing ``last_line``:
+    the SDK's daemon threads may hold stderr's lock as the interpreter ends ("Fatal Python
+    error: ... at interpreter shutdown, possibly due to daemon threads"), which is the client's
+    exit, not the served work (seen once in CI under load)."""
+    log = cwd / "recipe.out"
+    with log.open("w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", *argv], cwd=cwd, env=env, stdout=out, stderr=out, timeout=600
+        )
+    said = log.read_text(errors="replace")
+    aborted_after = done.returncode == -signal.SIGABRT and last_line in said
+    assert done.returncode == 0 or aborted_after, (done.returncode, said[-3000:])
+    return said
+
+
 def test_the_cookbooks_math_rl_recipe_runs_unmodified(
     server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -375,10 +392,8 @@ def test_the_cookbooks_math_rl_recipe_runs_unmodified(
     )
     log_path = tmp_path / "recipe"
     env = {**os.environ, "PYTHONPATH": str(COOKBOOK)}
-    out = subprocess.run(
+    said = run_recipe(
         [
-            sys.executable,
-            "-m",
             "tinker_cookbook.recipes.math_rl.train",
             "env=arithmetic",
             f"model_name={server['model']}",
@@ -392,14 +407,11 @@ def test_the_cookbooks_math_rl_recipe_runs_unmodified(
             f"log_path={log_path}",
             "behavior_if_log_dir_exists=delete",
         ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
+        env,
+        "Training completed successfully",
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Training completed successfully" in out.stderr + out.stdout
+    assert "Training completed successfully" in said
     rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["progress/batch"] for r in rows] == [0, 1]
     for row in rows:  # it sampled, scored, trained and read the server's log-probs back
@@ -435,10 +447,8 @@ def test_the_cookbooks_sl_loop_runs_unmodified_and_its_loss_falls(tmp_path: Path
         url = read_url(proc, timeout_s=120)
         env = {**os.environ, "PYTHONPATH": str(COOKBOOK), "TINKER_API_KEY": KEY}
         env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TINKER_TELEMETRY="0")
-        out = subprocess.run(
+        run_recipe(
             [
-                sys.executable,
-                "-m",
                 "tinker_cookbook.recipes.sl_loop",
                 f"model_name={name}",
                 f"base_url={url}",
@@ -448,13 +458,10 @@ def test_the_cookbooks_sl_loop_runs_unmodified_and_its_loss_falls(tmp_path: Path
                 "lora_rank=8",
                 "learning_rate=1e-3",
             ],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
+            work,
+            env,
+            "Training completed",
         )
-        assert out.returncode == 0, out.stderr[-3000:]
         rows = [
             json.loads(line) for line in (work / "log" / "metrics.jsonl").read_text().splitlines()
         ]
