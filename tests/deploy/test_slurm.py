@@ -200,6 +200,7 @@ def test_a_waiting_job_says_why_and_ctrl_c_cancels_it(slurm: None, tmp_path: Pat
         )
         assert proc.stdout is not None and proc.stderr is not None
         lines = iter(proc.stdout.readline, "")
+        assert next(lines).endswith("job.sbatch\n")  # the script written, then submitted
         submitted = next(lines)
         job = re.match(r"submitted job (\d+);", submitted)
         assert job is not None, submitted
