@@ -183,11 +183,13 @@ def test_a_group_over_two_ray_nodes_survives_a_node_lost_and_equals_the_local_ru
     assert summary["steps"] == 8 and steps_logged(on_ray) == list(range(1, 9))
     events = [json.loads(x) for x in (on_ray / "metrics.jsonl").read_text().splitlines()]
     faults = [e for e in events if e.get("event") == "fault"]
-    # the first to see the death wins: Ray's word on the actor, or (under load) the mesh's own
-    # (rank 0 loses its link to rank 1 and ends); either ends the incarnation, once
+    # the first to see the death wins: Ray's word on the actor, or the mesh's own (rank 1 lost:
+    # rank 0 loses its link to it and ends; rank 0 lost: the controller loses the coordinator);
+    # any ends the incarnation, once
     assert faults and faults[0]["group"] == "main", faults
     ray_saw = "on Ray cluster 'pool', node" in faults[0]["cause"]
-    assert ray_saw or "connection to the coordinator closed" in faults[0]["cause"], faults[0]
+    mesh_saw = ("connection to the coordinator closed", "(the coordinator) lost its connection")
+    assert ray_saw or any(m in faults[0]["cause"] for m in mesh_saw), faults[0]
     if ray_saw:
         assert faults[0]["rank"] == lost[0] and "its Ray actor died" in faults[0]["cause"]
     assert [e["group"] for e in events if e.get("event") == "rollback"] == ["main"]
@@ -297,6 +299,7 @@ def test_a_group_the_busy_cluster_does_not_place_in_time_is_refused_with_ray_s_s
 
     ray.init(address=ray_cluster, log_to_driver=False, configure_logging=False)
     try:
+        earlier = set(ray.util.placement_group_table())  # an earlier test's, removed
         hog = placement_group([{"CPU": 2}, {"CPU": 2}], strategy="STRICT_SPREAD")
         ray.get(hog.ready(), timeout=60)
         spec = {
@@ -317,5 +320,9 @@ def test_a_group_the_busy_cluster_does_not_place_in_time_is_refused_with_ray_s_s
     said = " ".join(err.split())
     assert "group 'score' was not placed on Ray cluster 'pool' within 3 s" in said, err[-3000:]
     assert "(clusters.pool.placement_timeout_s): Ray says its placement group is PENDING" in said
-    ours = [pg for pg in table.values() if pg["name"] == "hybridflow-pool-score"]
+    ours = [
+        pg
+        for key, pg in table.items()
+        if pg["name"] == "hybridflow-pool-score" and key not in earlier
+    ]
     assert [pg["state"] for pg in ours] == ["REMOVED"], ours
