@@ -75,6 +75,7 @@ CHOOSE = (
 )
 
 
+@pytest.mark.extended  # ~110 s with its busy loops slowing the other worker too
 def test_three_starts_on_a_loaded_machine_resolve_alike() -> None:
     """What the old timing got wrong: two busy loops per core load the machine while three fresh
     processes (as three starts of a run's ranks) resolve ``auto``; all agree, with what the
