@@ -41,6 +41,7 @@ from deploy.plan.rules import RunRules
 from deploy.plan.search import Plan, PlanError, Planner
 from deploy.plan.written import SpliceError, carried_settings, group_name, replace_placement
 from reshard.shapes import PRESETS, LlamaDims, from_hf_config
+from transport.device import DeviceKind
 
 EXIT_BAD_INPUT = 2
 BYTE_VOCAB = 320  # init models: 256 bytes + pad, bos, eos, rounded up to a multiple of 64
@@ -264,7 +265,7 @@ def run_plan(opts: PlanOptions) -> int:
     wl = workload(exp, opts)
     raw = read_yaml(opts.experiment, "experiment file")
     # the device the plan is for, unless the file's groups say theirs (a GPU plan run on CPU)
-    wants = {"device": profile.device} if profile.device != "cpu" else {}
+    wants = {"device": profile.device.value} if profile.device != DeviceKind.CPU else {}
     carried = {**wants, **carried_settings(raw.get("placement"))}
     own = {name: list(group.roles) for name, group in placement(exp).items()}
     rules = RunRules(

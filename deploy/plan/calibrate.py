@@ -220,7 +220,7 @@ def calibrate(quick: bool = False, name: str = "calibrated") -> Calibration:
         inter_bw=bus_bw,
         op_latency_s=layer_s,
         collective_latency_s=latency,
-        device="cpu",  # measured on this machine's cores
+        device=DeviceKind.CPU,  # measured on this machine's cores
     )
     bad = [
         f

@@ -36,6 +36,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from transport.device import DeviceKind
+
 
 class ProfileError(ValueError):
     """An unknown profile name or an unreadable profile file."""
@@ -51,7 +53,7 @@ class DeviceProfile:
     inter_bw: float
     op_latency_s: float
     collective_latency_s: float
-    device: str = "cuda"  # what the planned groups run on: --write writes it as their device
+    device: DeviceKind = DeviceKind.CUDA  # what the planned groups run on (--write writes it)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -88,7 +90,7 @@ PROFILES: dict[str, DeviceProfile] = {
         inter_bw=1 * GB,
         op_latency_s=150e-6,
         collective_latency_s=1.4e-3,
-        device="cpu",
+        device=DeviceKind.CPU,
     ),
 }
 
@@ -105,11 +107,14 @@ def load_profile(name_or_path: str) -> DeviceProfile:
     try:
         raw = json.loads(path.read_text())
         wanted = {f.name for f in fields(DeviceProfile)}
-        missing = wanted - set(raw) - {"device"}  # a file without one: a GPU's (cuda)
+        missing = wanted - set(raw) - {"device"}  # a file without one: a GPU's
         if missing:
             raise ProfileError(f"{path}: profile lacks {', '.join(sorted(missing))}")
-        if raw.get("device", "cuda") not in ("cuda", "cpu"):
-            raise ProfileError(f"{path}: device {raw['device']!r} is not cuda or cpu")
-        return DeviceProfile(**{k: raw[k] for k in wanted if k in raw})
+        kinds = [k.value for k in DeviceKind]
+        if raw.get("device", DeviceKind.CUDA) not in kinds:
+            raise ProfileError(f"{path}: device {raw['device']!r} is not one of {kinds}")
+        found = {k: raw[k] for k in wanted if k in raw}
+        found["device"] = DeviceKind(found.get("device", DeviceKind.CUDA))
+        return DeviceProfile(**found)
     except (json.JSONDecodeError, TypeError) as exc:
         raise ProfileError(f"{path}: not a profile JSON object: {exc}") from exc
