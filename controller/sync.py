@@ -16,9 +16,12 @@ is a few kilobytes (names, shapes, addresses), whatever the model's size.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
+
+import torch
 
 from controller.clients.weights import WeightSinkClient, WeightSourceClient
 from transport.errors import HybridflowError, RemoteError, RoleDeadError
@@ -51,11 +54,15 @@ class WeightSync:
         """``version`` of the source's weights into ``target`` (``strict=False``: the names both
         hold, e.g. a backbone into a critic). Returns the seconds it took, rank 0's reports
         (``WeightsSent``, ``WeightsReceived``) as maps (bytes, seconds, paths), and
-        ``controller_bytes``: what crossed the controller's sockets meanwhile (the commands),
-        ``controller_weight_bytes``: of that, tensor payloads (0: no weight went through it)."""
+        ``controller_bytes``: what crossed the controller's sockets meanwhile (the sync's
+        commands, and any other call's traffic at the same time), ``controller_weight_bytes``:
+        the tensor payloads of the sync's own calls, what they sent and what came back, counted
+        at each crossing (0: no weight went through the controller; other calls' tensors are
+        not counted)."""
         start = time.perf_counter()
         traffic = self.source.controller.traffic
-        before, tensors_before = traffic.sent + traffic.received, traffic.tensors
+        before = traffic.sent + traffic.received
+        crossed = 0  # tensor bytes in the sync's own calls' arguments and answers
         settings = self.settings
         what = f"{self.source.role} -> {target.role} (weight version {version})"
         try:
@@ -64,7 +71,9 @@ class WeightSync:
                 return {"seconds": time.perf_counter() - start, "received": to_map(copied)}
             if self._described is None:
                 self._described = await self.source.weight_source()
+                crossed += tensor_bytes(self._described)
             opened = await target.open_receive(self._described, version, settings, strict)
+            crossed += tensor_bytes(self._described) + tensor_bytes(opened)
         except HybridflowError as exc:
             raise WeightSyncError(f"weight sync {what} failed: {describe(exc)}") from exc
         sent, got = await self._both(
@@ -72,12 +81,13 @@ class WeightSync:
             target.receive_weights(version),
             what,
         )
+        crossed += tensor_bytes(opened) + tensor_bytes(sent) + tensor_bytes(got)
         return {
             "seconds": time.perf_counter() - start,
             "sent": to_map(sent),
             "received": to_map(got),
             "controller_bytes": traffic.sent + traffic.received - before,
-            "controller_weight_bytes": traffic.tensors - tensors_before,
+            "controller_weight_bytes": crossed,
         }
 
     async def _both(
@@ -109,3 +119,19 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, RemoteError):
         return f"{exc.role} rank {exc.rank} raised {exc.exc_type}: {exc.remote_message}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def tensor_bytes(found: Any) -> int:
+    """The bytes of the tensors (torch, or numpy arrays) inside ``found``: dataclasses, maps and
+    sequences are looked into; everything else holds none."""
+    if isinstance(found, torch.Tensor):
+        return found.numel() * found.element_size()
+    if hasattr(found, "__array__") and hasattr(found, "nbytes"):
+        return int(found.nbytes)
+    if dataclasses.is_dataclass(found) and not isinstance(found, type):
+        return sum(tensor_bytes(getattr(found, f.name)) for f in dataclasses.fields(found))
+    if isinstance(found, Mapping):
+        return sum(tensor_bytes(v) for v in found.values())
+    if isinstance(found, list | tuple | set | frozenset):
+        return sum(tensor_bytes(v) for v in found)
+    return 0

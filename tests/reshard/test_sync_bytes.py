@@ -4,12 +4,16 @@ old path (``state_dict`` + ``load_weights``) moves the model through it twice.""
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from controller.clients import ActorClient
-from controller.sync import WeightSync
+from controller.sync import WeightSync, tensor_bytes
 from deploy.session import local_session
 from roles.modeling.models import init_model
 from tests.conftest import TEST_TIMEOUTS, group, run
@@ -40,6 +44,15 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             out["sync_bytes"] = c.traffic.sent + c.traffic.received - before
             out["sync_tensor_bytes"] = c.traffic.tensors - tensors
             out["pushed"] = pushed
+            # another call's weights through the controller while a sync runs: the actor
+            # answers its state_dict between the sync's calls to it, so the sockets carry the
+            # model meanwhile; the sync's own count stays at its own calls
+            tensors = c.traffic.tensors
+            beside, _state = await asyncio.gather(
+                WeightSync(actor, WeightSyncSettings()).push(rollout, 1), actor.state_dict()
+            )
+            out["beside"] = beside
+            out["beside_tensor_bytes"] = c.traffic.tensors - tensors
             out["digests"] = await rollout.digests()
             out["expected"] = expected_digests(weights, 2, 1)
             before, tensors = c.traffic.sent + c.traffic.received, c.traffic.tensors
@@ -67,6 +80,30 @@ def test_a_sync_of_a_70_mb_model_moves_under_1_mb_through_the_controller(
     assert measured["pushed"]["controller_bytes"] == measured["sync_bytes"]
     assert measured["pushed"]["controller_weight_bytes"] == 0
     assert measured["digests"] == measured["expected"]
+
+
+def test_a_sync_counts_its_own_calls_not_the_weights_another_call_moves_meanwhile(
+    measured: dict[str, Any],
+) -> None:
+    assert measured["beside_tensor_bytes"] >= measured["model_bytes"]  # the sockets carried it
+    assert measured["beside"]["controller_bytes"] >= measured["model_bytes"]  # and said so
+    assert measured["beside"]["controller_weight_bytes"] == 0  # none of it was the sync's
+
+
+def test_tensor_bytes_looks_into_what_a_call_carries() -> None:
+    """Hand-made: 4 float32 + 3 int64 + a numpy array of 2 float64 = 16 + 24 + 16 bytes."""
+    carried = WeightsSentLike(
+        {"a": torch.zeros(4), "b": [torch.zeros(3, dtype=torch.int64), "name"]},
+        (np.zeros(2), 7),
+    )
+    assert tensor_bytes(carried) == 56
+    assert tensor_bytes({"names": ["w"], "shapes": [(4, 4)]}) == 0
+
+
+@dataclass(frozen=True)
+class WeightsSentLike:
+    tensors: dict[str, Any]
+    rest: tuple[Any, ...]
 
 
 def test_the_counters_see_weights_that_do_pass_through_the_controller(
