@@ -139,6 +139,9 @@ class Group:
     dead_precise: bool = False
     backlog: deque[Encoded] = field(default_factory=deque)  # no room in ZeroMQ's queue yet
     incarnation: int = 0  # restarts so far (``Controller.reset``)
+    #: why the group's first hello was refused (its roles, size or layout are not the
+    #: placement's): the wait for the groups ends at once with it (``wait_ready``)
+    refused: str | None = None
 
     def error(self, role: str) -> RoleDeadError:
         assert self.dead is not None
@@ -198,6 +201,7 @@ class Controller:
         self._summary: asyncio.Future[None] | None = None
         #: ``shutdown`` began: the groups were told to stop, so one leaving is no death
         self.closing = False
+        self.registering = True  # until every group first joined (``wait_ready``)
 
     @property
     def rejected(self) -> list[str]:
@@ -452,12 +456,15 @@ class Controller:
         reason = self._refusal(name, hello)
         if reason is not None:
             self._refuse(sock, ident.bytes, f"group {short(name)}", reason)
+            self._refused_shape(name, hello, reason)
             return
         welcome = {"group": name, "host": host_id()}
         if not self._send_to_peer(sock, ident.bytes, Message(MsgType.WELCOME, 0, welcome)):
             self._reject(f"group {name!r} left before its welcome; it may try again")
             return
         group = self.groups[name]
+        if group.refused is not None:  # started again as placed before the wait gave up
+            group.refused, group.ready = None, asyncio.Event()
         group.identity, group.sock = ident.bytes, sock
         group.same_host = hello.host == host_id()
         self.by_identity[ident.bytes] = group
@@ -465,6 +472,19 @@ class Controller:
         watch.learn(ident.bytes, ident)
         self._tasks.add(task := asyncio.ensure_future(self._build(group)))
         task.add_done_callback(self._tasks.discard)
+
+    def _refused_shape(self, name: str, hello: Hello, reason: str) -> None:
+        """A placed group that says hello with the right token but another shape (roles, world
+        size, layout) cannot join as it was started: while the groups first join, that ends
+        the wait at once (a stranger, a wrong token or a second hello does not)."""
+        group = self.groups.get(name)
+        if not self.registering or group is None or group.identity:
+            return
+        if not token_ok(self.token, hello.token):
+            return
+        log.error("group %r was refused: %s", name, reason)
+        group.refused = reason
+        group.ready.set()
 
     def _refuse(self, sock: zmq.Socket[Any], identity: bytes, who: str, reason: str) -> None:
         """Record the refusal and tell the peer why, in the clipped words that were kept."""
@@ -684,12 +704,12 @@ class Controller:
             )
 
     async def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait until every placed group has registered and built its roles."""
+        """Wait until every placed group has registered and built its roles; a group that died
+        or was refused for its shape meanwhile ends the wait at once, named."""
         limit = self.timeouts.connect_s if timeout is None else timeout
         try:
             async with asyncio.timeout(limit):
-                for group in self.groups.values():
-                    await group.ready.wait()
+                await self._joined_or_stopped()
         except TimeoutError:
             missing = [n for n, g in self.groups.items() if not g.ready.is_set()]
             raise RegistrationError(
@@ -697,14 +717,35 @@ class Controller:
                 "(are they running and pointed at this controller? raise timeouts.connect_s)"
             ) from None
         for name, group in self.groups.items():
+            if group.refused is not None:
+                raise RegistrationError(
+                    f"group {name!r} was refused: {group.refused}; start it as the placement "
+                    "says (the controller stopped waiting)"
+                )
             if group.dead is not None:
                 raise RegistrationError(
                     f"group {name!r} died while starting: "
                     + ("" if group.dead[0] is None else f"rank {group.dead[0]} ")
                     + group.dead[1]
                 )
+        self.registering = False
         if self.supervisor is not None:
             self.supervisor.armed = True  # from here on a death may be restarted
+
+    async def _joined_or_stopped(self) -> None:
+        """Until every group is ready, or one is dead or refused."""
+        while True:
+            if any(g.dead is not None or g.refused is not None for g in self.groups.values()):
+                return
+            waiting = [g.ready.wait() for g in self.groups.values() if not g.ready.is_set()]
+            if not waiting:
+                return
+            tasks = [asyncio.ensure_future(w) for w in waiting]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
 
     async def shutdown(self) -> None:
         """Tell every live group to stop, then close the sockets."""

@@ -18,6 +18,7 @@ from tests.conftest import TEST_TIMEOUTS, group, run
 from tests.fixtures.clients import EchoClient
 from tests.waiting import wait_until
 from transport.codec import encode
+from transport.errors import RegistrationError
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType
 
 ECHO = "tests.fixtures.roles:Echo"
@@ -79,9 +80,11 @@ def _role_cli(address: str, names: str, token: str, *extra: str) -> subprocess.P
 
 
 def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
-    """`hybridflow role NAMES --connect ADDR --nproc N` against a controller started alone."""
+    """`hybridflow role NAMES --connect ADDR --nproc N` against a controller started alone.
+    A wrong token and an unknown group are refused and the controller waits on for its own;
+    its own group started at another size is refused and ends the wait at once, named."""
 
-    async def main() -> tuple[list[str], list[bytes]]:
+    async def main() -> tuple[list[str], list[bytes], str]:
         controller = Controller([group("workers", 2, echo=ECHO)], TEST_TIMEOUTS)
         address = controller.bind("ipc:///tmp/hf-by-hand-test")
         outputs = []
@@ -89,7 +92,6 @@ def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
             wrong = [
                 _role_cli(address, "echo", "not-the-token", "--nproc", "2"),
                 _role_cli(address, "critic", controller.token, "--nproc", "2"),
-                _role_cli(address, "echo", controller.token, "--nproc", "3"),
             ]
             for proc in wrong:
                 code = await asyncio.to_thread(proc.wait, 60)
@@ -102,14 +104,26 @@ def test_group_started_by_hand_joins_and_wrong_groups_are_refused() -> None:
         finally:
             await controller.shutdown()
         assert await asyncio.to_thread(good.wait, 30) == 0  # SHUTDOWN ends the group cleanly
-        return controller.rejected, outputs
 
-    rejected, outputs = run(main)
+        other = Controller([group("workers", 2, echo=ECHO)], TEST_TIMEOUTS)
+        sized = _role_cli(other.bind("ipc:///tmp/hf-by-hand-test-2"), "echo", other.token)
+        try:
+            with pytest.raises(RegistrationError) as refused:
+                await other.wait_ready(120)  # not its timeout: the refusal ends it
+            assert await asyncio.to_thread(sized.wait, 60) != 0
+        finally:
+            await other.shutdown()
+        out = sized.stdout.read() if sized.stdout else b""
+        outputs.append(b" ".join(out.split()))
+        return controller.rejected + other.rejected, outputs, str(refused.value)
+
+    rejected, outputs, ended = run(main)
     assert len(rejected) == 3, rejected
     assert any("bad token" in r for r in rejected)
     assert any("unknown group" in r and "critic" in r for r in rejected)
-    assert any("world size 3" in r and "nproc=2" in r for r in rejected)
+    assert any("world size 1" in r and "nproc=2" in r for r in rejected)
+    assert ended.startswith("group 'workers' was refused: world size 1 but the placement says")
     # the reason is printed on the group's side too
     assert any(b"bad token" in out for out in outputs)
     assert any(b"unknown group" in out for out in outputs)
-    assert any(b"world size 3" in out for out in outputs)
+    assert any(b"world size 1" in out for out in outputs)

@@ -32,6 +32,7 @@ def flat(path: Path) -> str:
 
 def start_controller(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], list[str], str]:
     """A controller alone on loopback TCP; its process, the printed role arguments and token."""
+    tmp_path.mkdir(exist_ok=True)
     err = tmp_path / "controller.err"
     argv = ["controller", str(EXAMPLES / "quickstart.yaml"), "--quick", *extra]
     argv += ["--bind", "tcp://127.0.0.1:0", "--run-dir", str(tmp_path / "run"), "--json"]
@@ -106,8 +107,11 @@ def test_a_group_says_it_joined_what_it_runs_and_that_it_ended(tmp_path: Path) -
 def test_a_refused_group_and_one_whose_controller_is_killed_say_why_and_clean_up(
     tmp_path: Path,
 ) -> None:
-    ctl, args, token = start_controller(tmp_path)
-    refused = joined = None
+    """The group started at another size than placed is refused, says why, and the controller
+    stops waiting at once (not after its --wait of 120 s), naming it; then a second controller,
+    whose group joined, is killed under it."""
+    first, args, token = start_controller(tmp_path / "first")
+    ctl = refused = joined = None
     try:
         wrong = [*args[: args.index("--nproc")], "--nproc", "1"]  # the placement says 2
         wrong += args[args.index("--nproc") + 2 :]
@@ -118,7 +122,11 @@ def test_a_refused_group_and_one_whose_controller_is_killed_say_why_and_clean_up
         refusal = "group main ended: rank 0 (1) exited: RegistrationError: the controller refused"
         assert f"{refusal} group 'main': world size 1 but the placement says nproc=2" in said
         assert said.endswith("(exit 1) rank logs: " + str((tmp_path / "refused/logs").resolve()))
+        assert first.wait(60) != 0  # within a minute of a --wait of 120 s: the refusal ended it
+        ended = flat(tmp_path / "first" / "controller.err")
+        assert "group 'main' was refused: world size 1 but the placement says nproc=2" in ended
 
+        ctl, args, token = start_controller(tmp_path)
         joined, joined_err = start_role(tmp_path, "joined", args, token)
         wait_for(
             lambda: "group main joined the controller" in read(joined_err),
@@ -131,7 +139,7 @@ def test_a_refused_group_and_one_whose_controller_is_killed_say_why_and_clean_up
         ctl.send_signal(signal.SIGKILL)
         assert joined.wait(120) == 1
     finally:
-        stop(ctl, refused, joined)
+        stop(first, ctl, refused, joined)
     said = flat(joined_err)
     assert re.search(
         # whichever rank the launcher sees end first is named first (under load rank 1 may end
