@@ -48,6 +48,7 @@ from tests.deploy.test_slurm_nodes import (
     daemons_available,
     lose_a_node,
     node_address,
+    on_cpu,
     slurm_nodes,
 )
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("needs root, slurm-wlm and munge running (.ci/slurm-up) and iproute2")
     work = Path(tempfile.mkdtemp(prefix="hf-multinode-"))
     planned = work / "planned.yaml"
-    plan = ["plan", str(ROOT / "examples" / "quickstart.yaml"), "--gpus", "4"]
+    plan = ["plan", str(on_cpu(work)), "--gpus", "4"]  # the nodes here have CPUs only
     subprocess.run([*CLI, *plan, "--gpus-per-node", "2", "--write", str(planned)], check=True)
     ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
     subprocess.run([*CLI, "keys", str(work / "keys"), "--clients", name], check=True)
