@@ -313,12 +313,7 @@ class Service:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id in self.models:
             return self.models[model_id]
-        running = sum(1 for m in self.models.values() if m.failed is None and not m.closed)
-        if running >= self.max_models:
-            raise Refused(
-                f"create_model: this server trains at most {self.max_models} models at once "
-                "(hybridflow serve --max-models); close a session (ServiceClient.close) first"
-            )
+        self.room("create_model")
         if not lora.get("train_attn", True) and not lora.get("train_mlp", True):
             raise Refused(
                 "lora_config: train_attn and train_mlp are both off; the unembedding alone "
@@ -331,6 +326,21 @@ class Service:
                 session_id,
                 model_seq_id,
             )
+        return self.start_model(model_id, session_id, served, lora)
+
+    def room(self, where: str) -> None:
+        """Refuse a model beyond ``--max-models`` (training clients and base samplers)."""
+        running = sum(1 for m in self.models.values() if m.failed is None and not m.closed)
+        if running >= self.max_models:
+            raise Refused(
+                f"{where}: this server runs at most {self.max_models} models at once "
+                "(hybridflow serve --max-models); close a session (ServiceClient.close) first"
+            )
+
+    def start_model(
+        self, model_id: str, session_id: str, served: Served, lora: dict[str, Any]
+    ) -> Model:
+        """A model's mesh, started in the background (``Model.ready`` waits for it)."""
         folder = self.run_dir / "models" / safe(model_id)
         model = Model(model_id, session_id, served, int(lora["rank"]), folder)
         self.models[model_id] = model
@@ -522,11 +532,18 @@ class Service:
     # -- sampling clients -------------------------------------------------------------------
 
     def create_sampler(self, session_id: str, model_path: str | None, base: str | None) -> str:
-        if model_path is None:
-            raise Refused(
-                "create_sampling_session: sampling the base model alone (no model_path) is not "
-                f"served yet; sample from a training client's weights (base {base!r})"
-            )
+        if model_path is None:  # the base model alone: a fresh adapter is the base, bitwise
+            if base is None:
+                raise Refused("create_sampling_session: neither model_path nor base_model")
+            served = self.base(base, "create_sampling_session.base_model")
+            model_id = f"{session_id}:base:{safe(served.name)}"
+            model = self.models.get(model_id)
+            if model is None or model.closed or model.failed is not None:
+                self.room("create_sampling_session")
+                model = self.start_model(model_id, session_id, served, {"rank": 1})
+            sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:8]}"
+            self.samplers[sampler_id] = Sampler(sampler_id, model, 0, None)
+            return sampler_id
         model_id, kind, name = wire.parse_path(model_path, "create_sampling_session.model_path")
         model = self.model(model_id, "create_sampling_session.model_path")
         versions = model.sampler_weights if kind == "sampler_weights" else {}

@@ -233,6 +233,10 @@ def samples(sc: Any) -> None:
     assert len(one.sequences) == 3 and all(s.logprobs for s in one.sequences)
     other = sampler.sample(prompt, 3, params.model_copy(update={"seed": 8})).result()
     assert [s.tokens for s in other.sequences] != [s.tokens for s in one.sequences]
+    # the base model alone (no saved weights; a mesh of its own): a fresh adapter is the base
+    # model, so it draws what the untrained client's sampler drew
+    alone = sc.create_sampling_client(base_model="tiny").sample(prompt, 3, params).result()
+    assert [s.tokens for s in alone.sequences] == [s.tokens for s in one.sequences]
     # the sampler's log-probs are what the trainer computes for the same tokens
     seq = one.sequences[0]
     full = [1, 50, 51, *seq.tokens]
