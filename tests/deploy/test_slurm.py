@@ -71,6 +71,14 @@ def test_the_script_starts_the_controller_then_each_group(tmp_path: Path) -> Non
     assert script.index("deploy.cli controller") < script.index("deploy.cli role")
     assert script.count("--keys /k") == 3 and "--client critics" not in script
     assert "--keys /k --client main" in script and "--keys /k --client value" in script
+    # the controller's port: one free on the first node as the script starts there (a port made
+    # of the job id could be another job's); the line runs and prints one
+    (port_line,) = [line for line in script.splitlines() if line.startswith("port=")]
+    assert "SLURM_JOB_ID" not in port_line
+    shown = subprocess.run(
+        ["bash", "-c", f'{port_line}; echo "$port"'], capture_output=True, text=True, check=True
+    )
+    assert 1024 <= int(shown.stdout) <= 65535
 
 
 def test_bad_input_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
