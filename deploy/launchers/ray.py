@@ -326,7 +326,15 @@ class RayLauncher:
         old, group.ranks = group.ranks, []  # from here on their ends are no deaths
         await self._kill(old)
         await asyncio.to_thread(self._placed_again, group)
-        await asyncio.to_thread(self._start_ranks, group)
+        try:
+            await asyncio.to_thread(self._start_ranks, group)
+        except Exception as exc:  # Ray's errors run to a dozen lines: the first says it
+            said = str(exc).strip().splitlines()
+            raise RuntimeError(
+                f"the ranks of group {spec.name!r} did not start on Ray cluster {self.name!r}: "
+                f"{type(exc).__name__}: {said[0] if said else ''}"
+                + (f" ({said[-1].strip()})" if len(said) > 1 else "")
+            ) from None
         self._watch_ranks(group)
 
     def _placed_again(self, group: _Group) -> None:
@@ -336,8 +344,11 @@ class RayLauncher:
         deadline = time.monotonic() + limit
         state = "?"
         while time.monotonic() < deadline:
-            state = self.ray.util.placement_group_table(group.placement).get("state", "?")
-            if state == "CREATED":
+            table = self.ray.util.placement_group_table(group.placement)
+            state = table.get("state", "?")
+            alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+            on = set(table.get("bundles_to_node_id", {}).values())
+            if state == "CREATED" and on <= alive:  # Ray may not have seen a node's loss yet
                 return
             time.sleep(0.2)  # Ray has no wait for a placement group placed again
         raise PlacementError(
