@@ -363,14 +363,8 @@ def slurm_cpus_per_node(
             f"{who}: SLURM's commands (sinfo, sbatch) are not on PATH; install the "
             "SLURM client (Debian: slurm-client) or set via: to reach a login node"
         )
-    argv = ["sinfo", "-h", "-o", "%c"] + (["-p", partition] if partition else [])
-    try:
-        done = asked_again(via, argv, time.monotonic() + patience_s, who, _busy)
-    except subprocess.TimeoutExpired:
-        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
-    if done.returncode != 0:
-        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
-    counts = [int(c.rstrip("+")) for c in done.stdout.split() if c.rstrip("+").isdigit()]
+    said = _sinfo(who, via, "%c", partition, patience_s)
+    counts = [int(c.rstrip("+")) for c in said.split() if c.rstrip("+").isdigit()]
     if not counts:
         where = f"partition {partition!r}" if partition else "the default partition"
         raise ExperimentError(f"{who}: sinfo lists no nodes in {where}")
@@ -382,18 +376,24 @@ def slurm_node_room(
 ) -> tuple[int, int | None]:
     """(the partition's node count, the most nodes one job may have there or None for no
     limit), from sinfo: a job asking more nodes would only ever sit pending."""
-    argv = ["sinfo", "-h", "-o", "%D|%s"] + (["-p", partition] if partition else [])
-    try:
-        done = asked_again(via, argv, time.monotonic() + patience_s, who, _busy)
-    except subprocess.TimeoutExpired:
-        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
-    if done.returncode != 0:
-        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
     nodes, limit = 0, None
-    for line in done.stdout.split():
+    for line in _sinfo(who, via, "%D|%s", partition, patience_s).split():
         count, _, size = line.partition("|")
         nodes += int(count) if count.isdigit() else 0
         most = size.rpartition("-")[2]
         if most.isdigit():
             limit = int(most) if limit is None else max(limit, int(most))
     return nodes, limit
+
+
+def _sinfo(who: str, via: list[str], fields: str, partition: str | None, patience_s: float) -> str:
+    """``sinfo -h -o FIELDS`` of the partition, asked again while slurmctld is busy; a clear
+    error (starting with ``who``) when it does not answer."""
+    argv = ["sinfo", "-h", "-o", fields] + (["-p", partition] if partition else [])
+    try:
+        done = asked_again(via, argv, time.monotonic() + patience_s, who, _busy)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{who}: sinfo did not answer within 30 s") from None
+    if done.returncode != 0:
+        raise ExperimentError(slurm_problem(who, done.stderr + done.stdout))
+    return done.stdout
