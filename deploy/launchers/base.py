@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
@@ -116,10 +117,15 @@ def last_error(log_path: Path, start: int = 0) -> str:
             lines = log.read().decode(errors="replace").splitlines()
     except OSError:
         return "no log"
+    lines = [line for line in lines if not _START_LINE.search(line)]
     for line in reversed(lines):
         if "Error" in line or "error" in line:
             return line.split("]: ", 1)[-1].strip()
     return lines[-1] if lines else "it printed nothing in this run"
+
+
+# the line a rank prints first (roles/runtime/rank.py): which process it is, not why it ended
+_START_LINE = re.compile(r": pid \d+, launched by pid \d+$")
 
 
 _LIBC = ctypes.CDLL(None)  # loaded here: the child between fork and exec only makes a call

@@ -28,6 +28,9 @@ def test_last_error_reads_from_this_runs_start(tmp_path: Path) -> None:
     start = begin_log(log)
     assert last_error(log) == OLD.strip()  # the whole file: the earlier run's error
     assert last_error(log, start) == "it printed nothing in this run"
+    with open(log, "a") as out:  # the rank's first line says which process it is, not why
+        out.write("hybridflow g:0 (r): pid 12, launched by pid 11\n")
+    assert last_error(log, start) == "it printed nothing in this run"
     with open(log, "a") as out:
         out.write("loading\nValueError: this run's reason\nbye\n")
     assert last_error(log, start) == "ValueError: this run's reason"
@@ -55,7 +58,8 @@ def test_a_rank_that_dies_silently_is_not_explained_by_an_earlier_run(
         )  # fmt: skip
         launcher = LocalLauncher("ipc:///nowhere", "", tmp_path, tmp_path, Timeouts(), on_exit)
         launcher.start([spec])
-        launcher.procs[0].popen.kill()  # dies before printing anything (as after kill -9)
+        # dies before printing a reason (as after kill -9), before or after its start line
+        launcher.procs[0].popen.kill()
         try:
             await asyncio.wait_for(done.wait(), 30)
         finally:
