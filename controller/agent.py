@@ -64,7 +64,15 @@ from controller.streaming import (
     replicas,
     token_rows,
 )
-from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
+from transport.agent import (
+    AgentAsk,
+    AgentEnd,
+    AgentReply,
+    EnvAction,
+    EnvOpen,
+    EnvResult,
+    EnvSpec,
+)
 from transport.batch import TensorBatch
 from transport.columns import PREFIX_REUSED, REPLICA, SESSION
 from transport.sampling import SamplingConfig
@@ -495,7 +503,7 @@ async def run_trajectories(
     elapsed = time.perf_counter() - began
     await _let_go(setup, sessions, failed=False)
     batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
-    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server, desk)
+    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server)
     return batch
 
 
@@ -624,6 +632,190 @@ async def _one(
         server.leave()
 
 
+async def run_agents(
+    setup: AgentRollout, prompts: TensorBatch, sampling: SamplingConfig, min_version: int
+) -> TensorBatch:
+    """Agent mode (the env role's ``agent``): ``sampling.n`` runs of the user's agent per prompt,
+    each calling the env group's OpenAI-compatible endpoint; every call is a turn generated here
+    on the run's generator. The rows are the trajectories as the env group recorded them (the
+    ids sampled, the ids rendered between the turns) with the agent's reward as ``env_reward``."""
+    spec, cfg = setup.spec, setup.cfg
+    seeds = [int(s) for s in prompts.non_tensors["seed"]]
+    n = sampling.n
+    trajectories = [
+        Trajectory(request=r, sample=j, seed=seeds[r], session=setup.first_session + r * n + j)
+        for r in range(len(prompts))
+        for j in range(n)
+    ]
+    stops = sorted({spec.eos_token_id, *spec.call_stop_token_ids})
+    server = TurnServer(
+        setup.generator,
+        sampling,
+        stops,
+        min_version,
+        setup.gate,
+        cfg.serving == "lockstep",
+        cfg.sessions,
+        cfg.serving == "iteration",
+        cfg.exchange_wait_s,
+    )
+    if server.iteration and not hasattr(setup.generator, "exchange"):
+        raise AgentError(
+            f"agent serving 'iteration' needs a rollout group as the generator; "
+            f"{setup.generator.role!r} serves whole calls: use serving 'continuous'"
+        )
+    began = time.perf_counter()
+    sessions = [t.session for t in trajectories]
+    try:
+        ends = await _serve_agents(setup, trajectories, _rows(prompts), server, sampling)
+    except BaseException:
+        await _let_go(setup, sessions, failed=True)
+        raise
+    elapsed = time.perf_counter() - began
+    await _let_go(setup, sessions, failed=False)
+    drift = 0
+    mine: dict[str, list[float]] = {}
+    faults: Counter[str] = Counter()
+    for t in trajectories:
+        end = ends[t.session]
+        _recorded(t, end)
+        drift += end.drift
+        if end.fault is not None:
+            faults[end.fault] += 1
+        for key, value in end.metrics.items():
+            mine.setdefault(key, []).append(value)
+    batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
+    found = agent_metrics(trajectories, elapsed, server)
+    found["agent/template_drift"] = float(drift)
+    found["agent/faults"] = float(sum(faults.values()))
+    found.update({f"agent/faults/{k}": float(v) for k, v in sorted(faults.items())})
+    found.update({f"agent/user/{k}": sum(v) / len(v) for k, v in sorted(mine.items())})
+    batch.meta["agent"] = found
+    return batch
+
+
+async def _serve_agents(
+    setup: AgentRollout,
+    trajectories: list[Trajectory],
+    rows: list[dict[str, Any]],
+    server: TurnServer,
+    sampling: SamplingConfig,
+) -> dict[int, AgentEnd]:
+    """Start the agents, then until every one has ended: take their model calls, generate
+    each as a turn, hand back the replies."""
+    env, cfg = setup.env, setup.cfg
+    await env.open([EnvOpen(session=t.session, row=rows[t.request]) for t in trajectories])
+    by_session = {t.session: t for t in trajectories}
+    for t in trajectories:
+        t.began = time.perf_counter()
+    server.live = len(trajectories)
+    ends: dict[int, AgentEnd] = {}
+    replies: list[AgentReply] = []
+    answering: set[asyncio.Future[None]] = set()
+
+    async def answer(ask: AgentAsk) -> None:
+        replies.append(await _answer(ask, by_session[ask.session], server, sampling, cfg))
+
+    loop = asyncio.ensure_future(server.serve())
+    try:
+        while len(ends) < len(trajectories):
+            out = replies[:]
+            del replies[:]
+            got = await env.exchange(out, cfg.collect_wait_s)
+            for ask in got.asks:
+                if ask.session not in by_session:
+                    raise AgentError(
+                        f"role {env.role!r} asked a turn for session {ask.session}, "
+                        "which is not in this batch"
+                    )
+                answering.add(asyncio.ensure_future(answer(ask)))
+            for end in got.ends:
+                if end.session in by_session and end.session not in ends:
+                    ends[end.session] = end
+                    t = by_session[end.session]
+                    t.seconds = time.perf_counter() - t.began
+                    server.leave()
+            for task in [x for x in answering if x.done()]:
+                answering.discard(task)
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if loop.done():
+                loop.result()  # the serving loop ended: its error
+    finally:
+        for task in [loop, *answering]:
+            task.cancel()
+    return ends
+
+
+async def _answer(
+    ask: AgentAsk, t: Trajectory, server: TurnServer, sampling: SamplingConfig, cfg: AgentConfig
+) -> AgentReply:
+    """One agent call as a turn, or the reason it is refused (the OpenAI error's message)."""
+
+    def refuse(message: str, param: str | None = None) -> AgentReply:
+        return AgentReply(session=ask.session, ask=ask.ask, error=message, param=param)
+
+    for name, asked, run in (
+        ("temperature", ask.temperature, sampling.temperature),
+        ("top_p", ask.top_p, sampling.top_p),
+    ):
+        if asked is not None and abs(asked - run) > 1e-9:
+            return refuse(
+                f"{name}={asked:g}: this run samples with {name}={run:g} (the stage's "
+                f"algorithm); leave it unset",
+                name,
+            )
+    if ask.max_tokens is not None and ask.max_tokens > sampling.max_new_tokens:
+        return refuse(
+            f"max_tokens={ask.max_tokens} is more than this run's max_new_tokens="
+            f"{sampling.max_new_tokens} a turn (the stage's algorithm.max_new_tokens)",
+            "max_tokens",
+        )
+    if ask.turn >= cfg.max_turns:
+        return refuse(f"the trajectory has had its {cfg.max_turns} turns (trainer.agent.max_turns)")
+    room = cfg.max_total_tokens - len(ask.prompt_ids)
+    budget = min(ask.max_tokens or sampling.max_new_tokens, sampling.max_new_tokens, room)
+    if budget <= 0:
+        return refuse(
+            f"the conversation is {len(ask.prompt_ids)} tokens, at this run's limit of "
+            f"{cfg.max_total_tokens} (trainer.agent.max_total_tokens)",
+            "messages",
+        )
+    seed = ask.seed if ask.seed is not None else turn_seed(t.seed, t.sample, ask.turn, ask.part)
+    tokens, lps, text, finish, version = await server.turn(
+        t.session, list(ask.prompt_ids), seed, budget
+    )
+    return AgentReply(
+        session=ask.session,
+        ask=ask.ask,
+        tokens=tokens,
+        log_probs=lps,
+        text=text,
+        finish="length" if finish == "length" else "stop",
+        version=version,
+    )
+
+
+def _recorded(t: Trajectory, end: AgentEnd) -> None:
+    """The trajectory as the env group recorded it."""
+    size = len(end.ids)
+    if not (len(end.sampled) == len(end.log_probs) == len(end.versions) == size):
+        raise AgentError(
+            f"session {end.session}: the recording's ids ({size}), sampled flags "
+            f"({len(end.sampled)}), log-probs and versions differ in length"
+        )
+    t.start, t.ids = list(end.start), list(end.ids)
+    t.sampled, t.log_probs = list(end.sampled), list(end.log_probs)
+    t.versions = [v if m else NO_VERSION for v, m in zip(end.versions, end.sampled, strict=True)]
+    t.turns, t.tool_calls = end.turns, end.tool_calls
+    t.segments = [(str(k), str(x)) for k, x in end.segments]
+    t.texts = [x for k, x in t.segments if k == "sampled"][-1:]
+    t.env_reward = end.reward
+    t.finish = end.finish or "stop"
+    if end.fault is not None:
+        log.warning("agent of session %d: %s (%s)", end.session, end.fault, end.message)
+
+
 def _rows(prompts: TensorBatch) -> list[dict[str, Any]]:
     names = [c for c in prompts.non_tensors if c not in NOT_ECHOED]
     return [{c: prompts.non_tensors[c][i] for c in names} for i in range(len(prompts))]
@@ -663,7 +855,7 @@ def _batch(
 
 
 def agent_metrics(
-    trajectories: list[Trajectory], elapsed: float, server: TurnServer, desk: ActionDesk
+    trajectories: list[Trajectory], elapsed: float, server: TurnServer
 ) -> dict[str, float]:
     """Per batch: turns and tool calls per trajectory, tool errors by kind, tool latency
     p50/p99, the generator's idle share, and trajectories per second."""

@@ -55,6 +55,7 @@ from controller.agent import (
     ActionDesk,
     AgentConfig,
     AgentRollout,
+    run_agents,
     run_trajectories,
 )
 from controller.algorithm_config import AlgorithmConfig
@@ -212,7 +213,8 @@ class RolloutPipeline:
         while True:
             incarnation = group.incarnation
             try:
-                return await run_trajectories(setup, prompts, sampling, version)
+                run = run_agents if setup.spec.agent else run_trajectories
+                return await run(setup, prompts, sampling, version)
             except Exception:
                 if not await self._env_restarted(group.spec.name, incarnation):
                     raise

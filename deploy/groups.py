@@ -306,7 +306,7 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
     the engine settings of an engine role (None for other roles)."""
     # roles code (transformers): loaded only when a run's groups are built
     from roles.engines.training.config import EngineConfig
-    from roles.env import EnvConfig, load_environment, load_tools
+    from roles.env import EnvConfig, load_agent, load_environment, load_tools
     from roles.rollout import RolloutConfig
     from roles.rule_reward import load_function
 
@@ -329,8 +329,11 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
             env = EnvConfig.model_validate(settings)
         except ValidationError as exc:
             raise ExperimentError(explain(exc, EnvConfig, f"roles.{role}")) from None
-        try:  # the tools' schemas and the environment class, before any process starts
-            load_tools(env) if env.tools else load_environment(str(env.environment))
+        try:  # the tools' schemas, the environment class or the agent, before any process starts
+            if env.agent is not None:
+                load_agent(env.agent)
+            else:
+                load_tools(env) if env.tools else load_environment(str(env.environment))
         except (ValueError, TypeError) as exc:
             raise ExperimentError(f"roles.{role}: {exc}") from None
         return None

@@ -38,6 +38,8 @@ collect with a short ``wait_s``.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
+import inspect
 import logging
 import math
 import time
@@ -45,7 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from threading import Lock
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,11 +60,22 @@ from roles.tools.calls import CLOSE, EXAMPLES, OBSERVATIONS, Format, MalformedCa
 from roles.tools.failures import ToolFailure
 from roles.tools.runner import Outbox, Runner
 from roles.tools.schema import BadArguments, Tool, describe
-from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec, ErrorKind
+from transport.agent import (
+    AgentExchange,
+    AgentReply,
+    EnvAction,
+    EnvOpen,
+    EnvResult,
+    EnvSpec,
+    ErrorKind,
+)
 from transport.batch import TensorBatch
 from transport.columns import PROMPT, PROMPT_IDS
 from transport.imports import import_path
 from transport.structs import reasons
+
+if TYPE_CHECKING:
+    from roles.agents.host import AgentHost
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +91,24 @@ class EnvConfig(BaseModel):
     )
     environment: str | None = Field(
         None, description="an environment class by import path (package.module:Class)"
+    )
+    agent: str | None = Field(
+        None,
+        description="an agent function by import path (package.module:run): async def run("
+        "client: openai.AsyncOpenAI, row: dict) -> float | dict, run once per trajectory against "
+        "this role's OpenAI-compatible endpoint (docs/agents.md)",
+    )
+    agent_timeout_s: float = Field(
+        300.0, gt=0, description="agent: the longest one trajectory's agent may run, seconds"
+    )
+    agent_chat: Literal["template", "plain"] = Field(
+        "template",
+        description="agent: how messages become tokens. template: the model's chat template "
+        "(plain where it has none); plain: the contents one after another, a tool result in "
+        "the observation template (for a model trained on raw text, such as the tiny one)",
+    )
+    agent_model: str = Field(
+        "policy", min_length=1, description="agent: the model name the endpoint serves"
     )
     environment_args: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments the environment class is built with"
@@ -136,11 +167,13 @@ class EnvConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
-        if bool(self.tools) == (self.environment is not None):
-            has = "both" if self.tools else "neither"
+        given = [k for k in ("tools", "environment", "agent") if getattr(self, k)]
+        if len(given) != 1:
+            has = " and ".join(given) if given else "none of them"
             raise ValueError(
-                f"an env role needs either 'tools' (import paths package.module:function) or "
-                f"'environment' (package.module:Class), and has {has}"
+                f"an env role needs one of 'tools' (import paths package.module:function), "
+                f"'environment' (package.module:Class) or 'agent' (package.module:run), and has "
+                f"{has}"
             )
         if self.environment_args and self.environment is None:
             raise ValueError("'environment_args' is set but there is no 'environment'")
@@ -210,6 +243,17 @@ def load_tools(cfg: EnvConfig) -> dict[str, Tool]:
     return tools
 
 
+def load_agent(path: str) -> Any:
+    """The agent function at ``path`` (``async def run(client, row)``), and the agents' own
+    packages (the [agents] extra), or a ValueError saying which is missing."""
+    for package in ("openai", "aiohttp"):
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"agent {path!r} needs the {package!r} package: pip install 'hybridflow[agents]'"
+            )
+    return import_path(path, "agent", "async function", inspect.iscoroutinefunction)
+
+
 def load_environment(path: str) -> type:
     found: type = import_path(path, "environment", "class", lambda c: isinstance(c, type))
     missing = [m for m in ("reset", "step") if not callable(getattr(found, m, None))]
@@ -260,6 +304,27 @@ class EnvRole(Role):
                 log.info("the python tool's sandbox here: %s", found)
         self.env_cls = load_environment(self.cfg.environment) if self.cfg.environment else None
         self._spec = self._make_spec()
+        self.agents: AgentHost | None = None
+        if self.cfg.agent is not None:  # aiohttp and openai: the [agents] extra, only here
+            from roles.agents.chat import Renderer
+            from roles.agents.host import AgentHost
+
+            fn = load_agent(self.cfg.agent)
+            self.agents = AgentHost(
+                fn,
+                Renderer(
+                    self.tokenizer,
+                    self.cfg.format,
+                    self.cfg.observation,
+                    plain=self.cfg.agent_chat == "plain",
+                ),
+                self.cfg.agent_model,
+                self.cfg.agent_timeout_s,
+                [*self._spec.call_stop_token_ids, self._spec.eos_token_id],
+                self._spec.eos_token_id,
+                self._spec.call_close,
+            )
+            log.info("agents call the OpenAI-compatible endpoint at %s", self.agents.url(0))
         self.runner = Runner(self.cfg.workers, self.cfg.call_timeout_s, name=f"{ctx.role}")
         self.outbox: Outbox[tuple[Session, EnvResult]] = Outbox()
         self.sessions: dict[int, Session] = {}
@@ -302,6 +367,7 @@ class EnvRole(Role):
             tools=[tool.schema() for tool in self.tools.values()],
             format=self.cfg.format,
             stateful=self.env_cls is not None,
+            agent=self.cfg.agent is not None,
         )
 
     # -- endpoints --------------------------------------------------------------------------------
@@ -322,6 +388,12 @@ class EnvRole(Role):
             taken = sorted({i for i in ids if i in self.sessions or ids.count(i) > 1})
             if taken:
                 raise SessionError(f"sessions {taken} are open already (or named twice)")
+        if self.agents is not None:  # each agent starts now and renders its own prompt
+            with self._lock:
+                self.sessions.update({i: Session(i) for i in ids})
+            for s in sessions:
+                self.agents.start(s.session, s.row)
+            return [EnvResult(session=i) for i in ids]
         starts = [self._start(s.row) for s in sessions]
         if self.env_cls is None:
             with self._lock:
@@ -371,8 +443,20 @@ class EnvRole(Role):
             return [r for s, r in finished if self.sessions.get(s.id) is s]
 
     @endpoint(RANK_ZERO)
+    def exchange(self, replies: list[AgentReply], wait_s: float) -> AgentExchange:
+        """Agent mode: hand the controller's replies to the agents' model calls; return the
+        calls waiting and the agents finished (waiting up to ``wait_s`` for the first)."""
+        if self.agents is None:
+            raise SessionError("exchange is for agents; this env role has no 'agent'")
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s={wait_s} must be >= 0")
+        return self.agents.exchange(replies, wait_s)
+
+    @endpoint(RANK_ZERO)
     def close(self, sessions: list[int]) -> int:
         """Drop sessions (an action still out is dropped too); how many were open."""
+        if self.agents is not None:
+            self.agents.close(sessions)
         with self._lock:
             closed = [self.sessions.pop(i) for i in dict.fromkeys(sessions) if i in self.sessions]
         for session in closed:

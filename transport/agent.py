@@ -53,6 +53,7 @@ class EnvSpec(BaseModel):
     )
     format: str = Field(description="the tool-call format the env parses")
     stateful: bool = Field(False, description="an environment (reset/step), not tools")
+    agent: bool = Field(False, description="agent functions calling an OpenAI endpoint")
 
 
 class EnvOpen(BaseModel):
@@ -84,3 +85,82 @@ class EnvResult(BaseModel):
     called: str | None = Field(None, description="the tool called, if any")
     error: ErrorKind | None = None
     latency_s: float = Field(0.0, ge=0, description="time the action ran on the env group")
+
+
+# -- agents written against the OpenAI API (roles/agents/) ------------------------------------------
+#
+# In agent mode the env group runs the user's agent function, one per trajectory, with an OpenAI
+# client whose base_url is the group's own endpoint for that trajectory. Each chat or completion
+# call there becomes an ``AgentAsk``; the controller generates the turn on the run's generator and
+# answers with an ``AgentReply``; when the agent returns, its ``AgentEnd`` carries the trajectory as
+# recorded (the exact ids sampled and those rendered between the turns) and its reward. Both go
+# through one call, ``env.exchange(replies, wait_s)``.
+
+#: what can go wrong with an agent; each ends its trajectory, is counted
+#: (``agent/faults/<kind>``) and leaves a row without trained tokens
+AgentFault = Literal["raised", "timeout", "no_call", "bad_return"]
+
+
+class AgentAsk(BaseModel):
+    """One model call of an agent: the turn to generate."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session: int = Field(ge=0)
+    ask: int = Field(ge=0, description="the call's number within its session")
+    prompt_ids: list[int] = Field(description="the whole context: recorded ids, then the new ones")
+    turn: int = Field(ge=0, description="the trajectory's turn this call samples")
+    part: int = Field(0, ge=0, description="a turn continued after a stop that closed no call")
+    max_tokens: int | None = Field(None, description="max_tokens as the agent asked (None: unset)")
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, description="the agent's own seed, if it set one")
+
+
+class AgentReply(BaseModel):
+    """The controller's answer to an ``AgentAsk``: the sampled turn, or why there is none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session: int = Field(ge=0)
+    ask: int = Field(ge=0)
+    tokens: list[int] = Field(default_factory=list)
+    log_probs: list[float] = Field(default_factory=list)
+    text: str = ""
+    finish: Literal["stop", "length", ""] = ""
+    version: int = 0
+    error: str | None = Field(None, description="the request is refused: the OpenAI error message")
+    param: str | None = Field(None, description="the request field the error is about")
+
+
+class AgentEnd(BaseModel):
+    """A finished agent: its reward, its trajectory as recorded, what went wrong."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session: int = Field(ge=0)
+    reward: float = 0.0
+    metrics: dict[str, float] = Field(default_factory=dict, description="the agent's own numbers")
+    fault: AgentFault | None = None
+    message: str = Field("", description="the fault's error line")
+    start: list[int] = Field(default_factory=list, description="the first call's prompt ids")
+    ids: list[int] = Field(default_factory=list, description="everything after the start")
+    sampled: list[int] = Field(default_factory=list, description="1 per id the model sampled")
+    log_probs: list[float] = Field(default_factory=list)
+    versions: list[int] = Field(default_factory=list)
+    segments: list[list[str]] = Field(
+        default_factory=list, description="[kind, text] after the start: sampled or observation"
+    )
+    turns: int = 0
+    tool_calls: int = 0
+    drift: int = Field(0, description="calls whose rendered context did not extend the recording")
+    finish: str = ""
+
+
+class AgentExchange(BaseModel):
+    """What ``env.exchange`` returns: the model calls waiting, the agents that finished."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    asks: list[AgentAsk] = Field(default_factory=list)
+    ends: list[AgentEnd] = Field(default_factory=list)

@@ -37,7 +37,16 @@ import msgpack
 import numpy as np
 import torch
 
-from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
+from transport.agent import (
+    AgentAsk,
+    AgentEnd,
+    AgentExchange,
+    AgentReply,
+    EnvAction,
+    EnvOpen,
+    EnvResult,
+    EnvSpec,
+)
 from transport.batch import TensorBatch
 from transport.device import in_host_memory
 from transport.protocol import PROTOCOL_VERSION, Message, MsgType, ProtocolError, check_body
@@ -75,6 +84,10 @@ STRUCTS: dict[str, type] = {
     "env_open": EnvOpen,
     "env_action": EnvAction,
     "env_result": EnvResult,
+    "agent_ask": AgentAsk,
+    "agent_reply": AgentReply,
+    "agent_end": AgentEnd,
+    "agent_exchange": AgentExchange,
     "turn_request": TurnRequest,
     "turn_result": TurnResult,
 }

@@ -11,7 +11,14 @@ above it when ``timeouts.call_s`` is not.
 from __future__ import annotations
 
 from controller.clients.base import RoleClient
-from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
+from transport.agent import (
+    AgentExchange,
+    AgentReply,
+    EnvAction,
+    EnvOpen,
+    EnvResult,
+    EnvSpec,
+)
 from transport.protocol import Transfer
 
 
@@ -36,6 +43,13 @@ class EnvClient(RoleClient):
         """The actions finished since the last collect, waiting up to ``wait_s`` for the first
         (may be empty)."""
         return await self._call(Transfer.RANK_ZERO, "collect", wait_s, timeout=timeout)
+
+    async def exchange(
+        self, replies: list[AgentReply], wait_s: float, *, timeout: float | None = None
+    ) -> AgentExchange:
+        """Agent mode: the replies to the agents' model calls in; the calls waiting and the
+        agents finished out (waiting up to ``wait_s`` for the first)."""
+        return await self._call(Transfer.RANK_ZERO, "exchange", replies, wait_s, timeout=timeout)
 
     async def close(self, sessions: list[int], *, timeout: float | None = None) -> int:
         """Drop sessions; how many were open."""
