@@ -676,14 +676,23 @@ async def run_agents(
     drift = 0
     mine: dict[str, list[float]] = {}
     faults: Counter[str] = Counter()
+    said: dict[str, str] = {}  # the first message of each kind of fault
     for t in trajectories:
         end = ends[t.session]
         _recorded(t, end)
         drift += end.drift
         if end.fault is not None:
             faults[end.fault] += 1
+            said.setdefault(end.fault, end.message)
         for key, value in end.metrics.items():
             mine.setdefault(key, []).append(value)
+    if faults:  # one line a batch, not one an agent
+        log.warning(
+            "%d of %d agents failed (their rows train nothing): %s",
+            sum(faults.values()),
+            len(trajectories),
+            "; ".join(f"{n} {kind}, e.g. {said[kind]}" for kind, n in sorted(faults.items())),
+        )
     batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
     found = agent_metrics(trajectories, elapsed, server)
     found["agent/template_drift"] = float(drift)
@@ -812,8 +821,6 @@ def _recorded(t: Trajectory, end: AgentEnd) -> None:
     t.texts = [x for k, x in t.segments if k == "sampled"][-1:]
     t.env_reward = end.reward
     t.finish = end.finish or "stop"
-    if end.fault is not None:
-        log.warning("agent of session %d: %s (%s)", end.session, end.fault, end.message)
 
 
 def _rows(prompts: TensorBatch) -> list[dict[str, Any]]:

@@ -48,7 +48,12 @@ def calculate(expression: str) -> str:
 async def run(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
     messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
     for _ in range(3):
-        reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        try:
+            reply = await client.chat.completions.create(
+                model=MODEL, messages=messages, tools=TOOLS
+            )
+        except openai.BadRequestError:  # the conversation outgrew the context: no answer
+            return 0.0
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

@@ -172,7 +172,7 @@ class AgentHost:
         self._ends.append(
             AgentEnd(
                 session=s.id,
-                reward=0.0 if reward is None else reward,
+                reward=0.0 if reward is None or fault is not None else reward,
                 metrics=metrics,
                 fault=fault,
                 message=message,
