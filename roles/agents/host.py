@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 import ssl
 import threading
 import time
@@ -194,7 +195,8 @@ class AgentHost:
 
     def _drive(self, s: AgentSession) -> None:
         fault: AgentFault | None = None
-        message, reward, metrics = "", None, {}
+        message, reward = "", None
+        metrics: dict[str, float] = {}
         try:
             out = asyncio.run(self._agent(s))
         except TimeoutError:
@@ -237,11 +239,10 @@ class AgentHost:
         app.router.add_get("/s/{session}/v1/models", self._models)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        server = site._server
-        assert server is not None
-        return int(server.sockets[0].getsockname()[1])
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))  # loopback only: the agents run in this process
+        await web.SockSite(runner, sock).start()
+        return int(sock.getsockname()[1])
 
     def _session(self, request: web.Request) -> AgentSession:
         if request.headers.get("Authorization", "") != f"Bearer {self.key}":
@@ -307,9 +308,10 @@ class AgentHost:
         if chat:
             text = r.chat(body.get("messages"), tools, s.rec.given)
         else:
-            text = body.get("prompt")
-            if not isinstance(text, str):
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
                 raise BadRequest("prompt must be one string", "prompt")
+            text = prompt
         rec = s.rec
         first = not rec.start
         new, drifted = r.extend(rec, text)

@@ -56,6 +56,27 @@ async def agent(client: openai.AsyncOpenAI, row: dict[str, Any]) -> Any:
                 result = str(int(a) * int(b))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return {"reward": float(message.content == "408"), "turns_seen": len(messages)}
+    if how == "agents_sdk":  # the OpenAI Agents SDK: its Runner, a function_tool
+        from agents import (
+            Agent,
+            OpenAIChatCompletionsModel,
+            Runner,
+            function_tool,
+            set_tracing_disabled,
+        )
+
+        set_tracing_disabled(True)  # no trace export to OpenAI's servers
+
+        @function_tool
+        def calculator(expression: str) -> str:
+            """Multiply two integers written as a*b."""
+            a, b = expression.split("*")
+            return str(int(a) * int(b))
+
+        model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
+        found = await Runner.run(Agent(name="calc", model=model, tools=[calculator]), "12*34=")
+        SEEN["agents_sdk"] = found.final_output
+        return float(found.final_output == "408")
     if how == "stream":
         stream = await client.chat.completions.create(
             model="policy", messages=messages, stream=True
@@ -117,7 +138,16 @@ def test_agents_call_the_endpoint_with_the_sdk_and_each_fault_ends_only_its_own(
         agent, Renderer(tokenizer, "bracket", " = {text}\n", plain=True), "policy", 8.0,
         [close, eos], eos, "]",
     )  # fmt: skip
-    hows = ["calculator", "stream", "completions", "refused", "raises", "hangs", "blocks"]
+    hows = [
+        "calculator",
+        "agents_sdk",
+        "stream",
+        "completions",
+        "refused",
+        "raises",
+        "hangs",
+        "blocks",
+    ]
     hows += ["silent", "nan"]
     for i, how in enumerate(hows):
         host.start(i, {"prompt": "12*34=", "answer": 408, "how": how})
@@ -134,7 +164,8 @@ def test_agents_call_the_endpoint_with_the_sdk_and_each_fault_ends_only_its_own(
         replies = []
         for ask in got.asks:
             asked.setdefault(ask.session, []).append(ask.prompt_ids)
-            toks = call if hows[ask.session] == "calculator" and ask.turn == 0 else final
+            calls = hows[ask.session] in ("calculator", "agents_sdk") and ask.turn == 0
+            toks = call if calls else final
             replies.append(
                 AgentReply(
                     session=ask.session,
@@ -168,6 +199,10 @@ def test_agents_call_the_endpoint_with_the_sdk_and_each_fault_ends_only_its_own(
     assert calc.turns == 2 and calc.tool_calls == 1 and calc.drift == 0
     assert [k for k, _ in calc.segments] == ["sampled", "observation", "sampled"]
 
+    sdk = by["agents_sdk"]
+    assert SEEN["agents_sdk"] == "408" and sdk.fault is None and sdk.reward == 1.0
+    assert sdk.turns == 2 and sdk.tool_calls == 1 and sdk.drift == 0
+    assert [k for k, _ in sdk.segments] == ["sampled", "observation", "sampled"]
     assert SEEN["stream"] == "408" and by["stream"].reward == 0.5
     assert SEEN["completions"] == ("408", ["policy"])
     # refusals: OpenAI's status and error shape, naming the field; no turn was generated for them
