@@ -34,6 +34,12 @@ run sees the same latencies):
 * ``iteration`` and ``iteration_no_latency``: (a) and (c) with ``serving: iteration``: each turn
   joins the native engine's running decode batch when it is asked for and returns when it is
   done (``roles/engines/generation/iteration.py``), instead of waiting for the call in flight.
+* ``agent`` and ``agent_no_latency`` (``--agent``): the same task as an agent written against
+  the OpenAI API (``bench/agentic_env.py`` ``slow_agent``: a chat call, then the tool's drawn
+  latency as an ``asyncio.sleep``, its result as a user message), run by an env group in agent
+  mode against its OpenAI-compatible endpoint: ``agent_traj_per_s``, ``agent_vs_env`` and
+  ``agent_no_latency_vs_env`` (against ``continuous`` and ``no_latency``), and
+  ``http_ms_per_call``, the no-latency batch's extra wall time per model call;
 * ``stale`` (``--max-staleness K``, K >= 1): (a) while new weights arrive as they do when the
   trainer runs beside generation: every ``--push-every-s`` seconds (a training step's time) the
   rollout group loads a new weight version. A session's KV holds the old weights' keys and
@@ -91,7 +97,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from bench.agentic_env import MEDIAN_S, P99_S, STEPS
-from controller.agent import AgentConfig, AgentRollout, run_trajectories
+from controller.agent import AgentConfig, AgentRollout, run_agents, run_trajectories
 from controller.clients import ActorClient, EnvClient, RolloutClient
 from controller.placement import GroupSpec, RoleSpec
 from controller.streaming import Generator
@@ -140,6 +146,14 @@ def placement(args: argparse.Namespace, model: Path) -> list[GroupSpec]:
         group("slow", "env", "roles.env:EnvRole", slow),
         group("fast", "fast_env", "roles.env:EnvRole", fast),
     ]
+    if "agent" in args.modes:  # the same task as an agent calling the OpenAI endpoint
+        agent = {
+            "tokenizer": str(model),
+            "agent": "bench.agentic_env:slow_agent",
+            "agent_chat": "plain",
+            "agent_timeout_s": 600.0,
+        }
+        groups.append(group("agents", "agent_env", "roles.env:EnvRole", agent))
     if any(m.startswith("vllm") for m in args.modes):  # token ids in and out, its prefix cache
         vllm = {"model": str(model), "dtype": "fp32", "engine": "vllm", "kv_cache_mb": 512}
         groups.append(group("vgen", "vllm", "roles.rollout:Rollout", {**vllm, **VLLM_BLOCKS}))
@@ -161,12 +175,16 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         if "colocated" in args.modes:
             generators["colocated"] = ActorClient(c, "actor")
         envs = {"slow": EnvClient(c, "env"), "fast": EnvClient(c, "fast_env")}
+        if "agent" in args.modes:
+            envs["agent"] = EnvClient(c, "agent_env")
         specs = {k: await e.spec() for k, e in envs.items()}
         weights = load_file(str(model / "model.safetensors")) if "stale" in args.modes else {}
         session = 0
         for repeat in range(args.repeats + 1):  # the first round warms up
             for mode in args.modes:
                 which = "fast" if mode.endswith("no_latency") else "slow"
+                if mode.startswith("agent"):
+                    which = "agent"
                 serving = "continuous"
                 if mode.startswith("iteration") or mode == "lockstep":
                     serving = mode.split("_")[0]
@@ -189,7 +207,14 @@ async def measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                     if mode == "stale"
                     else None
                 )
-                batch = await run_trajectories(setup, prompts(args.prompts), sampling, 0)
+                if mode.startswith("agent"):
+                    rows = prompts(args.prompts)
+                    rows.non_tensors["steps"] = [args.steps] * args.prompts
+                    scale = 0.0 if mode.endswith("no_latency") else 1.0
+                    rows.non_tensors["latency_scale"] = [scale] * args.prompts
+                    batch = await run_agents(setup, rows, sampling, 0)
+                else:
+                    batch = await run_trajectories(setup, prompts(args.prompts), sampling, 0)
                 if pusher is not None:
                     done.set()
                     await pusher
@@ -273,6 +298,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
         return round(again / max(ran, 1.0), 3)
 
     stale = _stale(runs, args, median, reprefill) if "stale" in args.modes else {}
+    if "agent" in args.modes:
+        stale |= _agents(runs, args, median)
     others = _other_generators(runs, args, median, tok_s)
     if not set(MODES) <= set(args.modes):  # a subset: each mode's throughput only
         found = {f"{m}_traj_per_s": round(median(m, "agent/traj_per_s"), 3) for m in args.modes}
@@ -355,6 +382,28 @@ def _other_generators(
     return found
 
 
+def _agents(
+    runs: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    median: Callable[[str, str], float],
+) -> dict[str, float]:
+    """Modes agent and agent_no_latency: the task through the OpenAI endpoint, against the
+    env interface (continuous, no_latency), and what one model call costs over HTTP: the
+    extra wall time of the no-latency batch per call, the calls being made side by side."""
+    found = {
+        "agent_traj_per_s": round(median("agent", "agent/traj_per_s"), 3),
+        "agent_no_latency_traj_per_s": round(median("agent_no_latency", "agent/traj_per_s"), 3),
+    }
+    if "continuous" in runs and "no_latency" in runs:
+        a, c = median("continuous", "agent/traj_per_s"), median("no_latency", "agent/traj_per_s")
+        found["agent_vs_env"] = round(found["agent_traj_per_s"] / a, 3)
+        found["agent_no_latency_vs_env"] = round(found["agent_no_latency_traj_per_s"] / c, 3)
+        calls = args.prompts * args.n * args.steps
+        extra = median("agent_no_latency", "agent/seconds") - median("no_latency", "agent/seconds")
+        found["http_ms_per_call"] = round(1000 * extra / calls, 2)
+    return found
+
+
 def _stale(
     runs: dict[str, list[dict[str, Any]]],
     args: argparse.Namespace,
@@ -400,7 +449,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--push-every-s", type=float, default=1.0, help="mode stale: seconds between pushes"
     )
+    parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="adds modes 'agent' and 'agent_no_latency': the same task as an agent calling the "
+        "env group's OpenAI-compatible endpoint (bench/agentic_env.py slow_agent)",
+    )
     args = parser.parse_args(argv)
+    if args.agent:
+        args.modes = [
+            *args.modes,
+            *(m for m in ("agent", "agent_no_latency") if m not in args.modes),
+        ]
     if args.max_staleness > 0 and "stale" not in args.modes:
         args.modes = [*args.modes, "stale"]
     if args.quick:

@@ -44,3 +44,25 @@ class SlowTool:
             time.sleep(wait)
         self.steps += 1
         return f" ->{len(action)}\n", 0.0, self.steps >= self.total, {}
+
+
+async def slow_agent(client: Any, row: dict[str, Any]) -> float:
+    """``SlowTool``'s task as an agent written against the OpenAI API: ``steps`` chat calls, each
+    followed by a tool call of the same drawn latency (an ``asyncio.sleep``; the row's
+    ``latency_scale``, 0: at once) whose short result goes back as a user message."""
+    import asyncio
+
+    key = f"{row.get('uid')}/{row.get('seed')}"
+    scale = float(row.get("latency_scale", 1.0))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
+    for step in range(int(row.get("steps", STEPS))):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        text = reply.choices[0].message.content or ""
+        wait = scale * latency(f"{key}/{step}/{len(text)}")
+        if wait:
+            await asyncio.sleep(wait)
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"->{len(text)}"},
+        ]
+    return 0.0
