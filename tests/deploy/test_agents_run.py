@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,16 @@ def test_the_agent_trains_as_the_env_roles_own_tool_and_faults_are_counted(tmp_p
     b = load_file(env_run / "export" / "actor" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert summary(agent_run)["val_acc_after"] == summary(env_run)["val_acc_after"]
+    # the trajectories view shows the agents' turns as it shows the env role's
+    shown = [
+        subprocess.run(
+            [sys.executable, "-m", "deploy.cli", "trajectories", str(d), "--step", "21"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout
+        for d in (agent_run, env_run)
+    ]  # fmt: skip
+    assert "rollout trajectories logged" in shown[0]
+    assert shown[0].count("--- reward") == shown[1].count("--- reward") > 0
 
     # the same run with agents that fail: each counted by kind, the run completes
     unruly_run = tmp_path / "unruly"
