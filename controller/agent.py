@@ -726,8 +726,16 @@ async def _serve_agents(
         replies.append(await _answer(ask, by_session[ask.session], server, sampling, cfg))
 
     loop = asyncio.ensure_future(server.serve())
+    group = env.controller.group_of(env.role)
+    incarnation = group.incarnation
     try:
         while len(ends) < len(trajectories):
+            if group.incarnation != incarnation or group.dead is not None:
+                # a call to a group being restarted waits for it and goes to the new process,
+                # which never saw these agents: their batch runs again from its start
+                raise AgentError(
+                    f"env group {group.spec.name!r} died or was restarted: its agents are gone"
+                )
             out = replies[:]
             del replies[:]
             got = await env.exchange(out, cfg.collect_wait_s)

@@ -450,6 +450,10 @@ class EnvRole(Role):
             raise SessionError("exchange is for agents; this env role has no 'agent'")
         if not wait_s >= 0:
             raise ValueError(f"wait_s={wait_s} must be >= 0")
+        with self._lock:
+            unknown = sorted({r.session for r in replies if r.session not in self.sessions})
+        if unknown:  # e.g. a restarted group: its sessions died with the last incarnation
+            raise SessionError(f"replies to sessions that are not open: {unknown[:8]}")
         return self.agents.exchange(replies, wait_s)
 
     @endpoint(RANK_ZERO)

@@ -111,14 +111,16 @@ def test_a_kill_during_a_weight_sync_is_survived(
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("example", ["tool_use.yaml", "agents/tool_use.yaml"])
 def test_an_env_group_killed_mid_rollout_is_restarted_and_its_trajectories_rerun(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example: str
 ) -> None:
     """Multi-turn GRPO (the tool-use demo, lockstep serving: bitwise runs): the tools group dies
-    right after the first actions of the first RL batch went out, its sessions open; it restarts
-    (a stateless group, by default), the batch's trajectories run again from their start with
-    the same seeds, and the run equals the undisturbed one. In this process, so the kill can be
-    aimed inside the rollout."""
+    right after the first actions of the first RL batch went out, its sessions open (with
+    agents: right after the first replies to their model calls went back, the agents mid-
+    conversation in the dying process); it restarts (a stateless group, by default), the
+    batch's trajectories run again from their start with the same seeds, and the run equals the
+    undisturbed one. In this process, so the kill can be aimed inside the rollout."""
     sets = [
         "stages.0.steps=10",
         "stages.1.steps=2",  # the kill lands in the first; the second runs on the restarted group
@@ -126,24 +128,36 @@ def test_an_env_group_killed_mid_rollout_is_restarted_and_its_trajectories_rerun
         "trainer.val_data=null",
         "logging.tensorboard=false",
     ]
-    example = Path(__file__).resolve().parents[2] / "examples" / "tool_use.yaml"
+    path = Path(__file__).resolve().parents[2] / "examples" / example
     calm, hit = tmp_path / "calm", tmp_path / "hit"
-    assert run(calm, sets, [], {}, example)["rc"] == 0
-    submits: list[int] = []
-    original = EnvClient.submit
+    assert run(calm, sets, [], {}, path)["rc"] == 0
+    sent: list[int] = []
 
-    async def submit(self: EnvClient, actions: list[Any], **kwargs: Any) -> int:
-        submits.append(len(actions))
-        if len(submits) == 1:  # the first actions of the first RL batch: sessions are open
+    def kill_once() -> None:
+        if len(sent) == 1:  # the first of the first RL batch: sessions are open
             victim = ranks(os.getpid())[("tools", 0)]
             asyncio.get_running_loop().call_soon(os.kill, victim, signal.SIGKILL)
-        return await original(self, actions, **kwargs)
 
-    monkeypatch.setattr(EnvClient, "submit", submit)
+    submit, exchange = EnvClient.submit, EnvClient.exchange
+
+    async def submitting(self: EnvClient, actions: list[Any], **kwargs: Any) -> int:
+        sent.append(len(actions))
+        kill_once()
+        return await submit(self, actions, **kwargs)
+
+    async def exchanging(self: EnvClient, replies: list[Any], wait_s: float, **kwargs: Any) -> Any:
+        if replies:
+            sent.append(len(replies))
+            kill_once()
+        return await exchange(self, replies, wait_s, **kwargs)
+
+    monkeypatch.setattr(EnvClient, "submit", submitting)
+    monkeypatch.setattr(EnvClient, "exchange", exchanging)
     rerun: list[str] = []
     monkeypatch.setattr(rollouts.log, "warning", lambda msg, *a: rerun.append(msg % a))
-    args = build_parser().parse_args(command(hit, sets, example)[3:])
+    args = build_parser().parse_args(command(hit, sets, path)[3:])
     assert args.fn(args) == 0
+    assert sent, "no action or reply was sent"
     assert [(e["event"], e["group"]) for e in events(hit)] == [
         ("fault", "tools"),
         ("restart", "tools"),
