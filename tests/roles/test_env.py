@@ -456,8 +456,9 @@ def test_more_than_one_rank_is_refused_saying_why(tiny: Path) -> None:
     ("config", "why"),
     [
         ({}, "tokenizer: Field required"),
-        ({"tokenizer": "m"}, "needs either 'tools' .* and has neither"),
-        ({"tokenizer": "m", "tools": ["a:b"], "environment": "c:D"}, "and has both"),
+        ({"tokenizer": "m"}, "needs one of 'tools' .* and has none of them"),
+        ({"tokenizer": "m", "tools": ["a:b"], "environment": "c:D"}, "has tools and environment"),
+        ({"tokenizer": "m", "environment": "c:D", "agent": "a:run"}, "has environment and agent"),
         ({"tokenizer": "m", "tools": ["a:b"], "format": "xml"}, "format: Input should be"),
         ({"tokenizer": "m", "tools": ["a:b"], "observation": "= {result}"}, "has no \\{text\\}"),
         ({"tokenizer": "m", "tools": ["a:b"], "workers": 0}, "workers: Input should be greater"),

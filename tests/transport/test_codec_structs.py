@@ -13,7 +13,16 @@ import pydantic
 import pytest
 
 from tests.transport.codec_helpers import make_header, reply, roundtrip
-from transport.agent import EnvAction, EnvOpen, EnvResult, EnvSpec
+from transport.agent import (
+    AgentAsk,
+    AgentEnd,
+    AgentExchange,
+    AgentReply,
+    EnvAction,
+    EnvOpen,
+    EnvResult,
+    EnvSpec,
+)
 from transport.codec import EXT_STRUCT, STRUCTS, HeaderLimits, decode, encode
 from transport.protocol import Layout, Message, MsgType, ProtocolError
 from transport.sampling import SamplingConfig
@@ -67,6 +76,26 @@ EXAMPLES: list[Any] = [
     TurnRequest(id=3, prompt_ids=[257, 49, 50], seed=11, max_new=16, session="t3", replica=1),
     TurnResult(id=3, tokens=[52, 258], log_probs=[-0.5, -1.25], text="4", finish="stop", version=2),
     AdamStep(lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.01, grad_clip=1.0),
+    AgentAsk(session=4, ask=1, prompt_ids=[257, 49], turn=0, max_tokens=8, temperature=1.0),
+    AgentReply(
+        session=4, ask=1, tokens=[52, 258], log_probs=[-0.5, -1.25], text="4", finish="stop"
+    ),
+    AgentReply(session=4, ask=2, error="n must be 1", param="n"),
+    AgentEnd(
+        session=4,
+        reward=1.0,
+        metrics={"turns_seen": 4.0},
+        start=[257, 49],
+        ids=[52, 258],
+        sampled=[1, 1],
+        log_probs=[-0.5, -1.25],
+        versions=[2, 2],
+        segments=[["sampled", "4"]],
+        turns=1,
+        finish="stop",
+    ),
+    AgentEnd(session=5, fault="timeout", message="the agent did not return within 1 s"),
+    AgentExchange(asks=[AgentAsk(session=4, ask=1, prompt_ids=[1], turn=0)], ends=[]),
 ]
 
 
