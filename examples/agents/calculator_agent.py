@@ -2,7 +2,8 @@
 ``openai`` SDK, nothing of hybridflow in it. ``examples/agents/tool_use.yaml`` trains the model it
 calls; pointed at any OpenAI-compatible server it runs the same.
 
-    async def run(client, row) -> float     the reward: 1.0 for the right product, else 0.0
+    async def run(client, row) -> float       the reward: 1.0 for the right product, else 0.0
+    async def run_chat(client, row) -> float  the same with a system message, for chat models
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TOOLS = [
     }
 ]
 MODEL = "policy"
+SYSTEM = "You are a helpful assistant. You can use a calculator."
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
@@ -46,7 +48,17 @@ def calculate(expression: str) -> str:
 
 
 async def run(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
+    """The question as the only message (the tiny model reads raw text: ``708*62=``)."""
+    return await solve(client, [{"role": "user", "content": row["prompt"]}], row["answer"])
+
+
+async def run_chat(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
+    """A chat model's conversation: a system message, then the question."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]}]
+    return await solve(client, messages, row["answer"])
+
+
+async def solve(client: openai.AsyncOpenAI, messages: list[dict[str, Any]], answer: Any) -> float:
     for _ in range(3):
         try:
             reply = await client.chat.completions.create(
@@ -64,5 +76,5 @@ async def run(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
             except Exception as exc:  # the model's call was wrong: it reads why
                 result = f"error: {exc}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    answer = (message.content or "").split()
-    return 1.0 if answer and answer[0] == str(row["answer"]) else 0.0
+    words = (message.content or "").split()
+    return 1.0 if words and words[0] == str(answer) else 0.0

@@ -30,7 +30,7 @@ def error_of(raw: dict[str, Any], *overrides: str) -> str:
 
 
 def test_every_example_parses_and_passes_the_checks() -> None:
-    for path in sorted(EXAMPLES.glob("*.yaml")):
+    for path in sorted([*EXAMPLES.glob("*.yaml"), *EXAMPLES.glob("agents/*.yaml")]):
         exp = load(path)
         # these name folders made by a command first (`hybridflow rm`, `model import-gguf`,
         # the run of distill_teacher.yaml)
