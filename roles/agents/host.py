@@ -293,7 +293,9 @@ class AgentHost:
         except BadRequest as exc:
             return _Refused(400, str(exc), exc.code, exc.param).response()
         if body.get("stream"):
-            return await _stream(request, found, chat)
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            return await _stream(request, found, chat, usage)
         return web.json_response(found)
 
     async def _turn(self, s: AgentSession, body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -545,7 +547,9 @@ def _finite(value: Any, what: str) -> float:
     return float(value)
 
 
-async def _stream(request: web.Request, found: dict[str, Any], chat: bool) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, found: dict[str, Any], chat: bool, usage: bool
+) -> web.StreamResponse:
     """The finished turn as server-sent events, in OpenAI's chunk shapes (the turn is generated
     whole first: streaming here is the wire format, not token by token)."""
     out = web.StreamResponse(
@@ -575,10 +579,11 @@ async def _stream(request: web.Request, found: dict[str, Any], chat: bool) -> we
             }
         )
         chunks.append({"index": 0, "text": "", "finish_reason": choice["finish_reason"]})
-    for c in chunks:
-        await out.write(
-            f"data: {json.dumps({**base, 'object': kind, 'choices': [c]})}\n\n".encode()
-        )
+    events = [{**base, "object": kind, "choices": [c]} for c in chunks]
+    if usage:  # stream_options.include_usage: a last chunk with the usage and no choices
+        events.append({**base, "object": kind, "choices": [], "usage": found["usage"]})
+    for event in events:
+        await out.write(f"data: {json.dumps(event)}\n\n".encode())
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()
     return out

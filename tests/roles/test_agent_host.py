@@ -79,9 +79,11 @@ async def agent(client: openai.AsyncOpenAI, row: dict[str, Any]) -> Any:
         return float(found.final_output == "408")
     if how == "stream":
         stream = await client.chat.completions.create(
-            model="policy", messages=messages, stream=True
+            model="policy", messages=messages, stream=True, stream_options={"include_usage": True}
         )
-        SEEN["stream"] = "".join([c.choices[0].delta.content or "" async for c in stream])
+        chunks = [c async for c in stream]
+        SEEN["stream"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        SEEN["stream_usage"] = chunks[-1].usage.completion_tokens
         return 0.5
     if how == "completions":
         done = await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=4)
@@ -204,6 +206,7 @@ def test_agents_call_the_endpoint_with_the_sdk_and_each_fault_ends_only_its_own(
     assert sdk.turns == 2 and sdk.tool_calls == 1 and sdk.drift == 0
     assert [k for k, _ in sdk.segments] == ["sampled", "observation", "sampled"]
     assert SEEN["stream"] == "408" and by["stream"].reward == 0.5
+    assert SEEN["stream_usage"] == len(final)
     assert SEEN["completions"] == ("408", ["policy"])
     # refusals: OpenAI's status and error shape, naming the field; no turn was generated for them
     codes = [(status, body["code"], body["param"]) for status, body in SEEN["refused"]]
