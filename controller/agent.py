@@ -466,6 +466,29 @@ async def run_trajectories(
 ) -> TensorBatch:
     """``sampling.n`` trajectories per prompt of ``prompts`` (which needs a ``seed`` column), as
     training rows, request-major like a generation call's reply."""
+    cfg = setup.cfg
+    trajectories, server = _prepare(setup, prompts, sampling, min_version)
+    rows = _rows(prompts)
+    desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
+    began = time.perf_counter()
+    sessions = [t.session for t in trajectories]
+    try:
+        await _serve(setup, trajectories, rows, server, desk, sampling)
+    except BaseException:  # the env group and the generator let go of them all the same
+        await _let_go(setup, sessions, failed=True)
+        raise
+    elapsed = time.perf_counter() - began
+    await _let_go(setup, sessions, failed=False)
+    batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
+    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server)
+    return batch
+
+
+def _prepare(
+    setup: AgentRollout, prompts: TensorBatch, sampling: SamplingConfig, min_version: int
+) -> tuple[list[Trajectory], TurnServer]:
+    """The batch's trajectories (``sampling.n`` per prompt, request-major) and the server of
+    their turns on the generator."""
     spec, cfg = setup.spec, setup.cfg
     seeds = [int(s) for s in prompts.non_tensors["seed"]]
     n = sampling.n
@@ -474,7 +497,6 @@ async def run_trajectories(
         for r in range(len(prompts))
         for j in range(n)
     ]
-    rows = _rows(prompts)
     stops = sorted({spec.eos_token_id, *spec.call_stop_token_ids})
     server = TurnServer(
         setup.generator,
@@ -492,19 +514,7 @@ async def run_trajectories(
             f"agent serving 'iteration' needs a rollout group as the generator (native or "
             f"vllm engine, tp 1); {setup.generator.role!r} serves whole calls: use serving 'continuous'"
         )
-    desk = setup.desk or ActionDesk(setup.env, cfg.collect_wait_s, cfg.action_timeout_s)
-    began = time.perf_counter()
-    sessions = [t.session for t in trajectories]
-    try:
-        await _serve(setup, trajectories, rows, server, desk, sampling)
-    except BaseException:  # the env group and the generator let go of them all the same
-        await _let_go(setup, sessions, failed=True)
-        raise
-    elapsed = time.perf_counter() - began
-    await _let_go(setup, sessions, failed=False)
-    batch = _batch(trajectories, prompts, server.pad_id or 0, cfg.max_total_tokens)
-    batch.meta["agent"] = agent_metrics(trajectories, elapsed, server)
-    return batch
+    return trajectories, server
 
 
 async def _serve(
@@ -639,31 +649,8 @@ async def run_agents(
     each calling the env group's OpenAI-compatible endpoint; every call is a turn generated here
     on the run's generator. The rows are the trajectories as the env group recorded them (the
     ids sampled, the ids rendered between the turns) with the agent's reward as ``env_reward``."""
-    spec, cfg = setup.spec, setup.cfg
-    seeds = [int(s) for s in prompts.non_tensors["seed"]]
-    n = sampling.n
-    trajectories = [
-        Trajectory(request=r, sample=j, seed=seeds[r], session=setup.first_session + r * n + j)
-        for r in range(len(prompts))
-        for j in range(n)
-    ]
-    stops = sorted({spec.eos_token_id, *spec.call_stop_token_ids})
-    server = TurnServer(
-        setup.generator,
-        sampling,
-        stops,
-        min_version,
-        setup.gate,
-        cfg.serving == "lockstep",
-        cfg.sessions,
-        cfg.serving == "iteration",
-        cfg.exchange_wait_s,
-    )
-    if server.iteration and not hasattr(setup.generator, "exchange"):
-        raise AgentError(
-            f"agent serving 'iteration' needs a rollout group as the generator; "
-            f"{setup.generator.role!r} serves whole calls: use serving 'continuous'"
-        )
+    cfg = setup.cfg
+    trajectories, server = _prepare(setup, prompts, sampling, min_version)
     began = time.perf_counter()
     sessions = [t.session for t in trajectories]
     try:
