@@ -376,14 +376,36 @@ class AgentHost:
         full = r.decode(tokens) if tokens else ""
         rec.given.append(Given(raw=said, full=full, call_ids=[c["id"] for c in calls]))
         reason = "tool_calls" if calls else ("length" if finish == "length" else "stop")
-        usage = {
-            "prompt_tokens": len(context),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(context) + len(tokens),
+        scores = list(zip(tokens, log_probs, strict=True)) if body.get("logprobs") else None
+        choice = self._choice(chat, reason, content, calls, said, scores)
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{s.id}-{rec.calls}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(context),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(context) + len(tokens),
+            },
         }
+
+    def _choice(
+        self,
+        chat: bool,
+        reason: str,
+        content: str | None,
+        calls: list[dict[str, Any]],
+        said: str,
+        scores: list[tuple[int, float]] | None,
+    ) -> dict[str, Any]:
+        """A response's one choice, in the chat or the completions shape; ``scores``: the
+        sampled tokens with their log-probs, when the request asked for ``logprobs``."""
+        r = self.renderer
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
         lps = None
-        if body.get("logprobs"):
+        if scores is not None:
             lps = [
                 {
                     "token": r.decode([t]),
@@ -391,7 +413,7 @@ class AgentHost:
                     "bytes": list(r.decode([t]).encode()),
                     "top_logprobs": [],
                 }
-                for t, lp in zip(tokens, log_probs, strict=True)
+                for t, lp in scores
             ]
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -409,14 +431,7 @@ class AgentHost:
                     "token_logprobs": [x["logprob"] for x in lps],
                 }
             )
-        return {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{s.id}-{rec.calls}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": usage,
-        }
+        return choice
 
     async def _ask(self, ask: AgentAsk) -> AgentReply:
         fut: asyncio.Future[AgentReply] = asyncio.get_running_loop().create_future()
