@@ -10,7 +10,9 @@ same weights, bit for bit, as the same run with every group local. Afterwards Ra
 and no placement group of the run. A relative run folder keeps the ranks' logs on their node
 and their last error comes back from it. A
 group that asks more than any node has is refused before a rank starts, with what it asked; one
-the cluster is too busy to place in time is refused with Ray's state of it."""
+the cluster is too busy to place in time is refused with Ray's state of it. A restart that waits
+for Ray leaves the controller's event loop running; ``address: auto`` on a host with two Ray
+clusters says which it joined."""
 
 from __future__ import annotations
 
@@ -327,3 +329,106 @@ def test_a_group_the_busy_cluster_does_not_place_in_time_is_refused_with_ray_s_s
         if pg["name"] == "hybridflow-pool-score" and key not in earlier
     ]
     assert [pg["state"] for pg in ours] == ["REMOVED"], ours
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_waiting_for_ray_leaves_the_controller_s_loop_free(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    """A restart waits for Ray to place the group again (here never: its placement group is
+    gone) in a thread: the controller's event loop keeps running the other groups' calls
+    meanwhile, and the wait ends after ``placement_timeout_s`` naming the setting."""
+    import asyncio
+    import time
+
+    import ray
+
+    from controller.placement import GroupSpec, RoleSpec
+    from deploy.clusters import RayCluster
+    from deploy.launchers.ray import RayLauncher
+    from deploy.launchers.rayplace import PlacementError
+    from transport.settings import Timeouts
+
+    python = tmp_path / "python"  # a rank that only waits: the restart is what is measured
+    python.write_text("#!/bin/sh\nexec sleep 600\n")
+    python.chmod(0o755)
+    cluster = RayCluster(kind="ray", address=ray_cluster, python=str(python), placement_timeout_s=4)
+    spec = GroupSpec(name="main", roles={"actor": RoleSpec(cls="roles.actor:Actor")})
+    deaths: list[tuple[str, int, str]] = []
+    ticks: list[float] = []
+
+    async def tick() -> None:  # what the loop's other work stands for
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.05)
+
+    async def main() -> tuple[float, float, str]:
+        launcher = RayLauncher(
+            "pool",
+            cluster,
+            tmp_path / "run",
+            None,
+            Timeouts(),
+            lambda group, rank, cause: deaths.append((group, rank, cause)),
+            "tcp://127.0.0.1:1",
+            "token",
+        )
+        launcher.start([spec])
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(launcher.groups["main"].placement)  # never placed again
+            ticker = asyncio.create_task(tick())
+            began = time.monotonic()
+            with pytest.raises(PlacementError) as refused:
+                await launcher.restart(spec)
+            ended = time.monotonic()
+            ticker.cancel()
+        finally:
+            await launcher.stop()
+        return began, ended, str(refused.value)
+
+    try:
+        began, ended, said = asyncio.run(main())
+    finally:
+        ray.shutdown()
+    assert "group 'main' was not placed again on Ray cluster 'pool' within 4 s" in said
+    assert "(clusters.pool.placement_timeout_s)" in said
+    assert ended - began >= 4
+    during = [t for t in ticks if began + 1 < t < ended - 1]
+    assert len(during) >= 5, (len(ticks), began, ended)  # the loop ran while Ray was waited on
+
+
+@pytest.mark.timeout(180)
+def test_address_auto_with_two_clusters_on_the_host_says_which_it_joined(
+    ray_cluster: str,
+) -> None:
+    """``address: auto`` on a host where two Ray clusters run: Ray takes the newest; the run
+    says so, names both and the setting that chooses."""
+    from ray.cluster_utils import Cluster
+
+    newest = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 << 20},
+    )
+    address = str(newest.address)
+    code = (
+        "import logging, ray\n"
+        "from deploy.clusters import RayCluster\n"
+        "from deploy.launchers.rayplace import connect\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "connect(ray, 'pool', RayCluster(kind='ray'))\n"
+        "ray.shutdown()\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        newest.shutdown()
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = " ".join(done.stderr.split())
+    assert f"cluster 'pool': joined the Ray cluster at {address} (1 live node(s))" in said
+    assert "address: auto, and 2 Ray clusters run on this host" in said, said[-2000:]
+    assert ray_cluster in said and f"it joined {address}, the newest" in said
+    assert "set clusters.pool.address to choose" in said
