@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from deploy.launchers.sbatch import FAILED_STEPS
+from tests.deploy.test_deploy_docs import PLAN_BLOCK, block_with, substituted
 from tests.deploy.test_netns import netns_available, veth_bytes_of
 from tests.waiting import wait_for
 
@@ -176,11 +177,20 @@ def test_a_run_over_two_slurm_nodes(
 
 
 def slurm_run(
-    node1: list[str], env: dict[str, str], run_dir: Path, exp: Path, *sets: str, nodes: int = 2
+    node1: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    exp: Path,
+    *sets: str,
+    nodes: int = 2,
+    argv: list[str] | None = None,
 ) -> str:
-    """``hybridflow slurm EXP --quick --nodes N --submit``, shortened; its output."""
-    argv = ["slurm", str(exp), "--quick", "--nodes", str(nodes)]
-    argv += ["--keys", str(run_dir.parent / "keys"), "--run-dir", str(run_dir), "--submit"]
+    """``hybridflow slurm EXP --quick --nodes N --submit`` (or ``argv``, a command's words after
+    ``deploy.cli``, with ``--quick`` added), shortened; its output."""
+    if argv is None:
+        argv = ["slurm", str(exp), "--nodes", str(nodes)]
+        argv += ["--keys", str(run_dir.parent / "keys"), "--submit"]
+    argv = [*argv, "--quick", "--run-dir", str(run_dir)]
     for override in ["stages.0.steps=6", "stages.1.steps=2", "trainer.val_every=100", *sets]:
         argv += ["--set", override]
     done = subprocess.run(
@@ -196,22 +206,26 @@ def slurm_run(
 def test_a_planned_group_over_two_nodes_trains_bitwise_as_on_one(
     two_nodes: tuple[list[str], dict[str, str], str], tmp_path: Path
 ) -> None:
-    """``hybridflow plan --gpus 4 --gpus-per-node 2 --write`` puts the quickstart's group on two
-    nodes; ``hybridflow slurm`` runs the written file as it is: two ranks a node (one node also
-    runs the controller), gloo's all-reduce over the link between the nodes, CURVE on the
-    group's own links. It trains to the same bits as the same four ranks on one node."""
+    """docs/deploy.md's plan block, its commands as the doc has them: ``hybridflow plan --gpus 4
+    --gpus-per-node 2 --write`` puts the quickstart's group on two nodes; ``hybridflow slurm``
+    runs the written file as it is: two ranks a node (one node also runs the controller),
+    gloo's all-reduce over the link between the nodes, CURVE on the group's own links. It
+    trains to the same bits as the same four ranks on one node. As the doc says for CPU nodes,
+    the quickstart says ``device: cpu`` and the submission leaves out ``--gpus-per-node``."""
     node1, env, node2 = two_nodes
-    planned = tmp_path / "planned.yaml"
-    argv = ["plan", str(on_cpu(tmp_path)), "--gpus", "4", "--gpus-per-node", "2"]
-    subprocess.run([*CLI, *argv, "--write", str(planned)], check=True, capture_output=True)
+    planned, keys = tmp_path / "planned.yaml", tmp_path / "keys"
+    _, (plan, keygen, submit) = block_with(PLAN_BLOCK)
+    paths = {"examples_quickstart_yaml": on_cpu(tmp_path), "planned_yaml": planned, "keys": keys}
+    for argv in (plan, keygen):
+        subprocess.run(substituted(argv, **paths), check=True, capture_output=True)
     ((name, group),) = yaml.safe_load(planned.read_text())["placement"].items()
     assert (group["nproc"], group["nodes"]) == (4, 2), group
-    keys = tmp_path / "keys"
-    subprocess.run([*CLI, "keys", str(keys), "--clients", name], check=True, capture_output=True)
+    at = submit.index("--gpus-per-node")  # CPU nodes have no GPUs to ask for
+    submit = substituted(submit[:at] + submit[at + 2 :], **paths)[3:]  # after ``deploy.cli``
     before = veth_bytes_of(node2, f"v{node2}")
-    slurm_run(node1, env, tmp_path / "spread", planned)
+    slurm_run(node1, env, tmp_path / "spread", planned, argv=submit)
     crossed = veth_bytes_of(node2, f"v{node2}") - before
-    slurm_run(node1, env, tmp_path / "one", planned, f"placement.{name}.nodes=1")
+    slurm_run(node1, env, tmp_path / "one", planned, f"placement.{name}.nodes=1", argv=submit)
     script = (tmp_path / "spread" / "job.sbatch").read_text()
     steps = script.split(f"# group {name}")[1]
     assert "--nodes=2 --ntasks=4 --ntasks-per-node=2 --distribution=block" in steps

@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from tests.conftest import require_system
+from tests.deploy.test_deploy_docs import QUICKSTART, block_with, blocks
 from tests.deploy.test_slurm import cluster_up
 from tests.waiting import wait_for
 
@@ -152,22 +153,27 @@ def test_a_group_over_two_ray_nodes_survives_a_node_lost_and_equals_the_local_ru
     """Midway, the Ray node that is not the head (it hosts one of the group's two ranks) is
     removed, its raylet and workers killed, and a new node joins: the group's restart waits for
     Ray to place its placement group again, then its ranks start, the run rolls back and ends
-    with every step once and the local run's weights."""
+    with every step once and the local run's weights. The run is docs/deploy.md's Ray block:
+    its cluster spec and its run line, with the substitutions this machine needs."""
     require_system("SLURM", cluster_up(), "start a one-node cluster with .ci/slurm-up")
     ray_cluster = str(ray_nodes.address)
     keys = tmp_path / "keys"
     subprocess.run([*CLI, "keys", str(keys), "--clients", "main,score"], check=True)
-    spec = {
-        "controller": {"bind": "tcp://127.0.0.1:0", "wait": 120},
-        "keys": str(keys),
-        "clusters": {
-            "pool": {"kind": "ray", "address": ray_cluster, "cpus_per_rank": 1},
-            "farm": {"kind": "slurm"},
-        },
-        "groups": {"main": "pool", "score": "farm"},
-    }
+    # docs/deploy.md's Ray block: its spec and its run line's overrides, with this machine's
+    # cluster, no GPUs, a controller on loopback, and the reward's group on SLURM beside it
+    _, (_, line) = block_with("ray start --head")
+    (spec_text,) = [t for _, t in blocks("yaml") if "kind: ray" in t and "cpus_per_rank" in t]
+    spec = yaml.safe_load(spec_text)
+    spec["controller"] = {"bind": "tcp://127.0.0.1:0", "wait": 120}
+    spec["keys"] = str(keys)
+    spec["clusters"]["pool"].update(address=ray_cluster)
+    del spec["clusters"]["pool"]["gpus_per_rank"]  # the doc's is for GPU nodes
+    spec["clusters"]["farm"] = {"kind": "slurm"}
+    spec["groups"]["score"] = "farm"
+    sets = [line[i + 1] for i, word in enumerate(line) if word == "--set"]
+    assert line[:3] == ["hybridflow", "run", QUICKSTART] and sets == ["placement.main.nodes=2"]
     on_ray = tmp_path / "ray"
-    proc = run(tmp_path, "ray", spec, "placement.main.nodes=2")
+    proc = run(tmp_path, "ray", spec, *sets)
     try:
         wait_for(lambda: 3 in steps_logged(on_ray), 240, "step 3 on Ray", proc=proc)
         ranks = [wait_for(partial(rank_pid, "main", r, on_ray), 10, f"rank {r}") for r in (0, 1)]
