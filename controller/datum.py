@@ -25,13 +25,19 @@ from transport.columns import (
     INPUT_IDS,
     OLD_LOG_PROBS,
     PAD_VALUES,
+    RATIO_MASK,
     RESPONSE_MASK,
     TEMPERATURE,
     WEIGHTS,
 )
 
 #: the per-response-token inputs of a loss a Datum may carry, by its field and column name
-LOSS_INPUTS = {"advantages": ADVANTAGES, "old_log_probs": OLD_LOG_PROBS, "weights": WEIGHTS}
+LOSS_INPUTS = {
+    "advantages": ADVANTAGES,
+    "old_log_probs": OLD_LOG_PROBS,
+    "weights": WEIGHTS,
+    "ratio_mask": RATIO_MASK,
+}
 
 
 @dataclass(frozen=True)
@@ -40,14 +46,17 @@ class Datum:
     (the tokens a loss is on), and the loss's inputs per response token: ``advantages`` (one
     number for every token, or one per token), ``old_log_probs`` (the sampler's, e.g. a sampled
     batch's ``log_probs``, or recomputed; one per token) and cross-entropy's ``weights`` (one
-    number or one per token; default 1). ``temperature``: the one the row was sampled at, which
-    its log-probs are taken at (``datums`` copies a sampled batch's; None: 1, or the call's)."""
+    number or one per token; default 1). ``ratio_mask``: GSPO's, 1 on the response tokens whose
+    mean log-ratio is the sequence's ratio (default: every response token). ``temperature``:
+    the one the row was sampled at, which its log-probs are taken at (``datums`` copies a
+    sampled batch's; None: 1, or the call's)."""
 
     prompt: Sequence[int]
     response: Sequence[int]
     advantages: float | Sequence[float] | None = None
     old_log_probs: Sequence[float] | None = None
     weights: float | Sequence[float] | None = None
+    ratio_mask: Sequence[float] | None = None
     temperature: float | None = None
 
 

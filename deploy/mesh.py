@@ -423,7 +423,7 @@ class Mesh:
         """The columns ``loss`` reads, checked before any call (the missing one named)."""
         if isinstance(loss, PolicyLossConfig):
             wanted = [*TOKEN_COLUMNS, "old_log_probs", "advantages"]
-            extra: tuple[str, ...] = ("ref_log_probs", "rollout_log_probs")
+            extra: tuple[str, ...] = ("ref_log_probs", "rollout_log_probs", "ratio_mask")
         else:
             wanted, extra = list(TOKEN_COLUMNS), ("weights",)
         batch.require_tensors(*wanted)

@@ -40,6 +40,7 @@ from transport.columns import (
     MESSAGES,
     OLD_LOG_PROBS,
     PROMPT,
+    RATIO_MASK,
     REF_LOG_PROBS,
     RESPONSE,
     RESPONSE_MASK,
@@ -367,6 +368,7 @@ class Actor(Reference):
                 else None,
                 ref_logp=micro.tensors.get(REF_LOG_PROBS) if cfg.kl_coef else None,
                 rollout_logp=micro.tensors.get(ROLLOUT_LOG_PROBS),
+                ratio_mask=micro.tensors.get(RATIO_MASK),
             )
 
         return loss_fn

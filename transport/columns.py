@@ -22,6 +22,7 @@ REF_LOG_PROBS = "ref_log_probs"
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # the generator's own, for TIS / decoupled PPO
 ADVANTAGES = "advantages"
 WEIGHTS = "weights"  # per-token weights of a cross-entropy loss (forward_backward_nll)
+RATIO_MASK = "ratio_mask"  # GSPO: the tokens whose mean log-ratio is the sequence ratio
 VALUES = "values"
 RETURNS = "returns"
 

@@ -20,8 +20,9 @@ from controller.datum import Datum
 from transport.training import PolicyLossConfig
 
 #: the loss functions served, by Tinker's name (the others of the SDK's list are refused)
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-#: PPO's and CISPO's ratio bounds when the call gives none (Tinker's defaults)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+#: PPO's, CISPO's and GSPO's ratio bounds when the call gives none (Tinker's for PPO; its
+#: documentation does not show GSPO's, taken to be the same)
 CLIP_LOW, CLIP_HIGH = 0.8, 1.2
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 #: the per-token inputs a datum may carry, by loss
@@ -31,12 +32,14 @@ _INPUTS = {
     "ppo": {"target_tokens", "logprobs", "advantages"},
     "cispo": {"target_tokens", "logprobs", "advantages"},
     "dro": {"target_tokens", "logprobs", "advantages"},
+    "gspo": {"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"},
 }
 #: what each loss reads of ``loss_fn_config``
 _CONFIG = {
     "ppo": {"clip_low_threshold", "clip_high_threshold"},
     "cispo": {"clip_low_threshold", "clip_high_threshold"},
     "dro": {"beta"},
+    "gspo": {"clip_low_threshold", "clip_high_threshold"},
 }
 
 
@@ -133,6 +136,14 @@ def loss_of(name: str, config: Mapping[str, float]) -> Loss:
             f"loss_fn_config for {name}: clip_low_threshold {low} and clip_high_threshold "
             f"{high} must satisfy 0 <= low <= 1 <= high"
         )
+    if name == "gspo":  # GSPO-token, summed over tokens as Tinker's losses are
+        return PolicyLossConfig(
+            kind="gspo-token",
+            clip_ratio_low=1 - low,
+            clip_ratio_high=high - 1,
+            dual_clip=None,
+            agg="token-mean",
+        )
     return PolicyLossConfig(
         kind="ppo" if name == "ppo" else "cispo",
         clip_ratio_low=1 - low,
@@ -215,12 +226,19 @@ def datum_row(datum: pb.Datum, i: int, loss: str) -> Datum:
     def per_token(name: str) -> list[float] | None:
         return inputs[name].astype(np.float64).tolist() if name in inputs else None
 
+    ratio_mask = per_token("sequence_ratio_mask")
+    if ratio_mask is not None and not any(ratio_mask):
+        raise Refused(
+            f"{where}.loss_fn_inputs['sequence_ratio_mask']: marks no position; GSPO's sequence "
+            "ratio is the mean log-ratio over the positions it marks (the sampled tokens)"
+        )
     return Datum(
         prompt=tokens[:1],
         response=targets,
         advantages=per_token("advantages"),
         old_log_probs=per_token("logprobs"),
         weights=per_token("weights") if loss == "cross_entropy" else None,
+        ratio_mask=ratio_mask,
     )
 
 
@@ -228,7 +246,8 @@ def summed_loss(batch: Batch, logprobs: Sequence[Sequence[float]]) -> float:
     """The loss a ``forward`` alone reports, from its log-probs, as the mesh's losses sum it:
     cross-entropy -w log p; importance sampling -r A; PPO -min(r A, clip(r) A); CISPO
     -clip(r) A log p (its value: the clipped ratio is a constant weight), r = p / p_old; DRO
-    -(A log p - beta / 2 log^2 r)."""
+    -(A log p - beta / 2 log^2 r); GSPO -min(s A, clip(s) A) with every token's ratio the
+    sequence's s, the geometric mean of r over the positions ``ratio_mask`` marks."""
     total = 0.0
     loss = batch.loss
     for row, lp in zip(batch.rows, logprobs, strict=True):
@@ -246,9 +265,12 @@ def summed_loss(batch: Batch, logprobs: Sequence[Sequence[float]]) -> float:
             old_lp = np.asarray(row.old_log_probs, dtype=np.float64)
             total -= float((a * x - 0.5 * loss.dro_beta * (x - old_lp) ** 2).sum())
             continue
+        if loss.kind == "gspo-token":
+            marked = np.asarray(row.ratio_mask, dtype=np.float64) != 0
+            r = np.full_like(r, np.exp(np.log(r[marked]).mean()))
         high = loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio_low
         clipped = np.clip(r, 1 - loss.clip_ratio_low, 1 + high)
-        if loss.kind == "ppo":
+        if loss.kind in ("ppo", "gspo-token"):
             total -= float(np.minimum(r * a, clipped * a).sum())
         else:
             total -= float((clipped * a * x).sum())

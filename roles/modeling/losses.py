@@ -269,13 +269,16 @@ def policy_terms(
     advantages: Tensor,
     mask: Tensor,
     cfg: PolicyLossConfig,
+    ratio_mask: Tensor | None = None,
 ) -> PolicyTerms:
-    """The per-token policy-gradient term of ``kind`` with ``cfg``'s clip ranges."""
+    """The per-token policy-gradient term of ``kind`` with ``cfg``'s clip ranges; GSPO's
+    sequence ratio over the tokens of ``mask`` that ``ratio_mask`` keeps (None: all)."""
     low, high = cfg.clip_ratio_low, cfg.clip_high
     if kind == "ppo":
         return ppo_policy_terms(logp, old_logp, advantages, low, high, cfg.dual_clip)
     if kind in ("gspo", "gspo-token"):
-        return gspo_terms(logp, old_logp, advantages, mask, low, high, kind == "gspo-token")
+        in_ratio = mask if ratio_mask is None else mask * ratio_mask
+        return gspo_terms(logp, old_logp, advantages, in_ratio, low, high, kind == "gspo-token")
     if kind == "cispo":
         return cispo_terms(logp, old_logp, advantages, low, high)
     if kind == "importance_sampling":
@@ -327,6 +330,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     ref_logp: Tensor | None = None,
     rollout_logp: Tensor | None = None,
+    ratio_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(this micro-batch's loss share, metrics): agg(pg) - entropy_coef*agg(H) + kl_coef*agg(KL),
     with pg weighted per token by the behaviour weight min(pi_old / pi_rollout, cap) when
@@ -355,7 +359,7 @@ def policy_loss(
         nothing = torch.zeros_like(mask, dtype=torch.bool)
         terms = PolicyTerms(per_token, (logp - old_logp).detach().exp(), nothing, nothing)
     else:
-        terms = policy_terms(cfg.kind, logp, old_logp, advantages, mask, cfg)
+        terms = policy_terms(cfg.kind, logp, old_logp, advantages, mask, cfg, ratio_mask)
     per_token = terms.loss
     if cap is not None and rollout_logp is not None:
         weight = truncated_is_weight(old_logp, rollout_logp, cap)

@@ -19,6 +19,7 @@ one server process on the tiny model (fp32), its training clients meshes of thei
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -277,7 +278,8 @@ def refuses(sc: Any, server: dict[str, Any]) -> None:
     data = [datum(r, w) for r, w in zip(ROWS, WEIGHTS, strict=True)]
     before = logprobs_of(tc.forward(data, "cross_entropy").result())
     bad = {
-        "loss_fn 'gspo' is not served here": (data, "gspo", None),
+        "loss_fn 'stable_reinforce' is not served here": (data, "stable_reinforce", None),
+        "gspo needs sequence_ratio_mask": ([ppo_datum(ROWS[0], [-1.0] * 5, 1.0)], "gspo", None),
         "loss_fn_config for dro: beta is required": (
             [ppo_datum(ROWS[0], [-1.0] * 5, 1.0)],
             "dro",
@@ -597,12 +599,16 @@ def group_processes(run_dir: Path) -> list[int]:
     return found
 
 
-def test_dro_steps_where_the_same_loss_written_as_a_custom_one_does(
+def test_dro_and_gspo_step_where_the_same_losses_written_as_custom_ones_do(
     server: dict[str, Any],
 ) -> None:
     """``loss_fn="dro"`` with ``beta``: its ``loss:sum`` is -sum(A log p - beta/2 (log p -
     log q)^2) of the log-probs it returns (from ``forward`` too), and a step on it lands where a
-    twin stepping on that formula through ``forward_backward_custom`` does."""
+    twin stepping on that formula through ``forward_backward_custom`` does. Then ``gspo``
+    (GSPO-token, as Tinker's documentation writes it): every token's ratio is the sequence's,
+    the geometric mean of p / q over the positions ``sequence_ratio_mask`` marks, with the
+    token's own gradient; the loss -sum min(s A, clip(s) A). One datum's ratio is past the
+    clip (its tokens get no gradient), the other's inside."""
     import torch
 
     beta = 0.5
@@ -642,3 +648,50 @@ def test_dro_steps_where_the_same_loss_written_as_a_custom_one_does(
         after = logprobs_of(served.forward(base, "cross_entropy").result())
         assert close(after, logprobs_of(twin.forward(base, "cross_entropy").result()), 1e-5)
         assert not close(after, before, 1e-3)  # the step moved the weights
+
+        # GSPO: datum 0 (A = 1) sampled 0.3 nats a token below the policy: s = e^0.3 > 1.2,
+        # clipped; datum 1 (A = -0.5) a little below: s inside [0.8, 1.2]
+        q = [[x - 0.3 for x in after[0]], [x - 0.05 * (i % 3) for i, x in enumerate(after[1])]]
+        data = [
+            types.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    **d.loss_fn_inputs,
+                    "sequence_ratio_mask": [
+                        0.0 if a == 0 else 1.0 for a in d.loss_fn_inputs["advantages"].tolist()
+                    ],
+                },
+            )
+            for d in (ppo_datum(r, lp, a) for r, lp, a in zip(ROWS, q, (1.0, -0.5), strict=True))
+        ]
+
+        def gspo(data: list[types.Datum], logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+            total = torch.zeros(())
+            for d, lp in zip(data, logprobs, strict=True):
+                q = torch.tensor(d.loss_fn_inputs["logprobs"].tolist())
+                a = torch.tensor(d.loss_fn_inputs["advantages"].tolist())
+                marked = torch.tensor(d.loss_fn_inputs["sequence_ratio_mask"].tolist()) != 0
+                s = (lp.detach() - q)[marked].mean()
+                ratio = torch.exp(s + lp - lp.detach())
+                total = total - torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a).sum()
+            return total, {"mine": float(total.detach())}
+
+        out = served.forward_backward(data, "gspo").result()
+        lp = logprobs_of(out)
+        by_hand = 0.0
+        for d, xs, ys in zip(data, lp, q, strict=True):
+            marked = [m != 0 for m in d.loss_fn_inputs["sequence_ratio_mask"].tolist()]
+            logs = [x - y for x, y, m in zip(xs, ys, marked, strict=True) if m]
+            s = math.exp(sum(logs) / len(logs))
+            for a in d.loss_fn_inputs["advantages"].tolist():
+                by_hand -= min(s * a, min(max(s, 0.8), 1.2) * a)
+        assert abs(out.metrics["loss:sum"] - by_hand) < 1e-4, (out.metrics, by_hand)
+        forward = served.forward(data, "gspo").result()
+        assert abs(forward.metrics["loss:sum"] - by_hand) < 1e-4
+        mine = twin.forward_backward_custom(data, gspo).result()
+        assert abs(mine.metrics["mine"] - by_hand) < 1e-4
+        for client in (served, twin):
+            client.optim_step(ADAM).result()
+        moved = logprobs_of(served.forward(base, "cross_entropy").result())
+        assert close(moved, logprobs_of(twin.forward(base, "cross_entropy").result()), 1e-5)
+        assert not close(moved, after, 1e-3)

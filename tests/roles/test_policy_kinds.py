@@ -67,6 +67,22 @@ def test_gspo_token_equals_gspo_with_equal_advantages_and_weights_tokens_otherwi
     assert grad[0].tolist() == pytest.approx([0.0, -0.25, -0.75])
 
 
+def test_a_ratio_mask_narrows_the_sequence_ratio_to_the_tokens_it_marks() -> None:
+    """GSPO-token summed as Tinker's ``gspo`` (``token-mean`` times the tokens): row 0's ratios
+    are 2 and 0.5, so s_0 = 1 over both (loss -1 a token) but s_0 = 2 over the first alone,
+    clipped to 1.2 with no gradient; row 1's one counted token has s_1 = 1.5, clipped."""
+    cfg = PolicyLossConfig(kind="gspo-token", agg="token-mean")
+    ones = torch.ones(2, 3)
+    logp = LOGP.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, OLD, ones, MASK, cfg, TOKENS, SEQS)
+    assert loss.item() == pytest.approx((-1.0 - 1.0 - 1.2) / 3)
+    first = torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, _ = policy_loss(logp, OLD, ones, MASK, cfg, TOKENS, SEQS, ratio_mask=first)
+    assert loss.item() == pytest.approx(-1.2)
+    loss.backward()
+    assert logp.grad is not None and close(logp.grad, [[0.0] * 3, [0.0] * 3])
+
+
 def test_cispo_weights_log_pi_by_the_clipped_ratio_without_its_gradient() -> None:
     """No lower bound (clip_ratio_low 1), upper 1 + 0.28: weights 2 -> 1.28, 0.5, 1.5 -> 1.28;
     A = +1 on row 0, -1 on row 1; token-mean over the 3 tokens of -w * A * log pi."""
