@@ -360,7 +360,7 @@ def test_a_restart_waiting_for_ray_leaves_the_controller_s_loop_free(
     python.chmod(0o755)
     cluster = RayCluster(kind="ray", address=ray_cluster, python=str(python), placement_timeout_s=4)
     spec = GroupSpec(name="main", roles={"actor": RoleSpec(cls="roles.actor:Actor")})
-    deaths: list[tuple[str, int, str]] = []
+    deaths: list[tuple[str, int | None, str]] = []
     ticks: list[float] = []
 
     async def tick() -> None:  # what the loop's other work stands for
