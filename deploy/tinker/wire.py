@@ -202,7 +202,7 @@ def datum_row(datum: pb.Datum, i: int, loss: str) -> Datum:
             f"{where}.loss_fn_inputs: {', '.join(extra)} is not read by {loss} (it reads "
             f"{', '.join(sorted(_INPUTS[loss]))})"
         )
-    needed = sorted(_INPUTS[loss] - {"weights"} - set(inputs))
+    needed = sorted(_INPUTS[loss] - {"weights", "sequence_ratio_mask"} - set(inputs))
     if needed:
         raise Refused(f"{where}.loss_fn_inputs: {loss} needs {', '.join(needed)}")
     if not tokens:
@@ -232,6 +232,9 @@ def datum_row(datum: pb.Datum, i: int, loss: str) -> Datum:
             f"{where}.loss_fn_inputs['sequence_ratio_mask']: marks no position; GSPO's sequence "
             "ratio is the mean log-ratio over the positions it marks (the sampled tokens)"
         )
+    if loss == "gspo" and ratio_mask is None:  # the cookbook's rl/train.py sends none: the
+        # sampled tokens are those with an advantage (a datum with none has a zero loss)
+        ratio_mask = [1.0 if a != 0 else 0.0 for a in inputs["advantages"].tolist()]
     return Datum(
         prompt=tokens[:1],
         response=targets,
@@ -267,7 +270,7 @@ def summed_loss(batch: Batch, logprobs: Sequence[Sequence[float]]) -> float:
             continue
         if loss.kind == "gspo-token":
             marked = np.asarray(row.ratio_mask, dtype=np.float64) != 0
-            r = np.full_like(r, np.exp(np.log(r[marked]).mean()))
+            r = np.full_like(r, np.exp(np.log(r[marked]).mean()) if marked.any() else 1.0)
         high = loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio_low
         clipped = np.clip(r, 1 - loss.clip_ratio_low, 1 + high)
         if loss.kind in ("ppo", "gspo-token"):

@@ -279,7 +279,19 @@ def refuses(sc: Any, server: dict[str, Any]) -> None:
     before = logprobs_of(tc.forward(data, "cross_entropy").result())
     bad = {
         "loss_fn 'stable_reinforce' is not served here": (data, "stable_reinforce", None),
-        "gspo needs sequence_ratio_mask": ([ppo_datum(ROWS[0], [-1.0] * 5, 1.0)], "gspo", None),
+        "sequence_ratio_mask'\\]: marks no position": (
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(ROWS[0][:-1]),
+                    loss_fn_inputs={
+                        **ppo_datum(ROWS[0], [-1.0] * 5, 1.0).loss_fn_inputs,
+                        "sequence_ratio_mask": [0.0] * 5,
+                    },
+                )
+            ],
+            "gspo",
+            None,
+        ),
         "loss_fn_config for dro: beta is required": (
             [ppo_datum(ROWS[0], [-1.0] * 5, 1.0)],
             "dro",
@@ -687,6 +699,11 @@ def test_dro_and_gspo_step_where_the_same_losses_written_as_custom_ones_do(
                 by_hand -= min(s * a, min(max(s, 0.8), 1.2) * a)
         assert abs(out.metrics["loss:sum"] - by_hand) < 1e-4, (out.metrics, by_hand)
         forward = served.forward(data, "gspo").result()
+        assert abs(forward.metrics["loss:sum"] - by_hand) < 1e-4
+        # without a mask (the cookbook's rl/train.py sends none): the positions with an
+        # advantage, here the same
+        unmasked = [ppo_datum(r, lp, a) for r, lp, a in zip(ROWS, q, (1.0, -0.5), strict=True)]
+        forward = served.forward(unmasked, "gspo").result()
         assert abs(forward.metrics["loss:sum"] - by_hand) < 1e-4
         mine = twin.forward_backward_custom(data, gspo).result()
         assert abs(mine.metrics["mine"] - by_hand) < 1e-4
