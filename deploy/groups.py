@@ -330,8 +330,8 @@ def check_role_settings(role: str, cls: str, settings: dict[str, Any]) -> Engine
         except ValidationError as exc:
             raise ExperimentError(explain(exc, EnvConfig, f"roles.{role}")) from None
         try:  # the tools' schemas, the environment class or the agent, before any process starts
-            if env.agent is not None:
-                load_agent(env.agent)
+            if env.agents:
+                load_agent(env, build=False)
             else:
                 load_tools(env) if env.tools else load_environment(str(env.environment))
         except (ValueError, TypeError) as exc:

@@ -98,6 +98,15 @@ class EnvConfig(BaseModel):
         "client: openai.AsyncOpenAI, row: dict) -> float | dict, run once per trajectory against "
         "this role's OpenAI-compatible endpoint (docs/agents.md)",
     )
+    verifiers: str | None = Field(
+        None,
+        description="a verifiers environment by the import path of the function that builds it "
+        "(package.module:load_environment), run as the agent: its rollout through this role's "
+        "OpenAI-compatible endpoint, its rubric's reward as the reward (docs/agents.md)",
+    )
+    verifiers_args: dict[str, Any] = Field(
+        default_factory=dict, description="verifiers: keyword arguments of load_environment"
+    )
     agent_timeout_s: float = Field(
         300.0, gt=0, description="agent: the longest one trajectory's agent may run, seconds"
     )
@@ -167,16 +176,18 @@ class EnvConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
-        given = [k for k in ("tools", "environment", "agent") if getattr(self, k)]
+        given = [k for k in ("tools", "environment", "agent", "verifiers") if getattr(self, k)]
         if len(given) != 1:
             has = " and ".join(given) if given else "none of them"
             raise ValueError(
                 f"an env role needs one of 'tools' (import paths package.module:function), "
-                f"'environment' (package.module:Class) or 'agent' (package.module:run), and has "
-                f"{has}"
+                f"'environment' (package.module:Class), 'agent' (package.module:run) or "
+                f"'verifiers' (package.module:load_environment), and has {has}"
             )
         if self.environment_args and self.environment is None:
             raise ValueError("'environment_args' is set but there is no 'environment'")
+        if self.verifiers_args and self.verifiers is None:
+            raise ValueError("'verifiers_args' is set but there is no 'verifiers'")
         if self.observation is not None and "{text}" not in self.observation:
             raise ValueError(
                 f"'observation' {self.observation!r} has no {{text}}; it is the template the "
@@ -195,6 +206,12 @@ class EnvConfig(BaseModel):
                 f"{self.call_timeout_s:g}, so the sandbox stops the code and reports it first"
             )
         return self
+
+    @property
+    def agents(self) -> bool:
+        """Trajectories are agents calling the endpoint: an ``agent`` or a ``verifiers``
+        environment."""
+        return self.agent is not None or self.verifiers is not None
 
     @property
     def template(self) -> str:
@@ -243,15 +260,23 @@ def load_tools(cfg: EnvConfig) -> dict[str, Tool]:
     return tools
 
 
-def load_agent(path: str) -> Any:
-    """The agent function at ``path`` (``async def run(client, row)``), and the agents' own
-    packages (the [agents] extra), or a ValueError saying which is missing."""
+def load_agent(cfg: EnvConfig, build: bool = True) -> Any:
+    """The agent function of ``cfg``: its ``agent`` (``async def run(client, row)``), or its
+    ``verifiers`` environment built and run as one (``build=False``: its function only
+    imported, nothing of the user's run: the check before any process starts); the agents' own
+    packages (the [agents] extra) checked; a ValueError saying what is missing or wrong."""
+    path = cfg.agent or cfg.verifiers
     for package in ("openai", "aiohttp"):
         if importlib.util.find_spec(package) is None:
             raise ValueError(
                 f"agent {path!r} needs the {package!r} package: pip install 'hybridflow[agents]'"
             )
-    return import_path(path, "agent", "async function", inspect.iscoroutinefunction)
+    if cfg.verifiers is not None:
+        from roles.agents.verifiers_env import VerifiersAgent, load_verifiers
+
+        env = load_verifiers(cfg.verifiers, cfg.verifiers_args, build)
+        return VerifiersAgent(env, cfg.agent_model) if build else None
+    return import_path(str(path), "agent", "async function", inspect.iscoroutinefunction)
 
 
 def load_environment(path: str) -> type:
@@ -305,11 +330,11 @@ class EnvRole(Role):
         self.env_cls = load_environment(self.cfg.environment) if self.cfg.environment else None
         self._spec = self._make_spec()
         self.agents: AgentHost | None = None
-        if self.cfg.agent is not None:  # aiohttp and openai: the [agents] extra, only here
+        if self.cfg.agents:  # aiohttp and openai: the [agents] extra, only here
             from roles.agents.chat import Renderer
             from roles.agents.host import AgentHost
 
-            fn = load_agent(self.cfg.agent)
+            fn = load_agent(self.cfg)
             self.agents = AgentHost(
                 fn,
                 Renderer(
@@ -367,7 +392,7 @@ class EnvRole(Role):
             tools=[tool.schema() for tool in self.tools.values()],
             format=self.cfg.format,
             stateful=self.env_cls is not None,
-            agent=self.cfg.agent is not None,
+            agent=self.cfg.agents,
         )
 
     # -- endpoints --------------------------------------------------------------------------------
