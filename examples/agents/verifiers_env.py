@@ -7,7 +7,8 @@ experiments beside this file train them through the env group's OpenAI-compatibl
     load_environment(kind="tool")    a vf.ToolEnv with a calculator tool
                                      (examples/agents/verifiers_tool_use.yaml)
 
-Both score with one vf.Rubric: 1.0 when the last message's first word is the answer. Their own
+Both score with one vf.Rubric: 1.0 when the first word of the model's last message is the
+answer. Their own
 datasets (a few generated problems, built only when verifiers asks for them) are what ``vf-eval``
 would read; a hybridflow run takes the stage's rows instead.
 """
@@ -31,10 +32,11 @@ def calculator(expression: str) -> str:
 
 
 def exact_answer(completion: Any, answer: str) -> float:
-    """1.0 when the first word of the last message is the answer."""
-    last = completion[-1] if completion else None
-    content = getattr(last, "content", None) if last is not None else None
-    words = (content or "").split() if isinstance(content, str) else []
+    """1.0 when the first word of the model's last message is the answer (a rollout cut short
+    after a tool result scores its last assistant message, not the tool's)."""
+    said = [m for m in completion or [] if getattr(m, "role", None) == "assistant"]
+    content = getattr(said[-1], "content", None) if said else None
+    words = content.split() if isinstance(content, str) else []
     return 1.0 if words and words[0] == str(answer) else 0.0
 
 
@@ -52,5 +54,11 @@ def load_environment(kind: str = "tool", max_turns: int = 3) -> vf.Environment:
     if kind == "single":
         return vf.SingleTurnEnv(dataset=problems, rubric=rubric)
     if kind == "tool":
-        return vf.ToolEnv(dataset=problems, tools=[calculator], max_turns=max_turns, rubric=rubric)
+        return vf.ToolEnv(
+            dataset=problems,
+            tools=[calculator],
+            max_turns=max_turns,
+            rubric=rubric,
+            error_formatter=lambda exc: f"error: {exc}",  # what the plain agent's loop says
+        )
     raise ValueError(f"kind {kind!r}: use 'single' or 'tool'")

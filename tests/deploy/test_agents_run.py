@@ -1,5 +1,6 @@
 """``hybridflow run examples/agents/tool_use.yaml``: the calculator agent, a plain ``openai`` SDK
-tool-calling loop, trained through the env group's OpenAI-compatible endpoint.
+tool-calling loop, trained through the env group's OpenAI-compatible endpoint; and the same
+calculator as a verifiers environment (``examples/agents/verifiers_tool_use.yaml``).
 
 Its messages are rendered plainly (the tiny model trained on raw text), so each call's context is
 the token stream the env role's own calculator gives (``examples/tool_use.yaml``): on the same
@@ -90,6 +91,20 @@ def test_the_agent_trains_as_the_env_roles_own_tool_and_faults_are_counted(tmp_p
     ]  # fmt: skip
     assert "rollout trajectories logged" in shown[0]
     assert shown[0].count("--- reward") == shown[1].count("--- reward") > 0
+
+    # the calculator as a verifiers vf.ToolEnv with a vf.Rubric (examples/agents/
+    # verifiers_env.py): verifiers' own rollout through the endpoint samples, scores and trains
+    # what the plain agent does
+    vf_run = tmp_path / "verifiers"
+    assert job(quick_argv("agents/verifiers_tool_use.yaml", vf_run, SAME)) == 0
+    got = rl_rows(vf_run)
+    assert len(got) == 1 and got[0] == pytest.approx(rl_rows(agent_run)[0], abs=1e-6)
+    c = load_file(vf_run / "export" / "actor" / "model.safetensors")
+    assert c.keys() == a.keys() and all(c[k].equal(a[k]) for k in a)
+    (vf_row,) = [r for r in records(vf_run) if r["stage"] == "grpo" and "stage_step" in r]
+    assert vf_row["agent/faults"] == 0 and vf_row["agent/template_drift"] == 0
+    assert vf_row["agent/user/vf/exact_answer"] == pytest.approx(vf_row["train/reward/mean"])
+    assert vf_row["agent/user/vf/num_turns"] >= 1
 
     # the same run with agents that fail: each counted by kind, the run completes
     unruly_run = tmp_path / "unruly"

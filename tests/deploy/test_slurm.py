@@ -187,10 +187,18 @@ def test_munge_down_and_an_oversized_job_are_refused_before_sbatch(
     assert cluster_up()
 
 
-@pytest.mark.timeout(180)
+def queue() -> str:
+    """``squeue``'s jobs: id, state, reason, name (empty: none)."""
+    done = subprocess.run(["squeue", "-h", "-o", "%i %T %r %j"], capture_output=True, text=True)
+    return done.stdout
+
+
+@pytest.mark.timeout(420)
 def test_a_waiting_job_says_why_and_ctrl_c_cancels_it(slurm: None, tmp_path: Path) -> None:
     """The node held by another job: ``--submit`` prints the pending reason SLURM gives, and
-    Ctrl-C cancels the job it submitted (exit 130, no traceback) instead of leaving it queued."""
+    Ctrl-C cancels the job it submitted (exit 130, no traceback) instead of leaving it queued.
+    The blocker takes the whole node, so it first waits for an earlier test's jobs to leave."""
+    wait_for(lambda: not queue().strip(), 180, "the queue empty", detail=queue)
     blocker = subprocess.run(
         ["sbatch", "--parsable", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600"],
         capture_output=True,
@@ -198,7 +206,12 @@ def test_a_waiting_job_says_why_and_ctrl_c_cancels_it(slurm: None, tmp_path: Pat
         check=True,
     ).stdout.strip()
     try:
-        wait_for(lambda: job_state(blocker) == "RUNNING", 60, f"the blocking job {blocker} running")
+        wait_for(
+            lambda: job_state(blocker) == "RUNNING",
+            120,
+            f"the blocking job {blocker} running",
+            detail=queue,
+        )
         argv = ["slurm", str(EXAMPLES / "quickstart.yaml"), "--quick"]
         proc = subprocess.Popen(
             [*CLI, *argv, "--run-dir", str(tmp_path / "run"), "--submit"],
