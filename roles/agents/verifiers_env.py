@@ -17,7 +17,8 @@ read. Sampling is the run's: the rollout asks for no temperature or length of it
 Written against verifiers 0.3.1, whose classic environments (``vf.SingleTurnEnv``,
 ``vf.ToolEnv``, ``vf.MultiTurnEnv``) live in ``verifiers.legacy`` (0.4.0 replaced them and pins
 ``openai<3``). A rollout that ends in an error (the endpoint refused a call, a tool failed the
-environment) raises, so the trajectory is a counted ``raised`` fault, not a zero reward.
+environment) raises, so the trajectory is a counted ``raised`` fault, not a zero reward. An empty
+answer, which verifiers calls an error too, is the model's doing: it is scored.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class VerifiersAgent:
             vf.OpenAIChatCompletionsClient(client),
             self.model,
         )
+        if isinstance(state.get("error"), vf.EmptyModelResponseError):
+            state["error"] = None  # the model said nothing: its answer, scored like any other
         if state.get("error") is None:
             await self.env.rubric.score_rollout(state)
         error = state.get("error")

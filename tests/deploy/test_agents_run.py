@@ -104,7 +104,7 @@ def test_the_agent_trains_as_the_env_roles_own_tool_and_faults_are_counted(tmp_p
     (vf_row,) = [r for r in records(vf_run) if r["stage"] == "grpo" and "stage_step" in r]
     assert vf_row["agent/faults"] == 0 and vf_row["agent/template_drift"] == 0
     assert vf_row["agent/user/vf/exact_answer"] == pytest.approx(vf_row["train/reward/mean"])
-    assert vf_row["agent/user/vf/num_turns"] >= 1
+    assert 0 < vf_row["agent/user/vf/num_turns"] <= 3  # an empty answer is no turn to verifiers
 
     # the same run with agents that fail: each counted by kind, the run completes
     unruly_run = tmp_path / "unruly"

@@ -4,8 +4,9 @@ rollouts against the env role's OpenAI-compatible endpoint through verifiers' ow
 test answers their calls as the controller would, from a script. The model's bracket call reaches
 verifiers as ``tool_calls``, verifiers runs the tool, its result is recorded as the observation,
 and the rubric's reward and metrics are the trajectory's. A conversation the run cannot extend is
-a truncated rollout scored by the rubric (verifiers reads the refusal as a context overflow);
-another refused call ends the trajectory as a counted fault, not a silent zero."""
+a truncated rollout scored by the rubric (verifiers reads the refusal as a context overflow), and
+so is an empty answer; another refused call ends the trajectory as a counted fault, not a silent
+zero."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def test_a_tool_and_a_single_turn_environment_run_through_the_endpoint(
         ("single", "right"),
         ("tool", "full"),
         ("tool", "refused"),
+        ("single", "empty"),
     ]
     for i, (kind, _) in enumerate(plans):
         host.start(i, {"prompt": "12*34=", "answer": "408", "kind": kind})
@@ -87,6 +89,7 @@ def test_a_tool_and_a_single_turn_environment_run_through_the_endpoint(
                 )
                 continue
             toks = call if kind == "tool" and ask.turn == 0 else wrong if plan == "wrong" else right
+            toks = [eos] if plan == "empty" else toks
             replies.append(
                 AgentReply(
                     session=ask.session,
@@ -124,6 +127,8 @@ def test_a_tool_and_a_single_turn_environment_run_through_the_endpoint(
     assert ends[3].fault is None and ends[3].reward == 0.0 and ends[3].turns == 1
     # any other refusal: a counted fault naming verifiers' error
     assert ends[4].fault == "raised" and "the verifiers rollout failed" in ends[4].message
+    # an empty answer (verifiers' EmptyModelResponseError) is the model's: scored, no fault
+    assert ends[5].fault is None and ends[5].reward == 0.0 and ends[5].ids == [eos]
     assert host.close(list(range(len(plans)))) == len(plans)
     host.shutdown()
 
