@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from roles.agents.chat import BadRequest, Given, Recording, Renderer, call_text
-from roles.modeling.models import init_model, load_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -25,11 +24,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return load_tokenizer(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
 
 
 def sample(r: Renderer, rec: Recording, text: str) -> None:

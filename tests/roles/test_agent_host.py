@@ -17,7 +17,6 @@ import pytest
 
 from roles.agents.chat import Renderer
 from roles.agents.host import AgentHost
-from roles.modeling.models import init_model, load_tokenizer
 from transport.agent import AgentEnd, AgentReply
 
 TOOLS = [
@@ -118,11 +117,6 @@ async def agent(client: openai.AsyncOpenAI, row: dict[str, Any]) -> Any:
         await client.chat.completions.create(model="policy", messages=messages)
         return float("nan")
     raise AssertionError(how)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return load_tokenizer(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
 
 
 def answered(tokenizer: Any, text: str, eos: bool) -> list[int]:

@@ -20,21 +20,11 @@ from controller.agent import context_full
 from roles.agents.chat import Renderer
 from roles.agents.host import AgentHost
 from roles.agents.verifiers_env import VerifiersAgent, load_verifiers
-from roles.modeling.models import init_model, load_tokenizer
+from tests.roles.test_agent_host import answered as ids
 from transport.agent import AgentEnd, AgentReply
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 PATH = "verifiers_env:load_environment"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return load_tokenizer(init_model(tmp_path_factory.mktemp("models") / "tiny", "tiny", seed=0))
-
-
-def ids(tokenizer: Any, text: str, eos: bool) -> list[int]:
-    found = tokenizer.encode(text, add_special_tokens=False)
-    return [*found, tokenizer.eos_token_id] if eos else found
 
 
 @pytest.mark.timeout(120)
